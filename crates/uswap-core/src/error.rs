@@ -1,0 +1,64 @@
+//! Errors a caller can act on: each message says what was wrong and what to do.
+
+use std::path::PathBuf;
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("invalid {what}: {why}")]
+    InvalidConfig { what: &'static str, why: String },
+
+    #[error(
+        "userfaultfd is not permitted for this process ({cause}). Fixes: run as root \
+         (or with CAP_SYS_PTRACE), give the user read/write access to /dev/userfaultfd, \
+         or set `sysctl vm.unprivileged_userfaultfd=1`"
+    )]
+    UffdNotPermitted { cause: String },
+
+    #[error("userfaultfd is not available: {0}")]
+    UffdUnavailable(String),
+
+    #[error("this kernel ({kernel}) lacks a userfaultfd feature uswap needs: {feature}")]
+    UnsupportedFeature {
+        kernel: String,
+        feature: &'static str,
+    },
+
+    #[error(
+        "cannot create the swap file in {dir}: {source}. Point --swap-dir (or TMPDIR) at a \
+         writable directory on a local file system"
+    )]
+    SwapCreate {
+        dir: PathBuf,
+        source: std::io::Error,
+    },
+
+    #[error(
+        "region of {region} bytes does not fit: memory limit {memory} + swap space {swap} \
+         bytes is smaller. Raise the memory limit or the swap size, or use a smaller region"
+    )]
+    RegionTooLarge { region: u64, memory: u64, swap: u64 },
+
+    #[error("{op} failed: {source}")]
+    Os {
+        op: &'static str,
+        source: std::io::Error,
+    },
+}
+
+impl Error {
+    pub(crate) fn os(op: &'static str) -> Self {
+        Error::Os {
+            op,
+            source: std::io::Error::last_os_error(),
+        }
+    }
+
+    pub(crate) fn invalid(what: &'static str, why: impl Into<String>) -> Self {
+        Error::InvalidConfig {
+            what,
+            why: why.into(),
+        }
+    }
+}
+
+pub type Result<T> = std::result::Result<T, Error>;

@@ -1,0 +1,195 @@
+//! vmstat-style event counters and fault service-time histograms.
+
+use hdrhistogram::Histogram;
+use serde::Serialize;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::Mutex;
+use std::time::Duration;
+
+macro_rules! vmstat {
+    ($($(#[$doc:meta])* $name:ident,)*) => {
+        /// Live counters, updated with relaxed atomics on the hot paths.
+        #[derive(Default)]
+        pub struct VmStat { $($(#[$doc])* pub $name: AtomicU64,)* }
+
+        /// A copy of the counters at one moment.
+        #[derive(Clone, Copy, Debug, Default, Serialize, PartialEq, Eq)]
+        pub struct VmStatSnapshot { $($(#[$doc])* pub $name: u64,)* }
+
+        impl VmStat {
+            pub fn snapshot(&self) -> VmStatSnapshot {
+                VmStatSnapshot { $($name: self.$name.load(Relaxed),)* }
+            }
+        }
+
+        impl VmStatSnapshot {
+            /// Counter-wise difference `self - earlier`.
+            pub fn since(&self, earlier: &VmStatSnapshot) -> VmStatSnapshot {
+                VmStatSnapshot { $($name: self.$name.wrapping_sub(earlier.$name),)* }
+            }
+
+            /// `(name, value)` pairs in declaration order, for printing.
+            pub fn fields(&self) -> Vec<(&'static str, u64)> {
+                vec![$((stringify!($name), self.$name),)*]
+            }
+        }
+    };
+}
+
+vmstat! {
+    /// Faults handled (every kind).
+    pgfault,
+    /// Faults that had to read from the swap device.
+    pgmajfault,
+    /// Pages read from the swap device.
+    pswpin,
+    /// Pages written to the swap device.
+    pswpout,
+    /// First-touch pages zero-filled (fault-around included).
+    pgzerofill,
+    /// Inactive pages looked at by reclaim.
+    pgscan,
+    /// Pages reclaimed (their memory given back).
+    pgsteal,
+    /// Pages promoted from the inactive to the active list (re-referenced).
+    pgactivate,
+    /// Pages moved from the active to the inactive list (unmapped, data kept).
+    pgdeactivate,
+    /// Reclaimed clean pages that kept a valid swap copy: dropped without I/O.
+    pgclean_dropped,
+    /// Reclaimed pages found all zero: dropped, refilled with zeros on next touch.
+    pgzero_dropped,
+    /// Background reclaimer wake-ups.
+    kswapd_wake,
+    /// Reclaim passes run by a faulting thread because the budget was exhausted.
+    direct_reclaim,
+    /// Swap-ins whose checksum did not match what was written.
+    verify_errors,
+    /// Failed swap reads or writes.
+    io_errors,
+    /// Write-outs that found no free swap slot.
+    swap_full,
+    /// Accesses failed loudly (SIGBUS or poisoned page) because data could not be served.
+    failed_faults,
+}
+
+/// What a handled fault was, for the service-time histograms.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FaultKind {
+    /// First touch: zero-fill (with fault-around).
+    FirstTouch,
+    /// Page found on the inactive list (data still in memory): no disk.
+    Minor,
+    /// Page read from the swap device.
+    Major,
+}
+
+/// Service-time percentiles of one fault kind, in microseconds.
+#[derive(Clone, Copy, Debug, Default, Serialize)]
+pub struct Latency {
+    pub count: u64,
+    pub mean_us: f64,
+    pub p50_us: f64,
+    pub p90_us: f64,
+    pub p99_us: f64,
+    pub max_us: f64,
+}
+
+impl Latency {
+    pub fn of(h: &Histogram<u64>) -> Self {
+        let us = |ns: u64| ns as f64 / 1000.0;
+        Latency {
+            count: h.len(),
+            mean_us: h.mean() / 1000.0,
+            p50_us: us(h.value_at_quantile(0.50)),
+            p90_us: us(h.value_at_quantile(0.90)),
+            p99_us: us(h.value_at_quantile(0.99)),
+            max_us: us(h.max()),
+        }
+    }
+}
+
+/// Fault service times (from the moment uswap sees the fault until it is resolved), split by
+/// kind. Sharded so concurrent handlers rarely meet on one lock.
+pub struct FaultLatency {
+    shards: Vec<Mutex<[Histogram<u64>; 3]>>,
+}
+
+const SHARDS: usize = 16;
+
+fn new_histogram() -> Histogram<u64> {
+    // 1 ns .. 100 s, 3 significant digits.
+    Histogram::new_with_bounds(1, 100_000_000_000, 3).expect("static histogram bounds are valid")
+}
+
+impl Default for FaultLatency {
+    fn default() -> Self {
+        FaultLatency {
+            shards: (0..SHARDS)
+                .map(|_| Mutex::new([new_histogram(), new_histogram(), new_histogram()]))
+                .collect(),
+        }
+    }
+}
+
+impl FaultLatency {
+    pub fn record(&self, kind: FaultKind, took: Duration) {
+        let shard = crate::cpu::current() % SHARDS;
+        let ns = (took.as_nanos() as u64).max(1);
+        if let Ok(mut h) = self.shards[shard].lock() {
+            h[kind as usize].saturating_record(ns);
+        }
+    }
+
+    pub fn merged(&self, kind: FaultKind) -> Histogram<u64> {
+        let mut all = new_histogram();
+        for shard in &self.shards {
+            if let Ok(h) = shard.lock() {
+                all.add(&h[kind as usize]).expect("same bounds");
+            }
+        }
+        all
+    }
+}
+
+/// Everything a region reports: counters and fault service times.
+#[derive(Clone, Debug, Serialize)]
+pub struct Stats {
+    pub vmstat: VmStatSnapshot,
+    pub first_touch: Latency,
+    pub minor: Latency,
+    pub major: Latency,
+    /// Pages resident now (active + inactive).
+    pub resident_pages: u64,
+    /// Swap slots in use now.
+    pub swap_used_pages: u64,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn snapshot_difference_and_fields() {
+        let v = VmStat::default();
+        v.pswpin.fetch_add(3, Relaxed);
+        let a = v.snapshot();
+        v.pswpin.fetch_add(4, Relaxed);
+        v.pgfault.fetch_add(1, Relaxed);
+        let d = v.snapshot().since(&a);
+        assert_eq!((d.pswpin, d.pgfault, d.pswpout), (4, 1, 0));
+        assert!(d.fields().contains(&("pswpin", 4)));
+    }
+
+    #[test]
+    fn latency_percentiles_come_from_recorded_values() {
+        let l = FaultLatency::default();
+        for us in 1..=100u64 {
+            l.record(FaultKind::Major, Duration::from_micros(us));
+        }
+        let m = Latency::of(&l.merged(FaultKind::Major));
+        assert_eq!(m.count, 100);
+        assert!((m.p50_us - 50.0).abs() < 1.0, "{m:?}");
+        assert_eq!(Latency::of(&l.merged(FaultKind::Minor)).count, 0);
+    }
+}
