@@ -1,0 +1,92 @@
+//! Thread mode: handler threads read fault events from the userfaultfd and resolve them.
+//! Kernel accesses (a `read()` into a swapped-out page) are served like user accesses.
+
+use crate::error::{Error, Result};
+use crate::fault::Outcome;
+use crate::region::RegionCore;
+use crate::uffd::{Msg, EVENT_PAGEFAULT, PAGEFAULT_FLAG_WP};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+
+pub(crate) struct Handlers {
+    stop: OwnedFd,
+    threads: Vec<JoinHandle<()>>,
+}
+
+impl Handlers {
+    pub fn start(core: &Arc<RegionCore>) -> Result<Handlers> {
+        // SAFETY: plain system call; we own the new descriptor.
+        let fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC) };
+        if fd < 0 {
+            return Err(Error::os("eventfd"));
+        }
+        let mut handlers = Handlers {
+            stop: unsafe { OwnedFd::from_raw_fd(fd) },
+            threads: Vec::new(),
+        };
+        for i in 0..core.cfg.handler_threads {
+            let (core, stop) = (core.clone(), fd);
+            let t = std::thread::Builder::new()
+                .name(format!("uswap-fault-{i}"))
+                .spawn(move || serve(&core, stop))
+                .map_err(|source| Error::Os { op: "spawn fault handler", source })?;
+            handlers.threads.push(t);
+        }
+        Ok(handlers)
+    }
+
+    /// Stops and joins the handler threads.
+    pub fn stop(mut self) {
+        let one: u64 = 1;
+        // SAFETY: writing 8 bytes to our eventfd; every poller sees it readable.
+        unsafe { libc::write(self.stop.as_raw_fd(), (&one as *const u64).cast(), 8) };
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+    }
+}
+
+fn serve(core: &RegionCore, stop: i32) {
+    let mut msgs = [Msg::default(); 16];
+    loop {
+        let mut fds = [
+            libc::pollfd { fd: core.uffd.raw(), events: libc::POLLIN, revents: 0 },
+            libc::pollfd { fd: stop, events: libc::POLLIN, revents: 0 },
+        ];
+        // SAFETY: valid pollfd array.
+        let ready = unsafe { libc::poll(fds.as_mut_ptr(), 2, -1) };
+        if ready < 0 || fds[1].revents != 0 {
+            if ready < 0 && std::io::Error::last_os_error().kind() == std::io::ErrorKind::Interrupted {
+                continue;
+            }
+            return;
+        }
+        let n = match core.uffd.read_events(&mut msgs) {
+            Ok(n) => n,
+            Err(e) => {
+                eprintln!("uswap: reading userfaultfd events failed: {e}; fault handler stops");
+                return;
+            }
+        };
+        for m in msgs[..n].iter().filter(|m| m.event == EVENT_PAGEFAULT) {
+            let Some(page) = core.page_of(m.address as usize) else { continue };
+            let wp = m.flags & PAGEFAULT_FLAG_WP != 0;
+            if let Outcome::Fatal = core.handle_fault(page, Some(wp)) {
+                kill_faulting_thread(m.ptid);
+            }
+        }
+    }
+}
+
+/// Delivers SIGBUS to the thread whose fault could not be served. Without its thread id
+/// (no UFFD_FEATURE_THREAD_ID) the whole process is aborted: never leave it hanging.
+fn kill_faulting_thread(tid: u32) {
+    if tid == 0 {
+        std::process::abort();
+    }
+    // SAFETY: plain system calls; a stale tid at worst fails with ESRCH.
+    unsafe {
+        libc::syscall(libc::SYS_tgkill, libc::getpid(), tid as libc::pid_t, libc::SIGBUS);
+    }
+}

@@ -1,0 +1,592 @@
+//! The swap device: a file of page-sized slots, the slot allocator, and a checksum per
+//! written slot (mm/swapfile.c).
+//!
+//! Checksums are kept in memory only, so a page read back is verified against what was
+//! written in this process: bad data never reaches the region silently.
+
+mod cluster;
+
+use crate::swap_io::{IoEngine, PageOp};
+use crate::{Error, IoMode, SwapConfig, SwapLocation, PAGE_SIZE};
+use cluster::ClusterAllocator;
+use std::fs::File;
+use std::io;
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+
+/// Index of a page-sized slot in the swap file.
+pub type SlotId = u32;
+
+/// Slots per cluster, as the kernel's `SWAPFILE_CLUSTER`.
+pub const SWAPFILE_CLUSTER: u32 = 256;
+
+const CLUSTER_BYTES: u64 = SWAPFILE_CLUSTER as u64 * PAGE_SIZE as u64;
+
+/// A growing swap file is extended by this much at a time.
+const GROW_CHUNK: u64 = 64 << 20;
+
+/// Most slots a device can have: whole clusters whose ids fit a [`SlotId`].
+const MAX_SLOTS: u64 = u32::MAX as u64 / SWAPFILE_CLUSTER as u64 * SWAPFILE_CLUSTER as u64;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ReadError {
+    #[error("swap read failed: {0}")]
+    Io(#[from] io::Error),
+    #[error(
+        "swap slot {slot} is corrupt: checksum {found:#010x}, expected {expected:#010x} \
+         (the swap file was modified, or the storage returned bad data)"
+    )]
+    Checksum {
+        slot: SlotId,
+        expected: u32,
+        found: u32,
+    },
+    #[error("swap slot {slot} was never written (or was freed since)")]
+    NeverWritten { slot: SlotId },
+}
+
+/// A swap file and its slots. Shared through `Arc` by every thread of a region.
+pub struct SwapDevice {
+    file: SwapFile,
+    io: IoEngine,
+    direct: bool,
+    slots: ClusterAllocator,
+    /// Slots the device may ever have (a growing file is not that long yet).
+    capacity: u64,
+    checksums: ChecksumTable,
+    /// For a growing file: bytes allocated to it so far. `None` for a fixed size.
+    grown: Option<Mutex<u64>>,
+}
+
+impl SwapDevice {
+    /// Creates the swap file as `cfg` says. A fixed size is allocated at once; without one
+    /// the file grows in 64 MiB steps, up to the free space of its file system now.
+    pub fn open(cfg: &SwapConfig) -> Result<Arc<SwapDevice>, Error> {
+        let dir = location_dir(&cfg.location);
+        let create_error = |source| Error::SwapCreate {
+            dir: dir.to_path_buf(),
+            source,
+        };
+        let (file, direct) = SwapFile::open(&cfg.location).map_err(create_error)?;
+        let (capacity, grown) = match cfg.size {
+            Some(bytes) => {
+                let slots = fixed_slots(bytes)?;
+                reserve(&file.file, 0, slots * PAGE_SIZE as u64).map_err(create_error)?;
+                (slots, None)
+            }
+            None => (free_space_slots(&file.file).map_err(create_error)?, Some(Mutex::new(0))),
+        };
+        let initial = if grown.is_some() { 0 } else { capacity };
+        Ok(Arc::new(SwapDevice {
+            file,
+            io: IoEngine::new(cfg.io),
+            direct,
+            slots: ClusterAllocator::new(SWAPFILE_CLUSTER, initial),
+            capacity,
+            checksums: ChecksumTable::new(capacity),
+            grown,
+        }))
+    }
+
+    pub fn capacity_pages(&self) -> u64 {
+        self.capacity
+    }
+
+    pub fn used_pages(&self) -> u64 {
+        self.slots.used()
+    }
+
+    /// True when more than half the slots are in use (the kernel's `vm_swap_full()`).
+    pub fn nearly_full(&self) -> bool {
+        self.used_pages() * 2 > self.capacity
+    }
+
+    /// One free slot, or `None` when the device is full.
+    pub fn alloc_slot(&self) -> Option<SlotId> {
+        loop {
+            if let Some(slot) = self.slots.alloc() {
+                return Some(slot);
+            }
+            if !self.grow() {
+                return None;
+            }
+        }
+    }
+
+    /// Gives a slot back and forgets its checksum. Panics if the slot is not in use.
+    pub fn free_slot(&self, slot: SlotId) {
+        self.check_slot(slot);
+        // Forget first: once freed, the slot may be reallocated and written by another thread.
+        self.checksums.forget(slot);
+        self.slots.free(slot);
+    }
+
+    /// Writes each page to its slot as one batch and records the checksum of every page
+    /// written. Returns one result per entry, in order; a failed write leaves its slot
+    /// reading as never written.
+    ///
+    /// # Safety
+    /// Each pointer must be valid for reading 4096 bytes until this returns, and page-aligned.
+    pub unsafe fn write_pages(&self, batch: &[(SlotId, *const u8)]) -> Vec<io::Result<()>> {
+        for &(slot, _) in batch {
+            self.check_slot(slot);
+            // Whatever the slot held is about to be overwritten.
+            self.checksums.forget(slot);
+        }
+        let ops: Vec<PageOp> = batch
+            .iter()
+            .map(|&(slot, src)| PageOp::Write {
+                offset: slot_offset(slot),
+                src,
+            })
+            .collect();
+        let results = self.io.run(&self.file.file, &ops);
+        for (&(slot, src), result) in batch.iter().zip(&results) {
+            if result.is_ok() {
+                self.checksums.record(slot, page_checksum(src));
+            }
+        }
+        results
+    }
+
+    /// Reads a slot into `dst` and verifies it against the checksum recorded when it was
+    /// written. On an error `dst` holds no usable data.
+    ///
+    /// # Safety
+    /// `dst` must be valid for writing 4096 bytes until this returns, and page-aligned.
+    pub unsafe fn read_page(&self, slot: SlotId, dst: *mut u8) -> Result<(), ReadError> {
+        self.check_slot(slot);
+        let expected = self
+            .checksums
+            .get(slot)
+            .ok_or(ReadError::NeverWritten { slot })?;
+        let op = PageOp::Read {
+            offset: slot_offset(slot),
+            dst,
+        };
+        let mut results = self.io.run(&self.file.file, &[op]);
+        results.pop().expect("one result per op")?;
+        let found = page_checksum(dst);
+        if found != expected {
+            return Err(ReadError::Checksum {
+                slot,
+                expected,
+                found,
+            });
+        }
+        Ok(())
+    }
+
+    /// The I/O mode in effect (pread when io_uring was asked for but refused).
+    pub fn io_mode(&self) -> IoMode {
+        self.io.mode()
+    }
+
+    /// Whether the file is open with `O_DIRECT` (not on file systems that refuse it).
+    pub fn direct_io(&self) -> bool {
+        self.direct
+    }
+
+    fn check_slot(&self, slot: SlotId) {
+        assert!(
+            u64::from(slot) < self.capacity,
+            "swap slot {slot} is beyond the device's {} slots",
+            self.capacity
+        );
+    }
+
+    /// Extends a growing file by one step and hands the new clusters to the allocator.
+    /// False when the device cannot grow: fixed size, at capacity, or no space left.
+    fn grow(&self) -> bool {
+        let Some(grown) = &self.grown else {
+            return false;
+        };
+        let mut grown = grown.lock().unwrap_or_else(|e| e.into_inner());
+        if self.slots.used() < self.slots.slots() {
+            return true; // another thread grew the file, or a slot was freed meanwhile
+        }
+        let limit = self.capacity * PAGE_SIZE as u64;
+        let step = GROW_CHUNK.min(limit - *grown);
+        // ENOSPC, or any other failure to allocate, reads as a full device.
+        if step == 0 || reserve(&self.file.file, *grown, step).is_err() {
+            return false;
+        }
+        *grown += step;
+        self.slots.add_clusters((step / CLUSTER_BYTES) as u32);
+        true
+    }
+}
+
+/// The open swap file; a named one is removed when this is dropped.
+struct SwapFile {
+    file: File,
+    unlink: Option<PathBuf>,
+}
+
+impl SwapFile {
+    /// Opens with `O_DIRECT`, or without it where the file system refuses it. Returns the
+    /// file and whether `O_DIRECT` is on.
+    fn open(location: &SwapLocation) -> io::Result<(SwapFile, bool)> {
+        let (path, unlink) = match location {
+            SwapLocation::TempIn(dir) => (dir, None),
+            SwapLocation::File(path) => (path, Some(path.clone())),
+        };
+        let open = |direct: bool| {
+            let mut options = File::options();
+            options.read(true).write(true).mode(0o600);
+            let direct_flag = if direct { libc::O_DIRECT } else { 0 };
+            match location {
+                SwapLocation::TempIn(_) => options.custom_flags(libc::O_TMPFILE | direct_flag),
+                SwapLocation::File(_) => options.create(true).truncate(true).custom_flags(direct_flag),
+            };
+            options.open(path)
+        };
+        let (file, direct) = match open(true) {
+            Ok(file) => (file, true),
+            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => (open(false)?, false),
+            Err(e) => return Err(e),
+        };
+        Ok((SwapFile { file, unlink }, direct))
+    }
+}
+
+impl Drop for SwapFile {
+    fn drop(&mut self) {
+        if let Some(path) = &self.unlink {
+            // Nothing to do about a failure here; the file is ours and only leaks space.
+            let _ = std::fs::remove_file(path);
+        }
+    }
+}
+
+/// The directory the swap file lives in, for error messages.
+fn location_dir(location: &SwapLocation) -> &Path {
+    match location {
+        SwapLocation::TempIn(dir) => dir,
+        SwapLocation::File(path) => path
+            .parent()
+            .filter(|p| !p.as_os_str().is_empty())
+            .unwrap_or(Path::new(".")),
+    }
+}
+
+fn fixed_slots(bytes: u64) -> Result<u64, Error> {
+    let slots = bytes / PAGE_SIZE as u64;
+    if slots == 0 || slots > MAX_SLOTS {
+        return Err(Error::invalid(
+            "swap size",
+            format!("{bytes} bytes: a swap device holds 4 KiB to 16 TiB"),
+        ));
+    }
+    Ok(slots)
+}
+
+/// Whole clusters' worth of slots that fit in the free space of the file's file system.
+fn free_space_slots(file: &File) -> io::Result<u64> {
+    let mut st = std::mem::MaybeUninit::<libc::statvfs>::uninit();
+    // SAFETY: fstatvfs fills `st` when it returns 0.
+    if unsafe { libc::fstatvfs(file.as_raw_fd(), st.as_mut_ptr()) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: initialised by the successful call above.
+    let st = unsafe { st.assume_init() };
+    let bytes = u64::from(st.f_bavail).saturating_mul(u64::from(st.f_frsize));
+    Ok((bytes / CLUSTER_BYTES * u64::from(SWAPFILE_CLUSTER)).min(MAX_SLOTS))
+}
+
+/// Allocates `len` bytes of the file at `offset` (its current end), so later writes do not
+/// fail for lack of space. File systems without fallocate get a plain size change.
+fn reserve(file: &File, offset: u64, len: u64) -> io::Result<()> {
+    let fd = file.as_raw_fd();
+    // SAFETY: plain system calls on a file descriptor we own.
+    if unsafe { libc::fallocate(fd, 0, offset as libc::off_t, len as libc::off_t) } == 0 {
+        return Ok(());
+    }
+    let err = io::Error::last_os_error();
+    if err.raw_os_error() != Some(libc::EOPNOTSUPP) {
+        return Err(err);
+    }
+    // SAFETY: as above.
+    if unsafe { libc::ftruncate(fd, (offset + len) as libc::off_t) } == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
+    }
+}
+
+fn slot_offset(slot: SlotId) -> u64 {
+    u64::from(slot) * PAGE_SIZE as u64
+}
+
+/// # Safety
+/// `page` must be valid for reading 4096 bytes.
+unsafe fn page_checksum(page: *const u8) -> u32 {
+    crc32c::crc32c(std::slice::from_raw_parts(page, PAGE_SIZE))
+}
+
+/// Slots per lazily allocated piece of the checksum table (64 MiB of swap).
+const CHECKSUM_CHUNK: u64 = GROW_CHUNK / PAGE_SIZE as u64;
+
+/// Set in a table entry whose slot holds a written page; the low 32 bits are its crc32c.
+/// Keeping validity apart from the value lets a page whose checksum is 0 be told from a
+/// slot never written.
+const WRITTEN: u64 = 1 << 32;
+
+/// The checksum of every written slot, allocated in pieces as slots are first written so a
+/// large, growing device costs memory only for what it uses.
+struct ChecksumTable {
+    chunks: Box<[OnceLock<Box<[AtomicU64]>>]>,
+}
+
+impl ChecksumTable {
+    fn new(slots: u64) -> ChecksumTable {
+        let chunks = slots.div_ceil(CHECKSUM_CHUNK);
+        ChecksumTable {
+            chunks: (0..chunks).map(|_| OnceLock::new()).collect(),
+        }
+    }
+
+    fn record(&self, slot: SlotId, crc: u32) {
+        let (chunk, index) = Self::position(slot);
+        let entries = self.chunks[chunk]
+            .get_or_init(|| (0..CHECKSUM_CHUNK).map(|_| AtomicU64::new(0)).collect());
+        entries[index].store(WRITTEN | u64::from(crc), Ordering::Release);
+    }
+
+    fn forget(&self, slot: SlotId) {
+        if let Some(entry) = self.entry(slot) {
+            entry.store(0, Ordering::Release);
+        }
+    }
+
+    fn get(&self, slot: SlotId) -> Option<u32> {
+        let value = self.entry(slot)?.load(Ordering::Acquire);
+        (value & WRITTEN != 0).then_some(value as u32)
+    }
+
+    fn entry(&self, slot: SlotId) -> Option<&AtomicU64> {
+        let (chunk, index) = Self::position(slot);
+        self.chunks[chunk].get().map(|entries| &entries[index])
+    }
+
+    fn position(slot: SlotId) -> (usize, usize) {
+        let slot = u64::from(slot);
+        ((slot / CHECKSUM_CHUNK) as usize, (slot % CHECKSUM_CHUNK) as usize)
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+    use crate::swap_io::tests::uring_allowed;
+    use crate::swap_io::PageBuf;
+    use std::os::unix::fs::{FileExt, PermissionsExt};
+
+    fn config(location: SwapLocation, size: Option<u64>, io: IoMode) -> SwapConfig {
+        SwapConfig { location, size, io }
+    }
+
+    /// A page whose every byte depends on `seed`.
+    fn page(seed: u64) -> PageBuf {
+        let mut p = PageBuf::new();
+        for (i, chunk) in p.as_mut_slice().chunks_mut(8).enumerate() {
+            let x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15).wrapping_add(i as u64);
+            chunk.copy_from_slice(&(x ^ (x >> 29)).to_le_bytes());
+        }
+        p
+    }
+
+    fn write(dev: &SwapDevice, pages: &[(SlotId, &PageBuf)]) {
+        let batch: Vec<(SlotId, *const u8)> = pages.iter().map(|(s, p)| (*s, p.as_ptr())).collect();
+        let results = unsafe { dev.write_pages(&batch) };
+        assert_eq!(results.len(), pages.len());
+        assert!(results.iter().all(|r| r.is_ok()), "{results:?}");
+    }
+
+    fn read(dev: &SwapDevice, slot: SlotId) -> Result<PageBuf, ReadError> {
+        let mut buf = PageBuf::new();
+        unsafe { dev.read_page(slot, buf.as_mut_ptr()) }.map(|()| buf)
+    }
+
+    fn roundtrip(io: IoMode) {
+        let dir = tempfile::tempdir().unwrap();
+        let dev = SwapDevice::open(&config(SwapLocation::TempIn(dir.path().into()), Some(4 << 20), io)).unwrap();
+        if io == IoMode::Pread || uring_allowed() {
+            assert_eq!(dev.io_mode(), io);
+        }
+        assert_eq!(dev.capacity_pages(), 1024);
+        let slots: Vec<SlotId> = (0..64).map(|_| dev.alloc_slot().unwrap()).collect();
+        // Page 0 is all zeroes: it must read back as written, not as never written.
+        let pages: Vec<PageBuf> = (0..64).map(|i| if i == 0 { PageBuf::new() } else { page(i) }).collect();
+        let batch: Vec<(SlotId, &PageBuf)> = slots.iter().copied().zip(&pages).collect();
+        write(&dev, &batch);
+        for (slot, expected) in batch {
+            assert_eq!(read(&dev, slot).unwrap().as_slice(), expected.as_slice(), "slot {slot}");
+        }
+    }
+
+    #[test]
+    fn device_is_send_and_sync() {
+        fn shareable<T: Send + Sync>() {}
+        shareable::<SwapDevice>();
+        shareable::<PageBuf>();
+    }
+
+    #[test]
+    fn pages_roundtrip_through_io_uring() {
+        roundtrip(IoMode::Uring);
+    }
+
+    #[test]
+    fn pages_roundtrip_through_pread() {
+        roundtrip(IoMode::Pread);
+    }
+
+    #[test]
+    fn a_rewritten_slot_reads_its_latest_page() {
+        let dir = tempfile::tempdir().unwrap();
+        let dev = SwapDevice::open(&config(SwapLocation::TempIn(dir.path().into()), Some(1 << 20), IoMode::Uring)).unwrap();
+        let slot = dev.alloc_slot().unwrap();
+        write(&dev, &[(slot, &page(1))]);
+        write(&dev, &[(slot, &page(2))]);
+        assert_eq!(read(&dev, slot).unwrap().as_slice(), page(2).as_slice());
+    }
+
+    #[test]
+    fn a_slot_corrupted_on_disk_fails_its_checksum() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("swap");
+        let dev = SwapDevice::open(&config(SwapLocation::File(path.clone()), Some(1 << 20), IoMode::Uring)).unwrap();
+        let slots: Vec<SlotId> = (0..4).map(|_| dev.alloc_slot().unwrap()).collect();
+        let pages: Vec<PageBuf> = (0..4).map(page).collect();
+        write(&dev, &[(slots[2], &pages[2]), (slots[3], &pages[3])]);
+        let other = File::options().write(true).open(&path).unwrap();
+        other.write_all_at(b"corrupt", slot_offset(slots[2]) + 100).unwrap();
+        other.sync_all().unwrap();
+        match read(&dev, slots[2]) {
+            Err(ReadError::Checksum { slot, expected, found }) => {
+                assert_eq!(slot, slots[2]);
+                assert_eq!(expected, crc32c::crc32c(pages[2].as_slice()));
+                assert_ne!(found, expected);
+            }
+            other => panic!("expected a checksum error, got {:?}", other.map(|_| ())),
+        }
+        assert_eq!(read(&dev, slots[3]).unwrap().as_slice(), pages[3].as_slice());
+    }
+
+    #[test]
+    fn never_written_and_freed_slots_read_as_never_written() {
+        let dir = tempfile::tempdir().unwrap();
+        let dev = SwapDevice::open(&config(SwapLocation::TempIn(dir.path().into()), Some(1 << 20), IoMode::Pread)).unwrap();
+        let slot = dev.alloc_slot().unwrap();
+        assert!(matches!(read(&dev, slot), Err(ReadError::NeverWritten { slot: s }) if s == slot));
+        write(&dev, &[(slot, &page(7))]);
+        dev.free_slot(slot);
+        assert_eq!(dev.used_pages(), 0);
+        assert!(matches!(read(&dev, slot), Err(ReadError::NeverWritten { .. })));
+    }
+
+    #[test]
+    fn a_full_fixed_device_refuses_slots_and_keeps_its_pages() {
+        let dir = tempfile::tempdir().unwrap();
+        let size = 2 * CLUSTER_BYTES;
+        let dev = SwapDevice::open(&config(SwapLocation::TempIn(dir.path().into()), Some(size), IoMode::Uring)).unwrap();
+        assert_eq!(dev.capacity_pages(), 512);
+        let mut slots = Vec::new();
+        for i in 0..512 {
+            assert_eq!(dev.nearly_full(), i > 256, "with {i} used");
+            slots.push(dev.alloc_slot().expect("a free slot"));
+        }
+        assert_eq!(dev.alloc_slot(), None);
+        assert_eq!(dev.used_pages(), 512);
+        let pages: Vec<PageBuf> = slots.iter().map(|&s| page(u64::from(s) + 1000)).collect();
+        for chunk in slots.iter().copied().zip(&pages).collect::<Vec<_>>().chunks(100) {
+            write(&dev, chunk);
+        }
+        assert_eq!(dev.alloc_slot(), None);
+        for (&slot, expected) in slots.iter().zip(&pages) {
+            assert_eq!(read(&dev, slot).unwrap().as_slice(), expected.as_slice(), "slot {slot}");
+        }
+        slots.iter().for_each(|&s| dev.free_slot(s));
+        assert_eq!(dev.used_pages(), 0);
+        assert!(!dev.nearly_full());
+    }
+
+    #[test]
+    #[should_panic(expected = "freed while not in use")]
+    fn freeing_a_free_slot_panics() {
+        let dir = tempfile::tempdir().unwrap();
+        let dev = SwapDevice::open(&config(SwapLocation::TempIn(dir.path().into()), Some(1 << 20), IoMode::Pread)).unwrap();
+        let slot = dev.alloc_slot().unwrap();
+        dev.free_slot(slot);
+        dev.free_slot(slot);
+    }
+
+    #[test]
+    fn a_missing_directory_is_a_swap_create_error_naming_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let missing = dir.path().join("no-such-dir");
+        for location in [SwapLocation::TempIn(missing.clone()), SwapLocation::File(missing.join("swap"))] {
+            let err = SwapDevice::open(&config(location, None, IoMode::Uring)).err().expect("an error");
+            assert!(matches!(&err, Error::SwapCreate { dir, .. } if *dir == missing), "{err:?}");
+            assert!(err.to_string().contains(missing.to_str().unwrap()), "{err}");
+        }
+    }
+
+    #[test]
+    fn an_impossible_fixed_size_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        for size in [100, 32 << 40] {
+            let err = SwapDevice::open(&config(SwapLocation::TempIn(dir.path().into()), Some(size), IoMode::Uring));
+            let msg = err.err().expect("an error").to_string();
+            assert!(msg.contains("swap size") && msg.contains(&size.to_string()), "{msg}");
+        }
+        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
+    }
+
+    #[test]
+    fn a_temp_file_leaves_nothing_in_its_directory() {
+        let dir = tempfile::tempdir().unwrap();
+        let dev = SwapDevice::open(&config(SwapLocation::TempIn(dir.path().into()), None, IoMode::Uring)).unwrap();
+        let slot = dev.alloc_slot().unwrap();
+        write(&dev, &[(slot, &page(3))]);
+        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0, "while open");
+        drop(dev);
+        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0, "after drop");
+    }
+
+    #[test]
+    fn a_named_file_is_private_and_removed_on_drop() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("swap");
+        let dev = SwapDevice::open(&config(SwapLocation::File(path.clone()), Some(1 << 20), IoMode::Uring)).unwrap();
+        let meta = std::fs::metadata(&path).unwrap();
+        assert_eq!(meta.permissions().mode() & 0o777, 0o600);
+        assert_eq!(meta.len(), 1 << 20, "preallocated");
+        drop(dev);
+        assert!(!path.exists());
+    }
+
+    #[test]
+    fn a_growing_file_is_extended_in_64_mib_steps() {
+        let dir = tempfile::tempdir().unwrap();
+        let dev = SwapDevice::open(&config(SwapLocation::TempIn(dir.path().into()), None, IoMode::Uring)).unwrap();
+        assert!(dev.capacity_pages() >= 2 * CHECKSUM_CHUNK, "needs 128 MiB free in the temp dir");
+        assert_eq!(dev.capacity_pages() % u64::from(SWAPFILE_CLUSTER), 0);
+        let len = || dev.file.file.metadata().unwrap().len();
+        assert_eq!(len(), 0);
+        let per_step = GROW_CHUNK / PAGE_SIZE as u64;
+        for _ in 0..per_step {
+            dev.alloc_slot().unwrap();
+        }
+        assert_eq!(len(), GROW_CHUNK);
+        let last = dev.alloc_slot().unwrap();
+        assert_eq!(u64::from(last), per_step);
+        assert_eq!(len(), 2 * GROW_CHUNK);
+        write(&dev, &[(last, &page(9))]);
+        assert_eq!(read(&dev, last).unwrap().as_slice(), page(9).as_slice());
+    }
+}

@@ -1,0 +1,389 @@
+//! userfaultfd: creation, feature detection and the raw ioctls uswap uses.
+//!
+//! The `userfaultfd` crate builds its bindings with bindgen (libclang at build time) and has
+//! no MOVE, POISON or register-mode-WP-with-COPY-WP support, so the few structures and
+//! ioctl numbers of `include/uapi/linux/userfaultfd.h` are declared here.
+
+use crate::error::{Error, Result};
+use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+
+pub const API: u64 = 0xAA;
+
+pub const FEATURE_SIGBUS: u64 = 1 << 7;
+pub const FEATURE_THREAD_ID: u64 = 1 << 8;
+pub const FEATURE_POISON: u64 = 1 << 14;
+pub const FEATURE_MOVE: u64 = 1 << 16;
+/// Write-protect faults on anonymous memory (`UFFD_FEATURE_PAGEFAULT_FLAG_WP`).
+pub const FEATURE_WP: u64 = 1 << 0;
+
+const FEATURE_NAMES: &[(u64, &str)] = &[
+    (1 << 0, "pagefault_flag_wp"),
+    (1 << 1, "event_fork"),
+    (1 << 2, "event_remap"),
+    (1 << 3, "event_remove"),
+    (1 << 6, "event_unmap"),
+    (1 << 7, "sigbus"),
+    (1 << 8, "thread_id"),
+    (1 << 11, "exact_address"),
+    (1 << 13, "wp_unpopulated"),
+    (1 << 14, "poison"),
+    (1 << 15, "wp_async"),
+    (1 << 16, "move"),
+];
+
+pub const REGISTER_MODE_MISSING: u64 = 1 << 0;
+pub const REGISTER_MODE_WP: u64 = 1 << 1;
+
+pub const EVENT_PAGEFAULT: u8 = 0x12;
+pub const PAGEFAULT_FLAG_WRITE: u64 = 1 << 0;
+pub const PAGEFAULT_FLAG_WP: u64 = 1 << 1;
+
+const COPY_MODE_WP: u64 = 1 << 1;
+const MOVE_MODE_DONTWAKE: u64 = 1 << 0;
+const WRITEPROTECT_MODE_WP: u64 = 1 << 0;
+
+const fn iowr(nr: u64, size: usize) -> u64 {
+    (3 << 30) | ((size as u64) << 16) | (0xAA << 8) | nr
+}
+const fn ior(nr: u64, size: usize) -> u64 {
+    (2 << 30) | ((size as u64) << 16) | (0xAA << 8) | nr
+}
+
+#[repr(C)]
+#[derive(Default)]
+struct ApiArg {
+    api: u64,
+    features: u64,
+    ioctls: u64,
+}
+
+#[repr(C)]
+#[derive(Default, Clone, Copy)]
+struct Range {
+    start: u64,
+    len: u64,
+}
+
+#[repr(C)]
+struct RegisterArg {
+    range: Range,
+    mode: u64,
+    ioctls: u64,
+}
+
+#[repr(C)]
+struct CopyArg {
+    dst: u64,
+    src: u64,
+    len: u64,
+    mode: u64,
+    copied: i64,
+}
+
+#[repr(C)]
+struct WriteProtectArg {
+    range: Range,
+    mode: u64,
+}
+
+#[repr(C)]
+struct PoisonArg {
+    range: Range,
+    mode: u64,
+    updated: i64,
+}
+
+const UFFDIO_API: u64 = iowr(0x3F, std::mem::size_of::<ApiArg>());
+const UFFDIO_REGISTER: u64 = iowr(0x00, std::mem::size_of::<RegisterArg>());
+const UFFDIO_UNREGISTER: u64 = ior(0x01, std::mem::size_of::<Range>());
+const UFFDIO_WAKE: u64 = ior(0x02, std::mem::size_of::<Range>());
+const UFFDIO_COPY: u64 = iowr(0x03, std::mem::size_of::<CopyArg>());
+// struct uffdio_move has the same layout as uffdio_copy.
+const UFFDIO_MOVE: u64 = iowr(0x05, std::mem::size_of::<CopyArg>());
+const UFFDIO_WRITEPROTECT: u64 = iowr(0x06, std::mem::size_of::<WriteProtectArg>());
+const UFFDIO_POISON: u64 = iowr(0x08, std::mem::size_of::<PoisonArg>());
+const USERFAULTFD_IOC_NEW: u64 = 0xAA00;
+
+/// One message read from the userfaultfd (`struct uffd_msg`, 32 bytes).
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+pub struct Msg {
+    pub event: u8,
+    _reserved: [u8; 7],
+    pub flags: u64,
+    pub address: u64,
+    pub ptid: u32,
+    _pad: u32,
+}
+
+/// What the running kernel offers.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct Probe {
+    pub kernel: String,
+    pub features: Vec<&'static str>,
+    #[serde(skip)]
+    pub feature_bits: u64,
+}
+
+impl Probe {
+    pub fn has(&self, bit: u64) -> bool {
+        self.feature_bits & bit != 0
+    }
+}
+
+impl std::fmt::Display for Probe {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        writeln!(f, "kernel: {}", self.kernel)?;
+        write!(f, "userfaultfd features: {}", self.features.join(" "))
+    }
+}
+
+/// The kernel release (`uname -r`).
+pub fn kernel_release() -> String {
+    // SAFETY: utsname is plain data; uname fills it.
+    let mut u: libc::utsname = unsafe { std::mem::zeroed() };
+    if unsafe { libc::uname(&mut u) } != 0 {
+        return "unknown".into();
+    }
+    let bytes: Vec<u8> = u.release.iter().take_while(|&&c| c != 0).map(|&c| c as u8).collect();
+    String::from_utf8_lossy(&bytes).into_owned()
+}
+
+/// Detects what userfaultfd offers here, with a throw-away descriptor.
+pub fn probe() -> Result<Probe> {
+    let fd = open_raw()?;
+    let mut arg = ApiArg {
+        api: API,
+        ..Default::default()
+    };
+    // SAFETY: valid descriptor and argument.
+    if unsafe { libc::ioctl(fd.as_raw_fd(), UFFDIO_API as _, &mut arg) } != 0 {
+        return Err(Error::os("UFFDIO_API"));
+    }
+    Ok(Probe {
+        kernel: kernel_release(),
+        features: FEATURE_NAMES
+            .iter()
+            .filter(|(bit, _)| arg.features & bit != 0)
+            .map(|&(_, name)| name)
+            .collect(),
+        feature_bits: arg.features,
+    })
+}
+
+fn open_raw() -> Result<OwnedFd> {
+    let flags = libc::O_CLOEXEC | libc::O_NONBLOCK;
+    // SAFETY: plain system call.
+    let fd = unsafe { libc::syscall(libc::SYS_userfaultfd, flags) } as RawFd;
+    if fd >= 0 {
+        // SAFETY: we own the new descriptor.
+        return Ok(unsafe { OwnedFd::from_raw_fd(fd) });
+    }
+    let syscall_err = io::Error::last_os_error();
+    match syscall_err.raw_os_error() {
+        Some(libc::EPERM) | Some(libc::EACCES) => open_dev(flags).map_err(|dev_err| {
+            Error::UffdNotPermitted {
+                cause: format!(
+                    "userfaultfd(2): {syscall_err}; /dev/userfaultfd: {dev_err}; \
+                     vm.unprivileged_userfaultfd = {}",
+                    std::fs::read_to_string("/proc/sys/vm/unprivileged_userfaultfd")
+                        .map(|s| s.trim().to_string())
+                        .unwrap_or_else(|_| "unknown".into())
+                ),
+            }
+        }),
+        Some(libc::ENOSYS) => Err(Error::UffdUnavailable(format!(
+            "kernel {} was built without CONFIG_USERFAULTFD",
+            kernel_release()
+        ))),
+        _ => Err(Error::UffdUnavailable(syscall_err.to_string())),
+    }
+}
+
+fn open_dev(flags: i32) -> io::Result<OwnedFd> {
+    let dev = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open("/dev/userfaultfd")?;
+    // SAFETY: valid descriptor; the ioctl returns a new descriptor.
+    let fd = unsafe { libc::ioctl(dev.as_raw_fd(), USERFAULTFD_IOC_NEW as _, flags) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: we own the new descriptor.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+/// An open userfaultfd with its API handshake done.
+pub struct Uffd {
+    fd: OwnedFd,
+}
+
+fn check(ret: libc::c_int) -> io::Result<()> {
+    if ret == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
+    }
+}
+
+impl Uffd {
+    /// Opens a userfaultfd with exactly `features` enabled.
+    pub fn open(features: u64) -> Result<Uffd> {
+        let fd = open_raw()?;
+        let mut arg = ApiArg {
+            api: API,
+            features,
+            ioctls: 0,
+        };
+        // SAFETY: valid descriptor and argument.
+        if unsafe { libc::ioctl(fd.as_raw_fd(), UFFDIO_API as _, &mut arg) } != 0 {
+            return Err(Error::os("UFFDIO_API"));
+        }
+        Ok(Uffd { fd })
+    }
+
+    pub fn raw(&self) -> RawFd {
+        self.fd.as_raw_fd()
+    }
+
+    pub fn register(&self, start: usize, len: usize, mode: u64) -> io::Result<()> {
+        let mut arg = RegisterArg {
+            range: Range {
+                start: start as u64,
+                len: len as u64,
+            },
+            mode,
+            ioctls: 0,
+        };
+        // SAFETY: valid descriptor and argument.
+        check(unsafe { libc::ioctl(self.raw(), UFFDIO_REGISTER as _, &mut arg) })
+    }
+
+    pub fn unregister(&self, start: usize, len: usize) -> io::Result<()> {
+        let mut r = Range {
+            start: start as u64,
+            len: len as u64,
+        };
+        // SAFETY: valid descriptor and argument.
+        check(unsafe { libc::ioctl(self.raw(), UFFDIO_UNREGISTER as _, &mut r) })
+    }
+
+    /// Atomically fills `len` bytes at `dst` (unmapped) with a copy of `src`, optionally
+    /// write-protected, and wakes the threads waiting on that range.
+    pub fn copy(&self, dst: usize, src: *const u8, len: usize, write_protect: bool) -> io::Result<()> {
+        let mode = if write_protect { COPY_MODE_WP } else { 0 };
+        self.fill(UFFDIO_COPY, dst, src as usize, len, mode)
+    }
+
+    /// Atomically moves the pages at `src` to the unmapped `dst` (zero copy), waking the
+    /// threads waiting on `dst` when asked to.
+    pub fn move_pages(&self, dst: usize, src: usize, len: usize, wake: bool) -> io::Result<()> {
+        let mode = if wake { 0 } else { MOVE_MODE_DONTWAKE };
+        self.fill(UFFDIO_MOVE, dst, src, len, mode)
+    }
+
+    /// COPY and MOVE share a layout and both may complete partially or ask to be retried.
+    fn fill(&self, op: u64, dst: usize, src: usize, len: usize, mode: u64) -> io::Result<()> {
+        let mut done = 0usize;
+        while done < len {
+            let mut arg = CopyArg {
+                dst: (dst + done) as u64,
+                src: (src + done) as u64,
+                len: (len - done) as u64,
+                mode,
+                copied: 0,
+            };
+            // SAFETY: valid descriptor and argument; the kernel checks the ranges.
+            let ret = unsafe { libc::ioctl(self.raw(), op as _, &mut arg) };
+            if arg.copied > 0 {
+                done += arg.copied as usize;
+            }
+            if ret != 0 {
+                let err = io::Error::last_os_error();
+                if err.raw_os_error() != Some(libc::EAGAIN) {
+                    return Err(err);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Sets or clears write protection on a range; clearing wakes the waiting threads.
+    pub fn write_protect(&self, start: usize, len: usize, protect: bool) -> io::Result<()> {
+        let mut arg = WriteProtectArg {
+            range: Range {
+                start: start as u64,
+                len: len as u64,
+            },
+            mode: if protect { WRITEPROTECT_MODE_WP } else { 0 },
+        };
+        // SAFETY: valid descriptor and argument.
+        check(unsafe { libc::ioctl(self.raw(), UFFDIO_WRITEPROTECT as _, &mut arg) })
+    }
+
+    /// Marks the range poisoned: every later access gets SIGBUS (a kernel access EFAULT),
+    /// like a hardware memory error.
+    pub fn poison(&self, start: usize, len: usize) -> io::Result<()> {
+        let mut arg = PoisonArg {
+            range: Range {
+                start: start as u64,
+                len: len as u64,
+            },
+            mode: 0,
+            updated: 0,
+        };
+        // SAFETY: valid descriptor and argument.
+        check(unsafe { libc::ioctl(self.raw(), UFFDIO_POISON as _, &mut arg) })
+    }
+
+    pub fn wake(&self, start: usize, len: usize) -> io::Result<()> {
+        let mut r = Range {
+            start: start as u64,
+            len: len as u64,
+        };
+        // SAFETY: valid descriptor and argument.
+        check(unsafe { libc::ioctl(self.raw(), UFFDIO_WAKE as _, &mut r) })
+    }
+
+    /// Reads pending fault messages without blocking; returns how many were read.
+    pub fn read_events(&self, out: &mut [Msg]) -> io::Result<usize> {
+        let size = std::mem::size_of::<Msg>();
+        // SAFETY: `out` is valid for its length in bytes; Msg is plain data.
+        let n = unsafe { libc::read(self.raw(), out.as_mut_ptr().cast(), out.len() * size) };
+        if n < 0 {
+            let err = io::Error::last_os_error();
+            return if err.raw_os_error() == Some(libc::EAGAIN) {
+                Ok(0)
+            } else {
+                Err(err)
+            };
+        }
+        Ok(n as usize / size)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ioctl_numbers_match_the_kernel_abi() {
+        assert_eq!(std::mem::size_of::<Msg>(), 32);
+        assert_eq!(UFFDIO_API, 0xc018_aa3f);
+        assert_eq!(UFFDIO_REGISTER, 0xc020_aa00);
+        assert_eq!(UFFDIO_UNREGISTER, 0x8010_aa01);
+        assert_eq!(UFFDIO_COPY, 0xc028_aa03);
+        assert_eq!(UFFDIO_MOVE, 0xc028_aa05);
+        assert_eq!(UFFDIO_WRITEPROTECT, 0xc018_aa06);
+        assert_eq!(UFFDIO_POISON, 0xc020_aa08);
+    }
+
+    #[test]
+    fn probe_reports_the_kernel_and_missing_fault_support() {
+        let p = probe().expect("tests run where userfaultfd is permitted (root)");
+        assert!(!p.kernel.is_empty());
+        assert_eq!(p.features.len(), (p.feature_bits & FEATURE_NAMES.iter().map(|f| f.0).sum::<u64>()).count_ones() as usize);
+    }
+}
