@@ -86,6 +86,9 @@ impl RegionCore {
             lo -= 1;
         }
         self.budget.uncharge((granted - (hi - lo)) as u64);
+        // Counters move before the fill, which wakes the faulting thread: a caller that
+        // reads them right after its access must see this fault.
+        self.vmstat.pgzerofill.fetch_add((hi - lo) as u64, Relaxed);
         let filled = self.uffd.copy(self.page_addr(lo), self.zeros.addr() as *const u8, (hi - lo) * PAGE_SIZE, false);
         let state = match filled {
             Ok(()) => PageState::new(Kind::Active),
@@ -95,6 +98,7 @@ impl RegionCore {
             self.pages.publish(p, state);
         }
         if let Err(e) = filled {
+            self.vmstat.pgzerofill.fetch_sub((hi - lo) as u64, Relaxed);
             self.budget.uncharge((hi - lo) as u64);
             return self.fail(lock, &format!("zero-fill failed: {e}"), true);
         }
@@ -102,7 +106,6 @@ impl RegionCore {
         let mut lock = lock;
         lock.set(state);
         drop(lock);
-        self.vmstat.pgzerofill.fetch_add((hi - lo) as u64, Relaxed);
         self.record(FaultKind::FirstTouch, start);
         Outcome::Resolved
     }
@@ -116,12 +119,14 @@ impl RegionCore {
         // A clean page must come back write-protected, which only COPY does atomically;
         // a dirty one moves back without copying.
         let clean = st.slot().is_some() && self.caps.write_protect;
+        self.vmstat.pgactivate.fetch_add(1, Relaxed);
         let back = if clean {
             self.uffd.copy(dst, src as *const u8, PAGE_SIZE, true)
         } else {
             self.uffd.move_pages(dst, src, PAGE_SIZE, true)
         };
         if let Err(e) = back {
+            self.vmstat.pgactivate.fetch_sub(1, Relaxed);
             return self.fail(lock, &format!("cannot map the inactive page back: {e}"), false);
         }
         self.lru.remove(lock.page());
@@ -133,7 +138,6 @@ impl RegionCore {
         } else {
             self.staging.release_empty(frame);
         }
-        self.vmstat.pgactivate.fetch_add(1, Relaxed);
         self.record(FaultKind::Minor, start);
         Outcome::Resolved
     }
@@ -167,9 +171,11 @@ impl RegionCore {
         if !keep {
             self.swap.free_slot(slot);
         }
+        self.vmstat.pgmajfault.fetch_add(1, Relaxed);
         let mapped = self.uffd.copy(self.page_addr(lock.page()), buf.as_ptr(), PAGE_SIZE, keep);
         self.return_bounce(buf);
         if let Err(e) = mapped {
+            self.vmstat.pgmajfault.fetch_sub(1, Relaxed);
             self.budget.uncharge(1);
             lock.set(if keep { st } else { PageState::new(Kind::Poisoned) });
             return self.fail(lock, &format!("cannot map the swapped-in page: {e}"), false);
@@ -177,7 +183,6 @@ impl RegionCore {
         self.lru.add(LruList::Active, [lock.page()]);
         lock.set(PageState::new(Kind::Active).with_slot(keep.then_some(slot)));
         drop(lock);
-        self.vmstat.pgmajfault.fetch_add(1, Relaxed);
         self.record(FaultKind::Major, start);
         Outcome::Resolved
     }

@@ -589,4 +589,46 @@ mod tests {
         write(&dev, &[(last, &page(9))]);
         assert_eq!(read(&dev, last).unwrap().as_slice(), page(9).as_slice());
     }
+
+    /// A small tmpfs mounted on a temp dir, unmounted on drop.
+    struct SmallFs(tempfile::TempDir);
+
+    impl SmallFs {
+        /// `None` where this process may not mount (not root, or in a restricted container).
+        fn mount(bytes: u64) -> Option<SmallFs> {
+            use std::ffi::CString;
+            let dir = tempfile::tempdir().unwrap();
+            let target = CString::new(dir.path().to_str().unwrap()).unwrap();
+            let options = CString::new(format!("size={bytes},mode=0700")).unwrap();
+            let ok = unsafe { libc::mount(c"tmpfs".as_ptr(), target.as_ptr(), c"tmpfs".as_ptr(), 0, options.as_ptr().cast()) } == 0;
+            ok.then_some(SmallFs(dir))
+        }
+    }
+
+    impl Drop for SmallFs {
+        fn drop(&mut self) {
+            let target = std::ffi::CString::new(self.0.path().to_str().unwrap()).unwrap();
+            unsafe { libc::umount2(target.as_ptr(), libc::MNT_DETACH) };
+        }
+    }
+
+    #[test]
+    fn a_growing_file_reports_full_when_its_file_system_is() {
+        let Some(fs) = SmallFs::mount(4 << 20) else {
+            eprintln!("skipped: cannot mount a tmpfs here (needs root)");
+            return;
+        };
+        let dev = SwapDevice::open(&config(SwapLocation::TempIn(fs.0.path().into()), None, IoMode::Uring)).unwrap();
+        assert_eq!(dev.capacity_pages(), 1024, "4 MiB of free space");
+        // Someone else takes most of the space before the swap file grows.
+        let filler = fs.0.path().join("filler");
+        std::fs::write(&filler, vec![1u8; 3 << 20]).unwrap();
+        assert_eq!(dev.alloc_slot(), None);
+        std::fs::remove_file(&filler).unwrap();
+        let slot = dev.alloc_slot().expect("space again");
+        write(&dev, &[(slot, &page(5))]);
+        assert_eq!(read(&dev, slot).unwrap().as_slice(), page(5).as_slice());
+        drop(dev);
+        assert_eq!(std::fs::read_dir(fs.0.path()).unwrap().count(), 0);
+    }
 }

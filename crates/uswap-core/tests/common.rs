@@ -1,0 +1,50 @@
+//! Helpers shared by the integration tests: page patterns that identify page and version.
+#![allow(dead_code)]
+
+use uswap_core::PAGE_SIZE;
+
+pub const WORDS: usize = PAGE_SIZE / 8;
+
+/// The value of word `i` of page `page` at `version`; word 0 carries page and version.
+pub fn word(page: usize, version: u32, i: usize) -> u64 {
+    if i == 0 {
+        return ((page as u64) << 32) | version as u64;
+    }
+    let mut x = ((page as u64) << 24) ^ ((version as u64) << 12) ^ i as u64;
+    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    x ^ (x >> 31)
+}
+
+/// Fills a whole page with its pattern.
+///
+/// # Safety
+/// `base` must be a region start and `page` inside it.
+pub unsafe fn fill(base: *mut u8, page: usize, version: u32) {
+    let p = base.add(page * PAGE_SIZE) as *mut u64;
+    for i in 0..WORDS {
+        p.add(i).write_volatile(word(page, version, i));
+    }
+}
+
+/// Checks a whole page; returns the first mismatching word.
+///
+/// # Safety
+/// As for [`fill`].
+pub unsafe fn check(base: *const u8, page: usize, version: u32) -> Result<(), String> {
+    let p = base.add(page * PAGE_SIZE) as *const u64;
+    for i in 0..WORDS {
+        let got = p.add(i).read_volatile();
+        let want = word(page, version, i);
+        if got != want {
+            return Err(format!("page {page} v{version} word {i}: got {got:#x}, want {want:#x}"));
+        }
+    }
+    Ok(())
+}
+
+pub fn check_slice(data: &[u8], page: usize, version: u32) -> bool {
+    data.chunks_exact(8)
+        .enumerate()
+        .all(|(i, w)| u64::from_ne_bytes(w.try_into().unwrap()) == word(page, version, i))
+}

@@ -1,0 +1,180 @@
+//! End-to-end behaviour of a region: data integrity under threads, kernel accesses,
+//! advice, and clear errors for bad input.
+
+mod common;
+
+use common::{check, check_slice, fill};
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use uswap_core::{Advice, Config, FaultMode, Region, SwapLocation, PAGE_SIZE};
+
+const MIB: u64 = 1 << 20;
+
+fn xorshift(s: &mut u64) -> u64 {
+    *s ^= *s << 13;
+    *s ^= *s >> 7;
+    *s ^= *s << 17;
+    *s
+}
+
+/// Threads own interleaved pages (page % threads) and randomly read (verify the whole
+/// page) or write (bump its version) them; the region is 4x the memory limit.
+fn random_threads(mode: FaultMode) {
+    const THREADS: usize = 4;
+    let mut cfg = Config::new(4 * MIB);
+    cfg.fault_mode = mode;
+    let region = Region::new(16 * MIB, cfg).unwrap();
+    let pages = region.len() / PAGE_SIZE;
+    let base = region.as_ptr() as usize;
+    let errors = AtomicU64::new(0);
+    let versions: Vec<Vec<u32>> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..THREADS)
+            .map(|t| {
+                let errors = &errors;
+                s.spawn(move || {
+                    let base = base as *mut u8;
+                    let mine: Vec<usize> = (t..pages).step_by(THREADS).collect();
+                    let mut version = vec![0u32; mine.len()];
+                    for &p in &mine {
+                        unsafe { fill(base, p, 0) };
+                    }
+                    let mut seed = 0x9E37_79B9_7F4A_7C15u64 ^ (t as u64 + 1);
+                    for _ in 0..6000 {
+                        let k = xorshift(&mut seed) as usize % mine.len();
+                        if xorshift(&mut seed) % 5 == 0 {
+                            version[k] += 1;
+                            unsafe { fill(base, mine[k], version[k]) };
+                        } else if let Err(e) = unsafe { check(base, mine[k], version[k]) } {
+                            eprintln!("{e}");
+                            errors.fetch_add(1, Relaxed);
+                        }
+                    }
+                    version
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert_eq!(errors.load(Relaxed), 0, "pages read back wrong during the run");
+    for (t, version) in versions.iter().enumerate() {
+        for (k, p) in (t..pages).step_by(THREADS).enumerate() {
+            unsafe { check(region.as_ptr(), p, version[k]) }.unwrap();
+        }
+    }
+    let s = region.stats();
+    assert!(s.vmstat.pswpout > 0 && s.vmstat.pswpin > 0, "the run must really swap: {:?}", s.vmstat);
+    assert!(s.resident_pages <= 1024, "resident {} pages over the 1024-page limit", s.resident_pages);
+    assert_eq!(s.vmstat.verify_errors + s.vmstat.io_errors + s.vmstat.failed_faults, 0);
+}
+
+#[test]
+fn threads_random_read_write_4x_limit_thread_mode() {
+    random_threads(FaultMode::Thread);
+}
+
+#[test]
+fn threads_random_read_write_4x_limit_sigbus_mode() {
+    random_threads(FaultMode::Sigbus);
+}
+
+fn pipe() -> (i32, i32) {
+    let mut fds = [0; 2];
+    assert_eq!(unsafe { libc::pipe(fds.as_mut_ptr()) }, 0);
+    (fds[0], fds[1])
+}
+
+#[test]
+fn kernel_accesses_to_swapped_out_pages_are_served_in_thread_mode() {
+    let region = Region::new(2 * MIB, Config::new(MIB)).unwrap();
+    let pages = region.len() / PAGE_SIZE;
+    for p in 0..pages {
+        unsafe { fill(region.as_ptr(), p, 1) };
+    }
+    region.advise(0, region.len(), Advice::PageOut).unwrap();
+    assert!(region.stats().vmstat.pswpout > 0);
+    let (r, w) = pipe();
+    // write(2) reads the swapped-out page from inside the kernel.
+    let n = unsafe { libc::write(w, region.as_ptr().add(5 * PAGE_SIZE).cast(), PAGE_SIZE) };
+    assert_eq!(n, PAGE_SIZE as isize, "{}", std::io::Error::last_os_error());
+    let mut buf = vec![0u8; PAGE_SIZE];
+    assert_eq!(unsafe { libc::read(r, buf.as_mut_ptr().cast(), PAGE_SIZE) }, PAGE_SIZE as isize);
+    assert!(check_slice(&buf, 5, 1), "write(2) from a swapped-out page saw wrong data");
+    // read(2) stores into a swapped-out page from inside the kernel.
+    let page9: Vec<u8> = (0..common::WORDS).flat_map(|i| common::word(9, 2, i).to_ne_bytes()).collect();
+    assert_eq!(unsafe { libc::write(w, page9.as_ptr().cast(), PAGE_SIZE) }, PAGE_SIZE as isize);
+    let n = unsafe { libc::read(r, region.as_ptr().add(9 * PAGE_SIZE).cast(), PAGE_SIZE) };
+    assert_eq!(n, PAGE_SIZE as isize, "{}", std::io::Error::last_os_error());
+    region.advise(0, region.len(), Advice::PageOut).unwrap();
+    for p in 0..pages {
+        unsafe { check(region.as_ptr(), p, if p == 9 { 2 } else { 1 }) }.unwrap();
+    }
+    unsafe { libc::close(r) };
+    unsafe { libc::close(w) };
+}
+
+#[test]
+fn clean_pages_are_dropped_without_io_and_writes_dirty_them() {
+    // The limit is above the region size, so only the advice reclaims.
+    let region = Region::new(MIB, Config::new(2 * MIB)).unwrap();
+    let pages = region.len() / PAGE_SIZE;
+    for p in 0..pages {
+        unsafe { fill(region.as_ptr(), p, 0) };
+    }
+    region.advise(0, region.len(), Advice::PageOut).unwrap();
+    let out1 = region.stats().vmstat.pswpout;
+    assert_eq!(out1, pages as u64, "every dirty page is written once");
+    for p in 0..pages {
+        unsafe { check(region.as_ptr(), p, 0) }.unwrap();
+    }
+    unsafe { fill(region.as_ptr(), 3, 7) };
+    region.advise(0, region.len(), Advice::PageOut).unwrap();
+    let s = region.stats().vmstat;
+    assert_eq!(s.pswpout - out1, 1, "only the page written after swap-in goes out again");
+    assert_eq!(s.pgclean_dropped, pages as u64 - 1);
+    unsafe { check(region.as_ptr(), 3, 7) }.unwrap();
+}
+
+#[test]
+fn inactive_pages_come_back_without_io_and_are_promoted() {
+    let region = Region::new(MIB, Config::new(2 * MIB)).unwrap();
+    for p in 0..64 {
+        unsafe { fill(region.as_ptr(), p, 4) };
+    }
+    region.advise(0, 64 * PAGE_SIZE, Advice::Cold).unwrap();
+    let before = region.stats().vmstat;
+    assert_eq!(before.pgdeactivate, 64);
+    for p in 0..64 {
+        unsafe { check(region.as_ptr(), p, 4) }.unwrap();
+    }
+    let d = region.stats().vmstat.since(&before);
+    assert_eq!((d.pgactivate, d.pswpin, d.pswpout), (64, 0, 0), "{d:?}");
+}
+
+#[test]
+fn untouched_and_zero_pages_read_as_zero_and_cost_no_swap() {
+    let region = Region::new(4 * MIB, Config::new(MIB)).unwrap();
+    let words = region.len() / 8;
+    let base = region.as_ptr() as *const u64;
+    assert!((0..words).step_by(97).all(|i| unsafe { base.add(i).read_volatile() } == 0));
+    region.advise(0, region.len(), Advice::PageOut).unwrap();
+    let s = region.stats().vmstat;
+    assert_eq!(s.pswpout, 0);
+    assert!(s.pgzero_dropped > 0);
+}
+
+#[test]
+fn bad_inputs_give_clear_errors() {
+    let err = |size: u64, cfg: Config| Region::new(size, cfg).err().expect("must fail").to_string();
+    assert!(err(0, Config::new(MIB)).contains("region size"));
+    assert!(err(1 << 62, Config::new(MIB)).contains("region size"));
+    assert!(err(MIB, Config::new(0)).contains("memory limit"));
+    let mut cfg = Config::new(MIB);
+    cfg.swap.location = SwapLocation::TempIn("/nonexistent/uswap-test".into());
+    let e = err(MIB, cfg);
+    assert!(e.contains("/nonexistent/uswap-test") && e.contains("swap"), "{e}");
+    let mut cfg = Config::new(MIB);
+    cfg.swap.size = Some(MIB);
+    let e = err(4 * MIB, cfg);
+    assert!(e.contains("does not fit") && e.contains("swap"), "{e}");
+    let r = Region::new(MIB, Config::new(MIB)).unwrap();
+    assert!(r.advise(r.len() - 8, 16, Advice::Cold).unwrap_err().to_string().contains("outside"));
+}
