@@ -1,1 +1,74 @@
-fn main() {}
+//! `uswap`: benchmarks and tools for user-space swap.
+
+mod args;
+mod bench;
+mod info;
+mod kernel;
+mod report;
+mod workload;
+
+use anyhow::Result;
+use clap::{Parser, Subcommand};
+use std::process::ExitCode;
+
+#[derive(Parser)]
+#[command(
+    name = "uswap",
+    version,
+    about = "User-space swap on userfaultfd: benchmarks and tools"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Show the kernel version and the userfaultfd features uswap can use
+    Info {
+        /// Print JSON
+        #[arg(long)]
+        json: bool,
+    },
+    /// Run a benchmark (uswap, or the kernel's own swap with --backend kernel)
+    Bench {
+        #[command(subcommand)]
+        bench: Bench,
+    },
+    /// Internal: the child process of `--backend kernel`
+    #[command(name = kernel::child::SUBCOMMAND, hide = true)]
+    KernelChild { spec: String },
+}
+
+#[derive(Subcommand)]
+enum Bench {
+    /// Uniform random reads and writes on a region larger than memory, every read verified
+    /// (pmbench-like)
+    Random(bench::random::RandomArgs),
+    /// First-touch faults per second on fresh regions (will-it-scale page_fault1-like)
+    Fault(bench::fault::FaultArgs),
+    /// Cost per page of first-touch, minor and major faults (uswap only)
+    Refault(bench::refault::RefaultArgs),
+}
+
+fn run(cli: Cli) -> Result<()> {
+    match cli.command {
+        Command::Info { json } => info::run(json),
+        Command::Bench { bench } => match bench {
+            Bench::Random(a) => bench::random::run(&a),
+            Bench::Fault(a) => bench::fault::run(&a),
+            Bench::Refault(a) => bench::refault::run(&a),
+        },
+        Command::KernelChild { spec } => kernel::child::main(&spec),
+    }
+}
+
+fn main() -> ExitCode {
+    match run(Cli::parse()) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}

@@ -1,0 +1,149 @@
+//! Value parsers for the command line and the uswap options shared by the bench commands.
+
+use anyhow::{Context, Result};
+use clap::Args;
+use std::path::PathBuf;
+use uswap_core::{parse_size, Config, FaultMode, IoMode, SwapLocation, Watermarks};
+
+/// A byte size such as `4096`, `64K`, `512M`, `2G`; zero is refused.
+pub fn nonzero_size(text: &str) -> Result<u64, String> {
+    match parse_size(text) {
+        Ok(0) => Err("the size must be greater than 0".to_string()),
+        Ok(bytes) => Ok(bytes),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
+/// A number of seconds greater than 0, such as `10` or `0.5`.
+pub fn seconds(text: &str) -> Result<f64, String> {
+    match text.parse::<f64>() {
+        Ok(s) if s > 0.0 && s <= 86_400.0 => Ok(s),
+        _ => Err("use a number of seconds greater than 0 (at most a day)".to_string()),
+    }
+}
+
+/// A directory that exists.
+pub fn existing_dir(text: &str) -> Result<PathBuf, String> {
+    let path = PathBuf::from(text);
+    match std::fs::metadata(&path) {
+        Ok(m) if m.is_dir() => Ok(path),
+        Ok(_) => Err("not a directory".to_string()),
+        Err(e) => Err(format!("cannot use this directory: {e}")),
+    }
+}
+
+/// uswap's own settings. Unset options keep the library's defaults.
+#[derive(Args, Debug, Clone)]
+pub struct CoreArgs {
+    /// Directory for the swap file [default: $TMPDIR or /tmp]; `--backend kernel` puts its
+    /// swap file there too
+    #[arg(long, value_name = "DIR", value_parser = existing_dir)]
+    pub swap_dir: Option<PathBuf>,
+
+    /// Fixed swap size [default: grows on demand]; also the kernel backend's swap file size
+    #[arg(long, value_name = "SIZE", value_parser = nonzero_size)]
+    pub swap_size: Option<u64>,
+
+    /// How faults reach uswap: `thread` (handler threads) or `sigbus` (the faulting thread)
+    #[arg(long, value_name = "MODE", value_parser = |s: &str| s.parse::<FaultMode>())]
+    pub fault_mode: Option<FaultMode>,
+
+    /// Fault handler threads (thread mode)
+    #[arg(long, value_name = "N")]
+    pub handlers: Option<usize>,
+
+    /// Pages mapped around a first-touch fault (1 = off)
+    #[arg(long, value_name = "PAGES")]
+    pub fault_around: Option<usize>,
+
+    /// Swap I/O: `uring` or `pread`
+    #[arg(long, value_name = "MODE", value_parser = |s: &str| s.parse::<IoMode>())]
+    pub io: Option<IoMode>,
+
+    /// Reclaim watermarks as sizes, e.g. 4M,8M,12M [default: scaled to the memory limit]
+    #[arg(long, value_name = "MIN,LOW,HIGH", value_parser = |s: &str| Watermarks::parse(s))]
+    pub watermarks: Option<Watermarks>,
+}
+
+impl CoreArgs {
+    /// The directory swap files go in.
+    pub fn swap_dir(&self) -> PathBuf {
+        self.swap_dir.clone().unwrap_or_else(std::env::temp_dir)
+    }
+
+    /// A validated configuration for a region with this memory limit.
+    pub fn config(&self, memory_limit: u64) -> Result<Config> {
+        let mut cfg = Config::new(memory_limit);
+        cfg.swap.location = SwapLocation::TempIn(self.swap_dir());
+        cfg.swap.size = self.swap_size;
+        if let Some(mode) = self.fault_mode {
+            cfg.fault_mode = mode;
+        }
+        if let Some(n) = self.handlers {
+            cfg.handler_threads = n;
+        }
+        if let Some(pages) = self.fault_around {
+            cfg.fault_around = pages;
+        }
+        if let Some(io) = self.io {
+            cfg.swap.io = io;
+        }
+        cfg.watermarks = self.watermarks.or(cfg.watermarks);
+        cfg.validate().context("bad uswap option")?;
+        Ok(cfg)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Probe {
+        #[command(flatten)]
+        core: CoreArgs,
+    }
+
+    fn core(args: &[&str]) -> Result<CoreArgs, clap::Error> {
+        Probe::try_parse_from(std::iter::once("t").chain(args.iter().copied())).map(|p| p.core)
+    }
+
+    #[test]
+    fn sizes_and_seconds_are_checked() {
+        assert_eq!(nonzero_size("4K"), Ok(4096));
+        assert!(nonzero_size("0").unwrap_err().contains("greater than 0"));
+        assert!(nonzero_size("12X").unwrap_err().contains("\"12X\""));
+        assert_eq!(seconds("0.5"), Ok(0.5));
+        assert!(seconds("0").is_err() && seconds("-1").is_err() && seconds("x").is_err());
+    }
+
+    #[test]
+    fn options_override_the_library_defaults() {
+        let c = core(&["--handlers", "3", "--fault-around", "1", "--io", "pread"]).unwrap();
+        let cfg = c.config(64 << 20).unwrap();
+        assert_eq!(
+            (cfg.handler_threads, cfg.fault_around, cfg.swap.io),
+            (3, 1, IoMode::Pread)
+        );
+        let defaults = Config::new(64 << 20);
+        let cfg = core(&[]).unwrap().config(64 << 20).unwrap();
+        assert_eq!(cfg.handler_threads, defaults.handler_threads);
+        assert_eq!(
+            cfg.swap.location,
+            SwapLocation::TempIn(std::env::temp_dir())
+        );
+    }
+
+    #[test]
+    fn bad_values_are_refused_with_the_setting_named() {
+        assert!(core(&["--fault-mode", "fast"]).is_err());
+        assert!(core(&["--watermarks", "1M,2M"]).is_err());
+        assert!(core(&["--swap-dir", "/nonexistent/dir"]).is_err());
+        let err = core(&["--handlers", "0"])
+            .unwrap()
+            .config(64 << 20)
+            .unwrap_err();
+        assert!(format!("{err:#}").contains("handler threads"), "{err:#}");
+    }
+}

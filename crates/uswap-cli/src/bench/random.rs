@@ -1,0 +1,231 @@
+//! `uswap bench random`: pmbench-like uniform random access on a region larger than memory.
+
+use super::Backend;
+use crate::args::{nonzero_size, seconds, CoreArgs};
+use crate::kernel::{self, child, Environment};
+use crate::report;
+use crate::workload::mem::Mapped;
+use crate::workload::random::{self, RandomOutcome, RandomParams};
+use anyhow::{bail, ensure, Context, Result};
+use clap::{value_parser, Args};
+use serde::Serialize;
+use uswap_core::{Region, Stats, VmStatSnapshot, PAGE_SIZE};
+
+/// Extra swap beyond the region size for the kernel backend's swap file.
+const KERNEL_SWAP_MARGIN: u64 = 64 << 20;
+
+#[derive(Args, Debug)]
+pub struct RandomArgs {
+    /// Size of the region the threads access
+    #[arg(long, value_name = "SIZE", default_value = "512M", value_parser = nonzero_size)]
+    pub size: u64,
+
+    /// Memory it may keep resident (uswap's limit; the kernel backend's cgroup limit)
+    #[arg(long, value_name = "SIZE", default_value = "256M", value_parser = nonzero_size)]
+    pub memory: u64,
+
+    /// Accessing threads
+    #[arg(long, value_name = "N", default_value_t = 1, value_parser = value_parser!(u16).range(1..=1024))]
+    pub threads: u16,
+
+    /// Share of accesses that are writes, in percent
+    #[arg(long, value_name = "P", default_value_t = 20, value_parser = value_parser!(u8).range(0..=100))]
+    pub write_pct: u8,
+
+    /// Length of the measured interval; filling the region first is not counted
+    #[arg(long, value_name = "S", default_value = "10", value_parser = seconds)]
+    pub seconds: f64,
+
+    /// Which swap runs the workload
+    #[arg(long, value_enum, default_value_t = Backend::Uswap)]
+    pub backend: Backend,
+
+    /// Print one JSON object instead of a table
+    #[arg(long)]
+    pub json: bool,
+
+    #[command(flatten)]
+    pub core: CoreArgs,
+}
+
+#[derive(Serialize)]
+struct Report {
+    bench: &'static str,
+    backend: Backend,
+    size: u64,
+    memory: u64,
+    threads: usize,
+    write_pct: u8,
+    accesses: u64,
+    accesses_per_s: f64,
+    swap_in_mb_s: f64,
+    swap_out_mb_s: f64,
+    verify_errors: u64,
+    #[serde(flatten)]
+    outcome: RandomOutcome,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    uswap: Option<UswapDetail>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    kernel: Option<Environment>,
+}
+
+#[derive(Serialize)]
+struct UswapDetail {
+    /// Counters over the measured interval.
+    vmstat: VmStatSnapshot,
+    /// The region's statistics at the end of the measured interval (service times since
+    /// the region was made).
+    stats: Stats,
+}
+
+pub fn run(a: &RandomArgs) -> Result<()> {
+    let pages = a.size / PAGE_SIZE as u64;
+    ensure!(
+        pages >= 1,
+        "--size {} is smaller than one page (4 KiB)",
+        a.size
+    );
+    // The page header keeps the page number in 32 bits.
+    ensure!(
+        pages <= u32::MAX as u64,
+        "--size {} is too large: at most 16 TiB",
+        report::size(a.size)
+    );
+    let params = RandomParams {
+        threads: a.threads as usize,
+        write_pct: a.write_pct,
+        seconds: a.seconds,
+    };
+    let r = match a.backend {
+        Backend::Uswap => run_uswap(a, &params)?,
+        Backend::Kernel => run_kernel(a, &params)?,
+    };
+    if a.json {
+        report::json(&r)?;
+    } else {
+        print(&r);
+    }
+    ensure!(
+        r.verify_errors == 0,
+        "{} verify errors: pages did not come back as they were written",
+        r.verify_errors
+    );
+    Ok(())
+}
+
+fn run_uswap(a: &RandomArgs, params: &RandomParams) -> Result<Report> {
+    let cfg = a.core.config(a.memory)?;
+    let region = Region::new(a.size, cfg).with_context(|| {
+        format!(
+            "creating a {} region with a {} memory limit",
+            report::size(a.size),
+            report::size(a.memory)
+        )
+    })?;
+    let (outcome, before, after) = random::run(region.mem(), params, || region.stats());
+    let vmstat = after.vmstat.since(&before.vmstat);
+    let swapped = (vmstat.pswpin, vmstat.pswpout);
+    let detail = UswapDetail {
+        vmstat,
+        stats: after,
+    };
+    Ok(build_report(a, outcome, swapped, Some(detail), None))
+}
+
+fn run_kernel(a: &RandomArgs, params: &RandomParams) -> Result<Report> {
+    let setup = kernel::Setup {
+        memory_limit: Some(a.memory),
+        swap_bytes: Some(a.core.swap_size.unwrap_or(a.size + KERNEL_SWAP_MARGIN)),
+        swap_dir: a.core.swap_dir(),
+    };
+    let spec = child::Spec::Random {
+        size: a.size,
+        params: *params,
+    };
+    let (child_report, env) = kernel::run(&setup, &spec)?;
+    let child::Report::Random { outcome, swap } = child_report else {
+        bail!("the kernel-backend child sent a report for another workload");
+    };
+    Ok(build_report(
+        a,
+        outcome,
+        (swap.pswpin, swap.pswpout),
+        None,
+        Some(env),
+    ))
+}
+
+fn build_report(
+    a: &RandomArgs,
+    outcome: RandomOutcome,
+    (pswpin, pswpout): (u64, u64),
+    uswap: Option<UswapDetail>,
+    kernel: Option<Environment>,
+) -> Report {
+    let secs = outcome.measured_s;
+    Report {
+        bench: "random",
+        backend: a.backend,
+        size: a.size,
+        memory: a.memory,
+        threads: a.threads as usize,
+        write_pct: a.write_pct,
+        accesses: outcome.accesses(),
+        accesses_per_s: outcome.accesses() as f64 / secs,
+        swap_in_mb_s: report::mb_per_s(pswpin, secs),
+        swap_out_mb_s: report::mb_per_s(pswpout, secs),
+        verify_errors: outcome.verify_errors(),
+        outcome,
+        uswap,
+        kernel,
+    }
+}
+
+fn print(r: &Report) {
+    let o = &r.outcome;
+    let pct = |n: u64| 100.0 * n as f64 / r.accesses.max(1) as f64;
+    println!(
+        "uswap bench random: backend {}, {} region, {} memory, {} thread(s), {}% writes",
+        r.backend,
+        report::size(r.size),
+        report::size(r.memory),
+        r.threads,
+        r.write_pct
+    );
+    println!(
+        "  time             setup (fill) {:.2} s   measured {:.2} s   final check {:.2} s",
+        o.setup_s, o.measured_s, o.verify_s
+    );
+    println!(
+        "  accesses         {}  ({}/s)   reads {:.1}%  writes {:.1}%",
+        report::count(r.accesses),
+        report::count(r.accesses_per_s as u64),
+        pct(o.reads),
+        pct(o.writes)
+    );
+    println!(
+        "  swap             in {:.1} MB/s   out {:.1} MB/s",
+        r.swap_in_mb_s, r.swap_out_mb_s
+    );
+    println!(
+        "  access latency   {}",
+        report::access_latency(&o.access_latency)
+    );
+    println!(
+        "  verify errors    {}  (during run {}, final check {})",
+        r.verify_errors, o.errors_during_run, o.errors_final_pass
+    );
+    if let Some(u) = &r.uswap {
+        println!("uswap fault service time (since the region was made):");
+        report::service_times(&[
+            ("first-touch", &u.stats.first_touch),
+            ("minor", &u.stats.minor),
+            ("major", &u.stats.major),
+        ]);
+        println!("uswap counters over the measured interval:");
+        report::vmstat(&u.vmstat);
+    }
+    if let Some(k) = &r.kernel {
+        println!("kernel: cgroup {}; swap: {}", k.cgroup, k.swap);
+    }
+}

@@ -1,0 +1,216 @@
+//! A memory cgroup for the kernel-backend child: v1 or v2, whichever has the memory
+//! controller on this machine.
+
+use anyhow::{bail, Context, Result};
+use std::fs;
+use std::io;
+use std::path::{Path, PathBuf};
+use std::thread;
+use std::time::Duration;
+
+/// Where the memory controller is mounted and which interface it speaks.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Hierarchy {
+    /// cgroup v1: its own `memory` hierarchy with `memory.limit_in_bytes`.
+    V1(PathBuf),
+    /// cgroup v2: the unified hierarchy with `memory` among its controllers.
+    V2(PathBuf),
+}
+
+impl Hierarchy {
+    /// Finds the memory controller under `root` (normally `/sys/fs/cgroup`), preferring v1.
+    pub fn detect(root: &Path) -> Result<Hierarchy> {
+        let v1 = root.join("memory");
+        if v1.join("memory.limit_in_bytes").exists() {
+            return Ok(Hierarchy::V1(v1));
+        }
+        let controllers = fs::read_to_string(root.join("cgroup.controllers")).unwrap_or_default();
+        if controllers.split_whitespace().any(|c| c == "memory") {
+            let enabled =
+                fs::read_to_string(root.join("cgroup.subtree_control")).unwrap_or_default();
+            if !enabled.split_whitespace().any(|c| c == "memory") {
+                bail!(
+                    "the cgroup v2 memory controller is not enabled for child groups of {}: \
+                     enable it with `echo +memory > {}`",
+                    root.display(),
+                    root.join("cgroup.subtree_control").display()
+                );
+            }
+            return Ok(Hierarchy::V2(root.to_path_buf()));
+        }
+        bail!(
+            "no memory cgroup controller found under {} (neither a v1 `memory` hierarchy nor \
+             v2 with `memory` in cgroup.controllers)",
+            root.display()
+        )
+    }
+
+    pub fn group_path(&self, name: &str) -> PathBuf {
+        match self {
+            Hierarchy::V1(dir) | Hierarchy::V2(dir) => dir.join(name),
+        }
+    }
+
+    /// The control files to write, in order, for a memory limit (`None`: no limit) with
+    /// swapping allowed.
+    pub fn settings(&self, limit: Option<u64>) -> Vec<(&'static str, String)> {
+        match self {
+            // memory.memsw.* is left alone: unlimited unless the machine set it.
+            Hierarchy::V1(_) => {
+                let mut s = vec![("memory.swappiness", "60".to_string())];
+                if let Some(bytes) = limit {
+                    s.push(("memory.limit_in_bytes", bytes.to_string()));
+                }
+                s
+            }
+            Hierarchy::V2(_) => vec![
+                ("memory.swap.max", "max".to_string()),
+                (
+                    "memory.max",
+                    limit.map_or("max".to_string(), |b| b.to_string()),
+                ),
+            ],
+        }
+    }
+}
+
+/// A cgroup this program created; [`Cgroup::remove`] deletes it.
+#[derive(Debug)]
+pub struct Cgroup {
+    path: PathBuf,
+}
+
+impl Cgroup {
+    /// Creates `name` under the hierarchy and applies the limit. On failure nothing is left.
+    pub fn create(h: &Hierarchy, name: &str, limit: Option<u64>) -> Result<Cgroup> {
+        let path = h.group_path(name);
+        fs::create_dir(&path).with_context(|| format!("creating cgroup {}", path.display()))?;
+        let group = Cgroup { path };
+        for (file, value) in h.settings(limit) {
+            if let Err(e) = group.write(file, &value) {
+                // Best effort: the error that matters is the one being returned.
+                let _ = group.remove();
+                return Err(e);
+            }
+        }
+        Ok(group)
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Moves process `pid` (and only it) into the group.
+    pub fn add_process(&self, pid: u32) -> Result<()> {
+        self.write("cgroup.procs", &pid.to_string())
+    }
+
+    fn write(&self, file: &str, value: &str) -> Result<()> {
+        let path = self.path.join(file);
+        fs::write(&path, value).with_context(|| format!("writing {value} to {}", path.display()))
+    }
+
+    /// Removes the group. Its processes must have exited; the kernel may still be finishing
+    /// that for a moment (EBUSY), so this retries briefly.
+    pub fn remove(&self) -> io::Result<()> {
+        let mut tries = 0;
+        loop {
+            match fs::remove_dir(&self.path) {
+                Err(e) if e.raw_os_error() == Some(libc::EBUSY) && tries < 100 => {
+                    tries += 1;
+                    thread::sleep(Duration::from_millis(20));
+                }
+                Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
+                other => return other,
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tree(files: &[(&str, &str)]) -> tempfile::TempDir {
+        let root = tempfile::tempdir().unwrap();
+        for (path, content) in files {
+            let p = root.path().join(path);
+            fs::create_dir_all(p.parent().unwrap()).unwrap();
+            fs::write(p, content).unwrap();
+        }
+        root
+    }
+
+    #[test]
+    fn v1_memory_hierarchy_is_preferred() {
+        let root = tree(&[
+            ("memory/memory.limit_in_bytes", "9223372036854771712\n"),
+            ("cgroup.controllers", "cpu io memory\n"),
+            ("cgroup.subtree_control", "memory\n"),
+        ]);
+        let h = Hierarchy::detect(root.path()).unwrap();
+        assert_eq!(h, Hierarchy::V1(root.path().join("memory")));
+        assert_eq!(h.group_path("g"), root.path().join("memory/g"));
+    }
+
+    #[test]
+    fn v2_needs_memory_in_controllers_and_subtree_control() {
+        let root = tree(&[
+            ("cgroup.controllers", "cpu io memory\n"),
+            ("cgroup.subtree_control", "cpu memory\n"),
+        ]);
+        assert_eq!(
+            Hierarchy::detect(root.path()).unwrap(),
+            Hierarchy::V2(root.path().to_path_buf())
+        );
+
+        let root = tree(&[
+            ("cgroup.controllers", "cpu io memory\n"),
+            ("cgroup.subtree_control", "cpu\n"),
+        ]);
+        let err = Hierarchy::detect(root.path()).unwrap_err().to_string();
+        assert!(err.contains("+memory"), "{err}");
+
+        // Like this machine's unified hierarchy: mounted, but no controllers.
+        let root = tree(&[("cgroup.controllers", "")]);
+        let err = Hierarchy::detect(root.path()).unwrap_err().to_string();
+        assert!(err.contains("no memory cgroup controller"), "{err}");
+    }
+
+    #[test]
+    fn settings_set_the_limit_and_allow_swap() {
+        let v1 = Hierarchy::V1("/x".into());
+        assert_eq!(
+            v1.settings(Some(4096)),
+            vec![
+                ("memory.swappiness", "60".into()),
+                ("memory.limit_in_bytes", "4096".into())
+            ]
+        );
+        assert_eq!(v1.settings(None), vec![("memory.swappiness", "60".into())]);
+        let v2 = Hierarchy::V2("/x".into());
+        assert_eq!(
+            v2.settings(Some(4096)),
+            vec![
+                ("memory.swap.max", "max".into()),
+                ("memory.max", "4096".into())
+            ]
+        );
+        assert_eq!(v2.settings(None)[1], ("memory.max", "max".into()));
+    }
+
+    #[test]
+    fn create_writes_the_settings_into_the_new_group() {
+        let root = tree(&[("memory/memory.limit_in_bytes", "0")]);
+        let h = Hierarchy::detect(root.path()).unwrap();
+        let g = Cgroup::create(&h, "uswap-bench-1", Some(1 << 20)).unwrap();
+        let read = |f: &str| fs::read_to_string(g.path().join(f)).unwrap();
+        assert_eq!(read("memory.limit_in_bytes"), "1048576");
+        g.add_process(1234).unwrap();
+        assert_eq!(read("cgroup.procs"), "1234");
+        assert!(
+            Cgroup::create(&h, "uswap-bench-1", None).is_err(),
+            "an existing group is not reused"
+        );
+    }
+}

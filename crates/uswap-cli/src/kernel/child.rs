@@ -1,0 +1,112 @@
+//! The child process of the kernel backend (`uswap __kernel-child SPEC`).
+//!
+//! It waits for one byte on stdin before allocating anything, so that the parent can first
+//! move it into the memory cgroup; then it runs the workload on plain anonymous memory and
+//! prints its report as one JSON line on stdout.
+
+use super::vmstat::{self, SwapPages};
+use crate::workload::fault::{self, FaultOutcome, FaultParams};
+use crate::workload::mem::{AnonMap, Mapped};
+use crate::workload::random::{self, RandomOutcome, RandomParams};
+use anyhow::{Context, Result};
+use serde::{Deserialize, Serialize};
+use std::io::Read;
+
+/// The hidden subcommand name.
+pub const SUBCOMMAND: &str = "__kernel-child";
+
+/// What the child is to run.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(tag = "workload", rename_all = "lowercase")]
+pub enum Spec {
+    Random { size: u64, params: RandomParams },
+    Fault { size: u64, params: FaultParams },
+}
+
+/// What the child measured.
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(tag = "workload", rename_all = "lowercase")]
+pub enum Report {
+    Random {
+        outcome: RandomOutcome,
+        /// Machine-wide swap counters over the measured interval.
+        swap: SwapPages,
+    },
+    Fault {
+        outcome: FaultOutcome,
+    },
+}
+
+/// The arguments that make the uswap binary run `spec` as the child.
+pub fn command_args(spec: &Spec) -> Vec<String> {
+    let json = serde_json::to_string(spec).expect("a spec always serializes");
+    vec![SUBCOMMAND.to_string(), json]
+}
+
+pub fn main(spec_json: &str) -> Result<()> {
+    let spec: Spec = serde_json::from_str(spec_json).context("reading the workload spec")?;
+    let mut go = [0u8; 1];
+    std::io::stdin()
+        .read_exact(&mut go)
+        .context("waiting for the parent to start the workload")?;
+    let report = run(spec)?;
+    println!("{}", serde_json::to_string(&report)?);
+    Ok(())
+}
+
+fn anon(size: u64) -> Result<AnonMap> {
+    AnonMap::new(size as usize).with_context(|| format!("mapping {size} bytes of anonymous memory"))
+}
+
+fn run(spec: Spec) -> Result<Report> {
+    match spec {
+        Spec::Random { size, params } => {
+            let map = anon(size)?;
+            let (outcome, before, after) = random::run(map.mem(), &params, vmstat::read);
+            let swap = after?.since(&before?);
+            Ok(Report::Random { outcome, swap })
+        }
+        Spec::Fault { size, params } => {
+            let outcome = fault::run(&params, || anon(size), drop)?;
+            Ok(Report::Fault { outcome })
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_spec_travels_as_one_argument_and_comes_back_equal() {
+        let spec = Spec::Random {
+            size: 8 << 20,
+            params: RandomParams {
+                threads: 3,
+                write_pct: 20,
+                seconds: 1.5,
+            },
+        };
+        let args = command_args(&spec);
+        assert_eq!(args.len(), 2);
+        assert_eq!(args[0], "__kernel-child");
+        assert!(args[1].contains(r#""workload":"random""#), "{}", args[1]);
+        assert_eq!(serde_json::from_str::<Spec>(&args[1]).unwrap(), spec);
+    }
+
+    #[test]
+    fn a_fault_run_on_plain_memory_reports_pages() {
+        let spec = Spec::Fault {
+            size: 1 << 20,
+            params: FaultParams {
+                threads: 1,
+                seconds: 0.01,
+            },
+        };
+        let Report::Fault { outcome } = run(spec).unwrap() else {
+            panic!("wrong report kind");
+        };
+        assert_eq!(outcome.pages_touched % 256, 0);
+        assert!(outcome.pages_touched > 0);
+    }
+}

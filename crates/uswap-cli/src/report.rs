@@ -1,0 +1,107 @@
+//! Formatting results: human-readable tables and JSON.
+
+use crate::workload::latency::LatencySummary;
+use anyhow::{Context, Result};
+use serde::Serialize;
+use std::io::Write;
+use uswap_core::{Latency, VmStatSnapshot};
+
+/// Prints one pretty JSON object on stdout (an error, not a panic, if stdout is closed).
+pub fn json<T: Serialize>(value: &T) -> Result<()> {
+    let mut out = std::io::stdout().lock();
+    serde_json::to_writer_pretty(&mut out, value)?;
+    writeln!(out).context("writing the report")?;
+    Ok(())
+}
+
+/// Bytes in binary units: `512 MiB`, `1.5 GiB`.
+pub fn size(bytes: u64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = bytes as f64;
+    let mut unit = 0;
+    while v >= 1024.0 && unit < UNITS.len() - 1 {
+        v /= 1024.0;
+        unit += 1;
+    }
+    if v.fract() == 0.0 {
+        format!("{v} {}", UNITS[unit])
+    } else {
+        format!("{v:.1} {}", UNITS[unit])
+    }
+}
+
+/// An integer with thousands separators: `1,234,567`.
+pub fn count(n: u64) -> String {
+    let digits = n.to_string();
+    let groups: Vec<&str> = digits
+        .as_bytes()
+        .rchunks(3)
+        .rev()
+        .map(|g| std::str::from_utf8(g).expect("digits are ASCII"))
+        .collect();
+    groups.join(",")
+}
+
+/// Pages per second as MB/s (10^6 bytes, as the seed benchmarks report).
+pub fn mb_per_s(pages: u64, seconds: f64) -> f64 {
+    pages as f64 * uswap_core::PAGE_SIZE as f64 / seconds / 1e6
+}
+
+pub fn access_latency(l: &LatencySummary) -> String {
+    format!(
+        "p50 {:.1}  p90 {:.1}  p99 {:.1}  p99.9 {:.1}  max {:.1} µs  (mean {:.1})",
+        l.p50_us, l.p90_us, l.p99_us, l.p999_us, l.max_us, l.mean_us
+    )
+}
+
+/// A table of the library's fault service times, one row per fault kind.
+pub fn service_times(rows: &[(&str, &Latency)]) {
+    println!(
+        "  {:<12} {:>10} {:>9} {:>9} {:>9} {:>9} {:>10}",
+        "fault kind", "count", "mean µs", "p50", "p90", "p99", "max"
+    );
+    for (name, l) in rows {
+        println!(
+            "  {:<12} {:>10} {:>9.1} {:>9.1} {:>9.1} {:>9.1} {:>10.1}",
+            name,
+            count(l.count),
+            l.mean_us,
+            l.p50_us,
+            l.p90_us,
+            l.p99_us,
+            l.max_us
+        );
+    }
+}
+
+/// The counters that moved, four to a line.
+pub fn vmstat(v: &VmStatSnapshot) {
+    let moved: Vec<String> = v
+        .fields()
+        .into_iter()
+        .filter(|&(_, n)| n != 0)
+        .map(|(name, n)| format!("{name} {}", count(n)))
+        .collect();
+    if moved.is_empty() {
+        println!("  (no events)");
+    }
+    for line in moved.chunks(4) {
+        println!("  {}", line.join("   "));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn numbers_read_well() {
+        assert_eq!(size(512 << 20), "512 MiB");
+        assert_eq!(size(3 << 29), "1.5 GiB");
+        assert_eq!(size(100), "100 B");
+        assert_eq!(count(0), "0");
+        assert_eq!(count(1234567), "1,234,567");
+        assert_eq!(count(123456), "123,456");
+        assert!((mb_per_s(1000, 2.0) - 2.048).abs() < 1e-9);
+    }
+}

@@ -1,0 +1,9 @@
+//! Workloads that run on plain memory (`ptr`, `len`), so the same code measures uswap and the
+//! kernel's own swap.
+
+pub mod fault;
+pub mod latency;
+pub mod mem;
+pub mod pattern;
+pub mod random;
+pub mod rng;

@@ -1,0 +1,101 @@
+//! The `uswap` binary end to end: bad input is refused clearly, and a small benchmark runs
+//! clean. (The kernel backend is not run here: it needs root and changes the machine.)
+
+use std::process::{Command, Output};
+
+fn uswap(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_uswap"))
+        .args(args)
+        .output()
+        .expect("the uswap binary runs")
+}
+
+/// Runs `args`, expects failure, and returns stderr.
+fn refused(args: &[&str]) -> String {
+    let out = uswap(args);
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(
+        !out.status.success(),
+        "{args:?} should fail; stderr: {stderr}"
+    );
+    stderr
+}
+
+#[test]
+fn a_zero_size_is_refused() {
+    let err = refused(&["bench", "random", "--size", "0"]);
+    assert!(
+        err.contains("--size") && err.contains("greater than 0"),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_size_with_an_unknown_suffix_is_refused() {
+    let err = refused(&["bench", "random", "--memory", "12X"]);
+    assert!(
+        err.contains("--memory") && err.contains("12X") && err.contains("suffix"),
+        "{err}"
+    );
+}
+
+#[test]
+fn zero_threads_are_refused() {
+    let err = refused(&["bench", "random", "--threads", "0"]);
+    assert!(err.contains("--threads") && err.contains('0'), "{err}");
+}
+
+#[test]
+fn a_missing_swap_directory_is_refused() {
+    let err = refused(&["bench", "random", "--swap-dir", "/nonexistent/dir"]);
+    assert!(
+        err.contains("/nonexistent/dir") && err.contains("No such file"),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_bad_library_setting_names_the_setting() {
+    let err = refused(&["bench", "fault", "--handlers", "0", "--seconds", "0.1"]);
+    assert!(
+        err.contains("handler threads") && err.contains('0'),
+        "{err}"
+    );
+}
+
+#[test]
+fn bad_choices_are_refused() {
+    let err = refused(&["bench", "random", "--fault-mode", "fast"]);
+    assert!(err.contains("fast") && err.contains("sigbus"), "{err}");
+    let err = refused(&["bench", "random", "--backend", "zram"]);
+    assert!(err.contains("zram") && err.contains("kernel"), "{err}");
+    let err = refused(&["bench", "random", "--write-pct", "101"]);
+    assert!(err.contains("--write-pct"), "{err}");
+}
+
+#[test]
+fn a_small_random_run_is_verified_clean() {
+    let out = uswap(&[
+        "bench",
+        "random",
+        "--size",
+        "8M",
+        "--memory",
+        "4M",
+        "--seconds",
+        "1",
+        "--json",
+    ]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "stdout: {stdout}\nstderr: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let r: serde_json::Value = serde_json::from_str(&stdout).expect("one JSON object");
+    assert_eq!(r["verify_errors"], 0, "{r}");
+    assert!(r["accesses"].as_u64().unwrap() > 0, "{r}");
+    assert_eq!(r["backend"], "uswap");
+    // The region was twice the memory: the run must really have swapped.
+    assert!(r["uswap"]["vmstat"]["pswpin"].as_u64().unwrap() > 0, "{r}");
+}
