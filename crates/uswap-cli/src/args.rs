@@ -52,6 +52,10 @@ pub struct CoreArgs {
     #[arg(long, value_name = "N")]
     pub handlers: Option<usize>,
 
+    /// µs a waiting fault handler polls before it sleeps (0 = sleep at once)
+    #[arg(long, value_name = "US")]
+    pub handler_spin: Option<u64>,
+
     /// Pages mapped around a first-touch fault (1 = off)
     #[arg(long, value_name = "PAGES")]
     pub fault_around: Option<usize>,
@@ -81,6 +85,9 @@ impl CoreArgs {
         }
         if let Some(n) = self.handlers {
             cfg.handler_threads = n;
+        }
+        if let Some(us) = self.handler_spin {
+            cfg.handler_spin_us = us;
         }
         if let Some(pages) = self.fault_around {
             cfg.fault_around = pages;

@@ -19,12 +19,19 @@ pub const MIN_MEMORY_PAGES: u64 = 16;
 /// Suffixes are binary (K = 1024).
 pub fn parse_size(text: &str) -> Result<u64> {
     let t = text.trim();
-    let bad = |why: &str| Error::invalid("size", format!("{text:?}: {why} (examples: 4096, 64K, 512M, 2G)"));
+    let bad = |why: &str| {
+        Error::invalid(
+            "size",
+            format!("{text:?}: {why} (examples: 4096, 64K, 512M, 2G)"),
+        )
+    };
     let digits_end = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
     if digits_end == 0 {
         return Err(bad("expected a number"));
     }
-    let number: u64 = t[..digits_end].parse().map_err(|_| bad("number too large"))?;
+    let number: u64 = t[..digits_end]
+        .parse()
+        .map_err(|_| bad("number too large"))?;
     let suffix = t[digits_end..].trim().to_ascii_lowercase();
     let shift = match suffix.trim_end_matches("ib").trim_end_matches('b') {
         "" => 0,
@@ -57,7 +64,10 @@ impl FromStr for FaultMode {
         match s {
             "thread" => Ok(FaultMode::Thread),
             "sigbus" => Ok(FaultMode::Sigbus),
-            _ => Err(Error::invalid("fault mode", format!("{s:?}: use `thread` or `sigbus`"))),
+            _ => Err(Error::invalid(
+                "fault mode",
+                format!("{s:?}: use `thread` or `sigbus`"),
+            )),
         }
     }
 }
@@ -78,7 +88,10 @@ impl FromStr for IoMode {
         match s {
             "uring" | "io_uring" => Ok(IoMode::Uring),
             "pread" => Ok(IoMode::Pread),
-            _ => Err(Error::invalid("I/O mode", format!("{s:?}: use `uring` or `pread`"))),
+            _ => Err(Error::invalid(
+                "I/O mode",
+                format!("{s:?}: use `uring` or `pread`"),
+            )),
         }
     }
 }
@@ -167,6 +180,8 @@ pub struct Config {
     pub fault_mode: FaultMode,
     /// Fault handler threads (thread mode only).
     pub handler_threads: usize,
+    /// How long a waiting handler polls for the next fault before it sleeps, in µs.
+    pub handler_spin_us: u64,
     /// `None`: derived from the memory limit by [`Watermarks::for_limit`].
     pub watermarks: Option<Watermarks>,
     /// Pages mapped around a first-touch fault in one operation (1 = no fault-around).
@@ -185,6 +200,7 @@ impl Config {
             swap: SwapConfig::default(),
             fault_mode: FaultMode::Thread,
             handler_threads: 2,
+            handler_spin_us: 50,
             watermarks: None,
             fault_around: 16,
             inactive_percent: 10,
@@ -207,7 +223,10 @@ impl Config {
         if self.memory_limit > MAX_SIZE {
             return Err(Error::invalid(
                 "memory limit",
-                format!("{} bytes is larger than the maximum of 64 TiB", self.memory_limit),
+                format!(
+                    "{} bytes is larger than the maximum of 64 TiB",
+                    self.memory_limit
+                ),
             ));
         }
         if pages < MIN_MEMORY_PAGES {
@@ -234,10 +253,22 @@ impl Config {
                 format!("{}: use 1 to 64", self.handler_threads),
             ));
         }
+        if self.handler_spin_us > 10_000 {
+            return Err(Error::invalid(
+                "handler spin",
+                format!(
+                    "{} µs: use 0 (sleep at once) to 10000",
+                    self.handler_spin_us
+                ),
+            ));
+        }
         if !(1..=512).contains(&self.fault_around) {
             return Err(Error::invalid(
                 "fault-around",
-                format!("{} pages: use 1 (off) to 512 pages (2 MiB)", self.fault_around),
+                format!(
+                    "{} pages: use 1 (off) to 512 pages (2 MiB)",
+                    self.fault_around
+                ),
             ));
         }
         if self.inactive_percent > 50 {
@@ -313,7 +344,11 @@ mod tests {
         c.fault_around = 0;
         assert!(msg(c).contains("fault-around"));
         let mut c = Config::new(1 << 20);
-        c.watermarks = Some(Watermarks { min: 8, low: 4, high: 16 });
+        c.watermarks = Some(Watermarks {
+            min: 8,
+            low: 4,
+            high: 16,
+        });
         assert!(msg(c).contains("watermarks"));
         let mut c = Config::new(1 << 20);
         c.swap.size = Some(0);

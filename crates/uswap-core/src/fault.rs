@@ -73,7 +73,10 @@ impl RegionCore {
     fn first_touch(&self, lock: PageLock<'_>, start: Instant) -> Outcome {
         let page = lock.page();
         let window = self.cfg.fault_around;
-        let (lo_bound, hi_bound) = (page - page % window, (page - page % window + window).min(self.pages.len()));
+        let (lo_bound, hi_bound) = (
+            page - page % window,
+            (page - page % window + window).min(self.pages.len()),
+        );
         let Some(granted) = self.charge((hi_bound - lo_bound) as u64) else {
             return self.fail(lock, "out of memory: no page could be reclaimed", true);
         };
@@ -89,7 +92,12 @@ impl RegionCore {
         // Counters move before the fill, which wakes the faulting thread: a caller that
         // reads them right after its access must see this fault.
         self.vmstat.pgzerofill.fetch_add((hi - lo) as u64, Relaxed);
-        let filled = self.uffd.copy(self.page_addr(lo), self.zeros.addr() as *const u8, (hi - lo) * PAGE_SIZE, false);
+        let filled = self.uffd.copy(
+            self.page_addr(lo),
+            self.zeros.addr() as *const u8,
+            (hi - lo) * PAGE_SIZE,
+            false,
+        );
         let state = match filled {
             Ok(()) => PageState::new(Kind::Active),
             Err(_) => PageState::NONE,
@@ -127,7 +135,11 @@ impl RegionCore {
         };
         if let Err(e) = back {
             self.vmstat.pgactivate.fetch_sub(1, Relaxed);
-            return self.fail(lock, &format!("cannot map the inactive page back: {e}"), false);
+            return self.fail(
+                lock,
+                &format!("cannot map the inactive page back: {e}"),
+                false,
+            );
         }
         self.lru.remove(lock.page());
         self.lru.add(LruList::Active, [lock.page()]);
@@ -163,7 +175,11 @@ impl RegionCore {
             counter.fetch_add(1, Relaxed);
             self.swap.free_slot(slot);
             lock.set(PageState::new(Kind::Poisoned));
-            return self.fail(lock, &format!("swap-in from slot {slot} failed: {e}; the page's data is lost"), false);
+            return self.fail(
+                lock,
+                &format!("swap-in from slot {slot} failed: {e}; the page's data is lost"),
+                false,
+            );
         }
         // Keep the swap copy (and write-protect to learn of the first write) unless swap
         // space is getting short, as the kernel frees the slot when vm_swap_full().
@@ -172,12 +188,18 @@ impl RegionCore {
             self.swap.free_slot(slot);
         }
         self.vmstat.pgmajfault.fetch_add(1, Relaxed);
-        let mapped = self.uffd.copy(self.page_addr(lock.page()), buf.as_ptr(), PAGE_SIZE, keep);
+        let mapped = self
+            .uffd
+            .copy(self.page_addr(lock.page()), buf.as_ptr(), PAGE_SIZE, keep);
         self.return_bounce(buf);
         if let Err(e) = mapped {
             self.vmstat.pgmajfault.fetch_sub(1, Relaxed);
             self.budget.uncharge(1);
-            lock.set(if keep { st } else { PageState::new(Kind::Poisoned) });
+            lock.set(if keep {
+                st
+            } else {
+                PageState::new(Kind::Poisoned)
+            });
             return self.fail(lock, &format!("cannot map the swapped-in page: {e}"), false);
         }
         self.lru.add(LruList::Active, [lock.page()]);

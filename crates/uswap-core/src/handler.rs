@@ -6,8 +6,10 @@ use crate::fault::Outcome;
 use crate::region::RegionCore;
 use crate::uffd::{Msg, EVENT_PAGEFAULT, PAGEFAULT_FLAG_WP};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
-use std::sync::Arc;
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
 
 pub(crate) struct Handlers {
     stop: OwnedFd,
@@ -25,12 +27,16 @@ impl Handlers {
             stop: unsafe { OwnedFd::from_raw_fd(fd) },
             threads: Vec::new(),
         };
+        let leader = Arc::new(Mutex::new(()));
         for i in 0..core.cfg.handler_threads {
-            let (core, stop) = (core.clone(), fd);
+            let (core, stop, leader) = (core.clone(), fd, leader.clone());
             let t = std::thread::Builder::new()
                 .name(format!("uswap-fault-{i}"))
-                .spawn(move || serve(&core, stop))
-                .map_err(|source| Error::Os { op: "spawn fault handler", source })?;
+                .spawn(move || serve(&core, stop, &leader))
+                .map_err(|source| Error::Os {
+                    op: "spawn fault handler",
+                    source,
+                })?;
             handlers.threads.push(t);
         }
         Ok(handlers)
@@ -47,34 +53,70 @@ impl Handlers {
     }
 }
 
-fn serve(core: &RegionCore, stop: i32) {
+/// Leader/follower: one handler at a time waits for events (spinning briefly, then in
+/// poll), hands leadership on as soon as it has events, and resolves them. Only one thread
+/// wakes per event, and a fault that follows soon after the last one finds a handler already
+/// running instead of waking a sleeping CPU: on a VM that wake-up costs more than the fault.
+fn serve(core: &RegionCore, stop: i32, leader: &Mutex<()>) {
     let mut msgs = [Msg::default(); 16];
     loop {
-        let mut fds = [
-            libc::pollfd { fd: core.uffd.raw(), events: libc::POLLIN, revents: 0 },
-            libc::pollfd { fd: stop, events: libc::POLLIN, revents: 0 },
-        ];
-        // SAFETY: valid pollfd array.
-        let ready = unsafe { libc::poll(fds.as_mut_ptr(), 2, -1) };
-        if ready < 0 || fds[1].revents != 0 {
-            if ready < 0 && std::io::Error::last_os_error().kind() == std::io::ErrorKind::Interrupted {
-                continue;
-            }
-            return;
-        }
-        let n = match core.uffd.read_events(&mut msgs) {
-            Ok(n) => n,
-            Err(e) => {
-                eprintln!("uswap: reading userfaultfd events failed: {e}; fault handler stops");
-                return;
+        let n = {
+            let _leader = leader.lock().unwrap_or_else(|e| e.into_inner());
+            match next_events(core, stop, &mut msgs) {
+                Some(n) => n,
+                None => return,
             }
         };
         for m in msgs[..n].iter().filter(|m| m.event == EVENT_PAGEFAULT) {
-            let Some(page) = core.page_of(m.address as usize) else { continue };
+            let Some(page) = core.page_of(m.address as usize) else {
+                continue;
+            };
             let wp = m.flags & PAGEFAULT_FLAG_WP != 0;
             if let Outcome::Fatal = core.handle_fault(page, Some(wp)) {
                 kill_faulting_thread(m.ptid);
             }
+        }
+    }
+}
+
+/// Waits for fault events; `None` when the region is shutting down or the descriptor failed.
+fn next_events(core: &RegionCore, stop: i32, msgs: &mut [Msg]) -> Option<usize> {
+    let spin_until = Instant::now() + Duration::from_micros(core.cfg.handler_spin_us);
+    loop {
+        match core.uffd.read_events(msgs) {
+            Ok(0) => {}
+            Ok(n) => return Some(n),
+            Err(e) => {
+                eprintln!("uswap: reading userfaultfd events failed: {e}; fault handler stops");
+                return None;
+            }
+        }
+        if core.shutdown.load(Relaxed) {
+            return None;
+        }
+        if Instant::now() < spin_until {
+            std::hint::spin_loop();
+            continue;
+        }
+        let mut fds = [
+            libc::pollfd {
+                fd: core.uffd.raw(),
+                events: libc::POLLIN,
+                revents: 0,
+            },
+            libc::pollfd {
+                fd: stop,
+                events: libc::POLLIN,
+                revents: 0,
+            },
+        ];
+        // SAFETY: valid pollfd array.
+        let ready = unsafe { libc::poll(fds.as_mut_ptr(), 2, -1) };
+        if ready < 0 && std::io::Error::last_os_error().kind() != std::io::ErrorKind::Interrupted {
+            return None;
+        }
+        if fds[1].revents != 0 {
+            return None;
         }
     }
 }
@@ -87,6 +129,11 @@ fn kill_faulting_thread(tid: u32) {
     }
     // SAFETY: plain system calls; a stale tid at worst fails with ESRCH.
     unsafe {
-        libc::syscall(libc::SYS_tgkill, libc::getpid(), tid as libc::pid_t, libc::SIGBUS);
+        libc::syscall(
+            libc::SYS_tgkill,
+            libc::getpid(),
+            tid as libc::pid_t,
+            libc::SIGBUS,
+        );
     }
 }

@@ -48,14 +48,22 @@ impl Lists {
             n => self.links[n as usize].prev = prev,
         }
         self.len[l] -= 1;
-        self.links[page as usize] = Link { prev: NIL, next: NIL, list: OFF_LIST };
+        self.links[page as usize] = Link {
+            prev: NIL,
+            next: NIL,
+            list: OFF_LIST,
+        };
     }
 
     fn push_head(&mut self, list: LruList, page: u32) {
         self.unlink(page);
         let l = list as usize;
         let old = self.head[l];
-        self.links[page as usize] = Link { prev: NIL, next: old, list: l as u8 };
+        self.links[page as usize] = Link {
+            prev: NIL,
+            next: old,
+            list: l as u8,
+        };
         match old {
             NIL => self.tail[l] = page,
             o => self.links[o as usize].prev = page,
@@ -69,7 +77,14 @@ impl Lru {
     pub fn new(pages: usize) -> Self {
         Lru {
             lists: Mutex::new(Lists {
-                links: vec![Link { prev: NIL, next: NIL, list: OFF_LIST }; pages],
+                links: vec![
+                    Link {
+                        prev: NIL,
+                        next: NIL,
+                        list: OFF_LIST
+                    };
+                    pages
+                ],
                 head: [NIL; 2],
                 tail: [NIL; 2],
                 len: [0; 2],
@@ -99,9 +114,14 @@ impl Lru {
 
     /// Takes up to `max` pages from the tail of `list` whose page lock is free, locked and off
     /// the list. Pages whose lock is held (a fault in progress) are rotated to the head.
-    pub fn isolate<'t>(&self, pages: &'t PageTable, list: LruList, max: usize) -> Vec<PageLock<'t>> {
+    pub fn isolate<'t>(
+        &self,
+        pages: &'t PageTable,
+        list: LruList,
+        max: usize,
+    ) -> Vec<PageLock<'t>> {
         let mut l = self.lock();
-        let mut taken = Vec::with_capacity(max);
+        let mut taken = Vec::with_capacity(max.min(l.len[list as usize]));
         let mut budget = l.len[list as usize];
         while taken.len() < max && budget > 0 {
             budget -= 1;
@@ -126,7 +146,10 @@ mod tests {
     use super::*;
 
     fn drain(lru: &Lru, t: &PageTable, list: LruList) -> Vec<usize> {
-        lru.isolate(t, list, usize::MAX).iter().map(|l| l.page()).collect()
+        lru.isolate(t, list, usize::MAX)
+            .iter()
+            .map(|l| l.page())
+            .collect()
     }
 
     #[test]
@@ -136,7 +159,11 @@ mod tests {
         lru.add(LruList::Active, [0, 1, 2, 3]);
         lru.add(LruList::Inactive, [4, 5]);
         let held = t.lock(1);
-        let got: Vec<usize> = lru.isolate(&t, LruList::Active, 2).iter().map(|l| l.page()).collect();
+        let got: Vec<usize> = lru
+            .isolate(&t, LruList::Active, 2)
+            .iter()
+            .map(|l| l.page())
+            .collect();
         assert_eq!(got, vec![0, 2]);
         drop(held);
         assert_eq!(lru.len(LruList::Active), 2);
@@ -169,11 +196,19 @@ mod tests {
                 let (t, lru) = (&t, &lru);
                 s.spawn(move || {
                     for round in 0..2000 {
-                        let list = if (round + id) % 2 == 0 { LruList::Active } else { LruList::Inactive };
+                        let list = if (round + id) % 2 == 0 {
+                            LruList::Active
+                        } else {
+                            LruList::Inactive
+                        };
                         let got = lru.isolate(t, list, 8);
                         let back: Vec<usize> = got.iter().map(|l| l.page()).collect();
                         drop(got);
-                        let other = if list == LruList::Active { LruList::Inactive } else { LruList::Active };
+                        let other = if list == LruList::Active {
+                            LruList::Inactive
+                        } else {
+                            LruList::Active
+                        };
                         lru.add(other, back);
                     }
                 });

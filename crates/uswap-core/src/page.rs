@@ -46,7 +46,13 @@ pub struct PageState(u64);
 
 impl std::fmt::Debug for PageState {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{:?}(frame {:?}, slot {:?})", self.kind(), self.frame(), self.slot())
+        write!(
+            f,
+            "{:?}(frame {:?}, slot {:?})",
+            self.kind(),
+            self.frame(),
+            self.slot()
+        )
     }
 }
 
@@ -104,7 +110,9 @@ pub struct PageTable {
 impl PageTable {
     pub fn new(pages: usize) -> Self {
         PageTable {
-            words: (0..pages).map(|_| AtomicU64::new(PageState::NONE.0)).collect(),
+            words: (0..pages)
+                .map(|_| AtomicU64::new(PageState::NONE.0))
+                .collect(),
         }
     }
 

@@ -31,7 +31,10 @@ impl FrameBudget {
             if got == 0 {
                 return 0;
             }
-            match self.resident.compare_exchange_weak(cur, cur + got, Relaxed, Relaxed) {
+            match self
+                .resident
+                .compare_exchange_weak(cur, cur + got, Relaxed, Relaxed)
+            {
                 Ok(_) => return got,
                 Err(now) => cur = now,
             }
@@ -78,7 +81,10 @@ impl Mapping {
         if addr == libc::MAP_FAILED {
             return Err(Error::os("mmap"));
         }
-        let m = Mapping { addr: addr as usize, len };
+        let m = Mapping {
+            addr: addr as usize,
+            len,
+        };
         // uswap manages base pages; a child of fork() must not see the mapping at all
         // (it would read zeros where pages are swapped out), so it gets none.
         for advice in [libc::MADV_NOHUGEPAGE, libc::MADV_DONTFORK] {
@@ -147,13 +153,19 @@ impl Staging {
 
     /// Returns a frame whose page was moved away (nothing to free).
     pub fn release_empty(&self, frame: u32) {
-        self.free.lock().unwrap_or_else(|e| e.into_inner()).push(frame);
+        self.free
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(frame);
     }
 
     /// Returns a frame after freeing its memory, so the next MOVE finds it empty.
     pub fn release(&self, frame: u32) {
         self.map.discard(frame as usize, 1);
-        self.free.lock().unwrap_or_else(|e| e.into_inner()).push(frame);
+        self.free
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(frame);
     }
 }
 

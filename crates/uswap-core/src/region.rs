@@ -72,11 +72,14 @@ impl RegionCore {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .pop()
-            .unwrap_or_else(PageBuf::new)
+            .unwrap_or_default()
     }
 
     pub fn return_bounce(&self, buf: PageBuf) {
-        self.bounce.lock().unwrap_or_else(|e| e.into_inner()).push(buf);
+        self.bounce
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(buf);
     }
 
     pub fn record(&self, kind: FaultKind, since: std::time::Instant) {
@@ -105,9 +108,16 @@ fn required_features(probe: &uffd::Probe, mode: FaultMode) -> Result<u64> {
     };
     let mut features = need(uffd::FEATURE_MOVE, "UFFDIO_MOVE (Linux 6.8 or later)")?;
     if mode == FaultMode::Sigbus {
-        features |= need(uffd::FEATURE_SIGBUS, "UFFD_FEATURE_SIGBUS (Linux 4.14 or later)")?;
+        features |= need(
+            uffd::FEATURE_SIGBUS,
+            "UFFD_FEATURE_SIGBUS (Linux 4.14 or later)",
+        )?;
     }
-    for optional in [uffd::FEATURE_WP, uffd::FEATURE_POISON, uffd::FEATURE_THREAD_ID] {
+    for optional in [
+        uffd::FEATURE_WP,
+        uffd::FEATURE_POISON,
+        uffd::FEATURE_THREAD_ID,
+    ] {
         if probe.has(optional) {
             features |= optional;
         }
@@ -160,10 +170,17 @@ impl Region {
         // Both ranges are registered with the same modes: UFFDIO_MOVE needs the destination
         // registered and both sides with the same page protection.
         let mode = uffd::REGISTER_MODE_MISSING
-            | if caps.write_protect { uffd::REGISTER_MODE_WP } else { 0 };
+            | if caps.write_protect {
+                uffd::REGISTER_MODE_WP
+            } else {
+                0
+            };
         for m in [&map, staging.mapping()] {
             uffd.register(m.addr(), m.len(), mode)
-                .map_err(|source| Error::Os { op: "UFFDIO_REGISTER", source })?;
+                .map_err(|source| Error::Os {
+                    op: "UFFDIO_REGISTER",
+                    source,
+                })?;
         }
         let core = Arc::new(RegionCore {
             pages: PageTable::new(pages as usize),
@@ -236,7 +253,10 @@ impl Region {
             .ok_or_else(|| {
                 Error::invalid(
                     "advise range",
-                    format!("{offset}+{len} is outside the region of {} bytes", self.len()),
+                    format!(
+                        "{offset}+{len} is outside the region of {} bytes",
+                        self.len()
+                    ),
                 )
             })?;
         let pages = offset / PAGE_SIZE..end.div_ceil(PAGE_SIZE);
@@ -244,7 +264,8 @@ impl Region {
         let starts: Vec<usize> = pages.clone().step_by(batch).collect();
         for first in &starts {
             let chunk = *first..(*first + batch).min(pages.end);
-            self.core.deactivate(self.core.lock_kind(chunk, Kind::Active));
+            self.core
+                .deactivate(self.core.lock_kind(chunk, Kind::Active));
         }
         if advice == crate::Advice::PageOut {
             for first in starts {

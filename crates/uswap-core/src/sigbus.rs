@@ -5,13 +5,17 @@
 use crate::error::{Error, Result};
 use crate::fault::Outcome;
 use crate::region::RegionCore;
-use std::sync::atomic::{AtomicPtr, Ordering::{AcqRel, Acquire}};
+use std::sync::atomic::{
+    AtomicPtr,
+    Ordering::{AcqRel, Acquire},
+};
 use std::sync::{Arc, Mutex, Once};
 
 const MAX_REGIONS: usize = 64;
 
 /// Regions in SIGBUS mode, looked up by the signal handler without locks or allocation.
-static REGIONS: [AtomicPtr<RegionCore>; MAX_REGIONS] = [const { AtomicPtr::new(std::ptr::null_mut()) }; MAX_REGIONS];
+static REGIONS: [AtomicPtr<RegionCore>; MAX_REGIONS] =
+    [const { AtomicPtr::new(std::ptr::null_mut()) }; MAX_REGIONS];
 
 /// The SIGBUS action that was installed before ours, for signals that are not ours.
 static PREVIOUS: Mutex<Option<libc::sigaction>> = Mutex::new(None);
@@ -21,7 +25,10 @@ pub(crate) fn register(core: &Arc<RegionCore>) -> Result<()> {
     install_handler()?;
     let ptr = Arc::as_ptr(core) as *mut RegionCore;
     for slot in &REGIONS {
-        if slot.compare_exchange(std::ptr::null_mut(), ptr, AcqRel, Acquire).is_ok() {
+        if slot
+            .compare_exchange(std::ptr::null_mut(), ptr, AcqRel, Acquire)
+            .is_ok()
+        {
             return Ok(());
         }
     }

@@ -104,7 +104,8 @@ impl RingPool {
         let ring = IoUring::new(RING_ENTRIES).ok()?;
         let mut probe = Probe::new();
         ring.submitter().register_probe(&mut probe).ok()?;
-        let usable = probe.is_supported(opcode::Read::CODE) && probe.is_supported(opcode::Write::CODE);
+        let usable =
+            probe.is_supported(opcode::Read::CODE) && probe.is_supported(opcode::Write::CODE);
         usable.then(|| RingPool(Mutex::new(vec![ring])))
     }
 
@@ -149,7 +150,11 @@ impl RingPool {
 ///
 /// # Safety
 /// As [`IoEngine::run`].
-unsafe fn run_on_ring(ring: &mut IoUring, fd: RawFd, ops: &[PageOp]) -> (Vec<io::Result<()>>, bool) {
+unsafe fn run_on_ring(
+    ring: &mut IoUring,
+    fd: RawFd,
+    ops: &[PageOp],
+) -> (Vec<io::Result<()>>, bool) {
     let mut results: Vec<Option<io::Result<()>>> = (0..ops.len()).map(|_| None).collect();
     {
         let mut sq = ring.submission();
@@ -169,7 +174,10 @@ unsafe fn run_on_ring(ring: &mut IoUring, fd: RawFd, ops: &[PageOp]) -> (Vec<io:
                 fill_missing(&mut results, &e);
                 return (results.into_iter().map(Option::unwrap).collect(), false);
             }
-            Err(e) => panic!("io_uring_enter failed with {} requests in flight: {e}", submitted - done),
+            Err(e) => panic!(
+                "io_uring_enter failed with {} requests in flight: {e}",
+                submitted - done
+            ),
         }
         for cqe in ring.completion() {
             results[cqe.user_data() as usize] = Some(page_result(cqe.result()));
@@ -182,18 +190,28 @@ unsafe fn run_on_ring(ring: &mut IoUring, fd: RawFd, ops: &[PageOp]) -> (Vec<io:
 fn sqe_for(fd: RawFd, op: &PageOp) -> io_uring::squeue::Entry {
     let len = PAGE_SIZE as u32;
     match *op {
-        PageOp::Read { offset, dst } => opcode::Read::new(types::Fd(fd), dst, len).offset(offset).build(),
-        PageOp::Write { offset, src } => opcode::Write::new(types::Fd(fd), src, len).offset(offset).build(),
+        PageOp::Read { offset, dst } => opcode::Read::new(types::Fd(fd), dst, len)
+            .offset(offset)
+            .build(),
+        PageOp::Write { offset, src } => opcode::Write::new(types::Fd(fd), src, len)
+            .offset(offset)
+            .build(),
     }
 }
 
 fn is_transient(e: &io::Error) -> bool {
-    matches!(e.raw_os_error(), Some(libc::EINTR | libc::EAGAIN | libc::EBUSY))
+    matches!(
+        e.raw_os_error(),
+        Some(libc::EINTR | libc::EAGAIN | libc::EBUSY)
+    )
 }
 
 fn fill_missing(results: &mut [Option<io::Result<()>>], e: &io::Error) {
     for slot in results.iter_mut().filter(|r| r.is_none()) {
-        *slot = Some(Err(io::Error::new(e.kind(), format!("io_uring submission failed: {e}"))));
+        *slot = Some(Err(io::Error::new(
+            e.kind(),
+            format!("io_uring submission failed: {e}"),
+        )));
     }
 }
 
@@ -214,8 +232,12 @@ fn page_result(ret: i32) -> io::Result<()> {
 unsafe fn run_sync(fd: RawFd, op: &PageOp) -> io::Result<()> {
     loop {
         let ret = match *op {
-            PageOp::Read { offset, dst } => libc::pread(fd, dst.cast(), PAGE_SIZE, offset as libc::off_t),
-            PageOp::Write { offset, src } => libc::pwrite(fd, src.cast(), PAGE_SIZE, offset as libc::off_t),
+            PageOp::Read { offset, dst } => {
+                libc::pread(fd, dst.cast(), PAGE_SIZE, offset as libc::off_t)
+            }
+            PageOp::Write { offset, src } => {
+                libc::pwrite(fd, src.cast(), PAGE_SIZE, offset as libc::off_t)
+            }
         };
         if ret < 0 {
             let err = io::Error::last_os_error();

@@ -146,7 +146,12 @@ pub fn kernel_release() -> String {
     if unsafe { libc::uname(&mut u) } != 0 {
         return "unknown".into();
     }
-    let bytes: Vec<u8> = u.release.iter().take_while(|&&c| c != 0).map(|&c| c as u8).collect();
+    let bytes: Vec<u8> = u
+        .release
+        .iter()
+        .take_while(|&&c| c != 0)
+        .map(|&c| c as u8)
+        .collect();
     String::from_utf8_lossy(&bytes).into_owned()
 }
 
@@ -182,8 +187,8 @@ fn open_raw() -> Result<OwnedFd> {
     }
     let syscall_err = io::Error::last_os_error();
     match syscall_err.raw_os_error() {
-        Some(libc::EPERM) | Some(libc::EACCES) => open_dev(flags).map_err(|dev_err| {
-            Error::UffdNotPermitted {
+        Some(libc::EPERM) | Some(libc::EACCES) => {
+            open_dev(flags).map_err(|dev_err| Error::UffdNotPermitted {
                 cause: format!(
                     "userfaultfd(2): {syscall_err}; /dev/userfaultfd: {dev_err}; \
                      vm.unprivileged_userfaultfd = {}",
@@ -191,8 +196,8 @@ fn open_raw() -> Result<OwnedFd> {
                         .map(|s| s.trim().to_string())
                         .unwrap_or_else(|_| "unknown".into())
                 ),
-            }
-        }),
+            })
+        }
         Some(libc::ENOSYS) => Err(Error::UffdUnavailable(format!(
             "kernel {} was built without CONFIG_USERFAULTFD",
             kernel_release()
@@ -272,7 +277,13 @@ impl Uffd {
 
     /// Atomically fills `len` bytes at `dst` (unmapped) with a copy of `src`, optionally
     /// write-protected, and wakes the threads waiting on that range.
-    pub fn copy(&self, dst: usize, src: *const u8, len: usize, write_protect: bool) -> io::Result<()> {
+    pub fn copy(
+        &self,
+        dst: usize,
+        src: *const u8,
+        len: usize,
+        write_protect: bool,
+    ) -> io::Result<()> {
         let mode = if write_protect { COPY_MODE_WP } else { 0 };
         self.fill(UFFDIO_COPY, dst, src as usize, len, mode)
     }
@@ -351,7 +362,7 @@ impl Uffd {
     pub fn read_events(&self, out: &mut [Msg]) -> io::Result<usize> {
         let size = std::mem::size_of::<Msg>();
         // SAFETY: `out` is valid for its length in bytes; Msg is plain data.
-        let n = unsafe { libc::read(self.raw(), out.as_mut_ptr().cast(), out.len() * size) };
+        let n = unsafe { libc::read(self.raw(), out.as_mut_ptr().cast(), std::mem::size_of_val(out)) };
         if n < 0 {
             let err = io::Error::last_os_error();
             return if err.raw_os_error() == Some(libc::EAGAIN) {
@@ -384,6 +395,9 @@ mod tests {
     fn probe_reports_the_kernel_and_missing_fault_support() {
         let p = probe().expect("tests run where userfaultfd is permitted (root)");
         assert!(!p.kernel.is_empty());
-        assert_eq!(p.features.len(), (p.feature_bits & FEATURE_NAMES.iter().map(|f| f.0).sum::<u64>()).count_ones() as usize);
+        assert_eq!(
+            p.features.len(),
+            (p.feature_bits & FEATURE_NAMES.iter().map(|f| f.0).sum::<u64>()).count_ones() as usize
+        );
     }
 }

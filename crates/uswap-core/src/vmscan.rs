@@ -47,7 +47,10 @@ pub(crate) fn spawn_kswapd(core: Arc<RegionCore>) -> Result<std::thread::JoinHan
     std::thread::Builder::new()
         .name("uswap-kswapd".into())
         .spawn(move || kswapd(&core))
-        .map_err(|source| Error::Os { op: "spawn kswapd", source })
+        .map_err(|source| Error::Os {
+            op: "spawn kswapd",
+            source,
+        })
 }
 
 /// Balances the region: whenever free pages drop under the low watermark, reclaim until
@@ -69,6 +72,9 @@ fn kswapd(core: &RegionCore) {
     }
 }
 
+/// Most batches moved from the active to the inactive list in one reclaim pass.
+const REFILL_BATCHES: usize = 4;
+
 fn is_zero_page(addr: usize) -> bool {
     // SAFETY: the caller passes a populated, page-aligned staging frame.
     let words = unsafe { std::slice::from_raw_parts(addr as *const u64, PAGE_SIZE / 8) };
@@ -76,11 +82,15 @@ fn is_zero_page(addr: usize) -> bool {
 }
 
 impl RegionCore {
-    /// One reclaim pass: top up the inactive list from the active tail when it is short,
-    /// then reclaim a batch from the inactive tail. Returns the pages freed.
+    /// One reclaim pass: top the inactive list up from the active tail (at most a few
+    /// batches per pass, so a direct reclaimer is not held long), then reclaim a batch from
+    /// the inactive tail. Pages deactivated now sit behind older inactive pages, so they get
+    /// their second chance: a touch before they reach the tail promotes them. Returns the
+    /// pages freed.
     pub fn shrink(&self) -> u64 {
         let batch = self.cfg.reclaim_batch;
-        if self.lru.len(LruList::Inactive) < self.inactive_target {
+        let short = (self.inactive_target + batch).saturating_sub(self.lru.len(LruList::Inactive));
+        for _ in 0..short.div_ceil(batch).min(REFILL_BATCHES) {
             self.deactivate(self.lru.isolate(&self.pages, LruList::Active, batch));
         }
         self.evict(self.lru.isolate(&self.pages, LruList::Inactive, batch))
@@ -121,10 +131,15 @@ impl RegionCore {
             }
         }
         let deactivated = locks.len() - kept_active.len();
-        self.vmstat.pgdeactivate.fetch_add(deactivated as u64, Relaxed);
+        self.vmstat
+            .pgdeactivate
+            .fetch_add(deactivated as u64, Relaxed);
         self.lru.add(
             LruList::Inactive,
-            locks.iter().filter(|l| l.state().kind() == Kind::Inactive).map(|l| l.page()),
+            locks
+                .iter()
+                .filter(|l| l.state().kind() == Kind::Inactive)
+                .map(|l| l.page()),
         );
         self.lru.add(LruList::Active, kept_active);
     }
@@ -161,7 +176,10 @@ impl RegionCore {
             freed += 1;
         }
         freed += self.write_out(&mut locks, &writes);
-        let still_inactive = locks.iter().filter(|l| l.state().kind() == Kind::Inactive).map(|l| l.page());
+        let still_inactive = locks
+            .iter()
+            .filter(|l| l.state().kind() == Kind::Inactive)
+            .map(|l| l.page());
         self.lru.add(LruList::Inactive, still_inactive);
         self.budget.uncharge(freed);
         self.vmstat.pgsteal.fetch_add(freed, Relaxed);
@@ -187,8 +205,13 @@ impl RegionCore {
             let st = locks[i].state();
             match result {
                 Ok(()) => {
-                    self.staging.release(st.frame().expect("inactive page has a frame"));
-                    locks[i].set(st.with_kind(Kind::Swapped).with_frame(None).with_slot(Some(slot)));
+                    self.staging
+                        .release(st.frame().expect("inactive page has a frame"));
+                    locks[i].set(
+                        st.with_kind(Kind::Swapped)
+                            .with_frame(None)
+                            .with_slot(Some(slot)),
+                    );
                     written += 1;
                 }
                 Err(e) => {

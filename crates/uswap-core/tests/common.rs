@@ -37,7 +37,9 @@ pub unsafe fn check(base: *const u8, page: usize, version: u32) -> Result<(), St
         let got = p.add(i).read_volatile();
         let want = word(page, version, i);
         if got != want {
-            return Err(format!("page {page} v{version} word {i}: got {got:#x}, want {want:#x}"));
+            return Err(format!(
+                "page {page} v{version} word {i}: got {got:#x}, want {want:#x}"
+            ));
         }
     }
     Ok(())

@@ -39,7 +39,11 @@ fn corrupted_swap_slot_fails_the_access_and_is_counted() {
     // It stays failed: the page is poisoned, not silently refilled.
     let n = unsafe { libc::write(fds[1], region.as_ptr().add(2 * PAGE_SIZE).cast(), PAGE_SIZE) };
     assert_eq!(n, -1);
-    assert_eq!(region.stats().vmstat.verify_errors, 1, "no second read of a lost page");
+    assert_eq!(
+        region.stats().vmstat.verify_errors,
+        1,
+        "no second read of a lost page"
+    );
     unsafe { libc::close(fds[0]) };
     unsafe { libc::close(fds[1]) };
 }

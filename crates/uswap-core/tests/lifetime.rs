@@ -29,11 +29,18 @@ fn drop_returns_memory_slots_and_threads() {
         unsafe { common::check(region.as_ptr(), p, 3) }.unwrap();
     }
     assert!(swap.used_pages() > 0);
-    assert!(resident_bytes() > rss_before + 16 * MIB, "the region's pages are resident");
+    assert!(
+        resident_bytes() > rss_before + 16 * MIB,
+        "the region's pages are resident"
+    );
     assert!(threads() > threads_before, "handler threads and kswapd run");
     drop(region);
     assert_eq!(swap.used_pages(), 0, "every slot is freed");
-    assert_eq!(threads(), threads_before, "handler threads and kswapd have stopped");
+    assert_eq!(
+        threads(),
+        threads_before,
+        "handler threads and kswapd have stopped"
+    );
     let rss_after = resident_bytes();
     assert!(
         rss_after < rss_before + 4 * MIB,

@@ -44,12 +44,20 @@ fn expect_sigbus(name: &str, stderr_has: &[&str]) -> Result<(), String> {
         .args(["child", name])
         .output()
         .map_err(|e| e.to_string())?;
-    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
     if out.status.signal() != Some(libc::SIGBUS) {
-        return Err(format!("{name}: expected death by SIGBUS, got {:?}\nstdout: {stdout}\nstderr: {stderr}", out.status));
+        return Err(format!(
+            "{name}: expected death by SIGBUS, got {:?}\nstdout: {stdout}\nstderr: {stderr}",
+            out.status
+        ));
     }
     if !stdout.contains("corrupted") || stdout.contains("read ") {
-        return Err(format!("{name}: the access must fail, not return data: {stdout}"));
+        return Err(format!(
+            "{name}: the access must fail, not return data: {stdout}"
+        ));
     }
     for needle in stderr_has {
         if !stderr.contains(needle) {
@@ -66,8 +74,14 @@ fn main() {
     }
     let filter = args.iter().skip(1).find(|a| !a.starts_with('-'));
     let scenarios = [
-        ("corrupted_page_kills_the_user_access_thread_mode", "corrupt-thread"),
-        ("corrupted_page_kills_the_user_access_sigbus_mode", "corrupt-sigbus"),
+        (
+            "corrupted_page_kills_the_user_access_thread_mode",
+            "corrupt-thread",
+        ),
+        (
+            "corrupted_page_kills_the_user_access_sigbus_mode",
+            "corrupt-sigbus",
+        ),
     ];
     let mut failed = 0;
     for (test, name) in scenarios {

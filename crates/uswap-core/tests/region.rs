@@ -40,7 +40,7 @@ fn random_threads(mode: FaultMode) {
                     let mut seed = 0x9E37_79B9_7F4A_7C15u64 ^ (t as u64 + 1);
                     for _ in 0..6000 {
                         let k = xorshift(&mut seed) as usize % mine.len();
-                        if xorshift(&mut seed) % 5 == 0 {
+                        if xorshift(&mut seed).is_multiple_of(5) {
                             version[k] += 1;
                             unsafe { fill(base, mine[k], version[k]) };
                         } else if let Err(e) = unsafe { check(base, mine[k], version[k]) } {
@@ -54,16 +54,31 @@ fn random_threads(mode: FaultMode) {
             .collect();
         handles.into_iter().map(|h| h.join().unwrap()).collect()
     });
-    assert_eq!(errors.load(Relaxed), 0, "pages read back wrong during the run");
+    assert_eq!(
+        errors.load(Relaxed),
+        0,
+        "pages read back wrong during the run"
+    );
     for (t, version) in versions.iter().enumerate() {
         for (k, p) in (t..pages).step_by(THREADS).enumerate() {
             unsafe { check(region.as_ptr(), p, version[k]) }.unwrap();
         }
     }
     let s = region.stats();
-    assert!(s.vmstat.pswpout > 0 && s.vmstat.pswpin > 0, "the run must really swap: {:?}", s.vmstat);
-    assert!(s.resident_pages <= 1024, "resident {} pages over the 1024-page limit", s.resident_pages);
-    assert_eq!(s.vmstat.verify_errors + s.vmstat.io_errors + s.vmstat.failed_faults, 0);
+    assert!(
+        s.vmstat.pswpout > 0 && s.vmstat.pswpin > 0,
+        "the run must really swap: {:?}",
+        s.vmstat
+    );
+    assert!(
+        s.resident_pages <= 1024,
+        "resident {} pages over the 1024-page limit",
+        s.resident_pages
+    );
+    assert_eq!(
+        s.vmstat.verify_errors + s.vmstat.io_errors + s.vmstat.failed_faults,
+        0
+    );
 }
 
 #[test]
@@ -96,11 +111,22 @@ fn kernel_accesses_to_swapped_out_pages_are_served_in_thread_mode() {
     let n = unsafe { libc::write(w, region.as_ptr().add(5 * PAGE_SIZE).cast(), PAGE_SIZE) };
     assert_eq!(n, PAGE_SIZE as isize, "{}", std::io::Error::last_os_error());
     let mut buf = vec![0u8; PAGE_SIZE];
-    assert_eq!(unsafe { libc::read(r, buf.as_mut_ptr().cast(), PAGE_SIZE) }, PAGE_SIZE as isize);
-    assert!(check_slice(&buf, 5, 1), "write(2) from a swapped-out page saw wrong data");
+    assert_eq!(
+        unsafe { libc::read(r, buf.as_mut_ptr().cast(), PAGE_SIZE) },
+        PAGE_SIZE as isize
+    );
+    assert!(
+        check_slice(&buf, 5, 1),
+        "write(2) from a swapped-out page saw wrong data"
+    );
     // read(2) stores into a swapped-out page from inside the kernel.
-    let page9: Vec<u8> = (0..common::WORDS).flat_map(|i| common::word(9, 2, i).to_ne_bytes()).collect();
-    assert_eq!(unsafe { libc::write(w, page9.as_ptr().cast(), PAGE_SIZE) }, PAGE_SIZE as isize);
+    let page9: Vec<u8> = (0..common::WORDS)
+        .flat_map(|i| common::word(9, 2, i).to_ne_bytes())
+        .collect();
+    assert_eq!(
+        unsafe { libc::write(w, page9.as_ptr().cast(), PAGE_SIZE) },
+        PAGE_SIZE as isize
+    );
     let n = unsafe { libc::read(r, region.as_ptr().add(9 * PAGE_SIZE).cast(), PAGE_SIZE) };
     assert_eq!(n, PAGE_SIZE as isize, "{}", std::io::Error::last_os_error());
     region.advise(0, region.len(), Advice::PageOut).unwrap();
@@ -128,7 +154,11 @@ fn clean_pages_are_dropped_without_io_and_writes_dirty_them() {
     unsafe { fill(region.as_ptr(), 3, 7) };
     region.advise(0, region.len(), Advice::PageOut).unwrap();
     let s = region.stats().vmstat;
-    assert_eq!(s.pswpout - out1, 1, "only the page written after swap-in goes out again");
+    assert_eq!(
+        s.pswpout - out1,
+        1,
+        "only the page written after swap-in goes out again"
+    );
     assert_eq!(s.pgclean_dropped, pages as u64 - 1);
     unsafe { check(region.as_ptr(), 3, 7) }.unwrap();
 }
@@ -154,7 +184,9 @@ fn untouched_and_zero_pages_read_as_zero_and_cost_no_swap() {
     let region = Region::new(4 * MIB, Config::new(MIB)).unwrap();
     let words = region.len() / 8;
     let base = region.as_ptr() as *const u64;
-    assert!((0..words).step_by(97).all(|i| unsafe { base.add(i).read_volatile() } == 0));
+    assert!((0..words)
+        .step_by(97)
+        .all(|i| unsafe { base.add(i).read_volatile() } == 0));
     region.advise(0, region.len(), Advice::PageOut).unwrap();
     let s = region.stats().vmstat;
     assert_eq!(s.pswpout, 0);
@@ -170,11 +202,18 @@ fn bad_inputs_give_clear_errors() {
     let mut cfg = Config::new(MIB);
     cfg.swap.location = SwapLocation::TempIn("/nonexistent/uswap-test".into());
     let e = err(MIB, cfg);
-    assert!(e.contains("/nonexistent/uswap-test") && e.contains("swap"), "{e}");
+    assert!(
+        e.contains("/nonexistent/uswap-test") && e.contains("swap"),
+        "{e}"
+    );
     let mut cfg = Config::new(MIB);
     cfg.swap.size = Some(MIB);
     let e = err(4 * MIB, cfg);
     assert!(e.contains("does not fit") && e.contains("swap"), "{e}");
     let r = Region::new(MIB, Config::new(MIB)).unwrap();
-    assert!(r.advise(r.len() - 8, 16, Advice::Cold).unwrap_err().to_string().contains("outside"));
+    assert!(r
+        .advise(r.len() - 8, 16, Advice::Cold)
+        .unwrap_err()
+        .to_string()
+        .contains("outside"));
 }

@@ -37,7 +37,11 @@ fn verify(dev: &SwapDevice, held: &Held) {
     let mut back = PageBuf::new();
     unsafe { dev.read_page(held.slot, back.as_mut_ptr()) }
         .unwrap_or_else(|e| panic!("slot {}: {e}", held.slot));
-    assert!(back.as_slice() == held.page.as_slice(), "slot {} read back different bytes", held.slot);
+    assert!(
+        back.as_slice() == held.page.as_slice(),
+        "slot {} read back different bytes",
+        held.slot
+    );
 }
 
 fn release(dev: &SwapDevice, owners: &[AtomicBool], held: Held) {
@@ -54,20 +58,30 @@ fn worker(dev: &SwapDevice, owners: &[AtomicBool], thread: u64) {
         let batch_len = 1 + ((thread + iteration) % 8) as usize;
         let mut fresh: Vec<Held> = Vec::with_capacity(batch_len);
         for i in 0..batch_len as u64 {
-            let slot = dev.alloc_slot().expect("the device has room for every thread");
+            let slot = dev
+                .alloc_slot()
+                .expect("the device has room for every thread");
             let was_owned = owners[slot as usize].swap(true, Ordering::SeqCst);
             assert!(!was_owned, "slot {slot} handed to two owners");
             let seed = (thread << 48) | (iteration << 16) | i;
-            fresh.push(Held { slot, page: pattern(seed) });
+            fresh.push(Held {
+                slot,
+                page: pattern(seed),
+            });
         }
-        let batch: Vec<(SlotId, *const u8)> = fresh.iter().map(|h| (h.slot, h.page.as_ptr())).collect();
+        let batch: Vec<(SlotId, *const u8)> =
+            fresh.iter().map(|h| (h.slot, h.page.as_ptr())).collect();
         for (result, h) in unsafe { dev.write_pages(&batch) }.iter().zip(&fresh) {
             assert!(result.is_ok(), "write of slot {}: {result:?}", h.slot);
         }
         held.extend(fresh);
         held.iter().for_each(|h| verify(dev, h));
         while held.len() > MAX_HELD || (iteration % 3 == 0 && held.len() > MAX_HELD / 2) {
-            release(dev, owners, held.swap_remove((iteration as usize * 7) % held.len()));
+            release(
+                dev,
+                owners,
+                held.swap_remove((iteration as usize * 7) % held.len()),
+            );
         }
     }
     held.into_iter().for_each(|h| release(dev, owners, h));
@@ -81,8 +95,11 @@ fn stress(io: IoMode) {
         io,
     };
     let dev = SwapDevice::open(&cfg).unwrap();
-    let owners: Arc<Vec<AtomicBool>> =
-        Arc::new((0..dev.capacity_pages()).map(|_| AtomicBool::new(false)).collect());
+    let owners: Arc<Vec<AtomicBool>> = Arc::new(
+        (0..dev.capacity_pages())
+            .map(|_| AtomicBool::new(false))
+            .collect(),
+    );
     let threads: Vec<_> = (0..THREADS)
         .map(|t| {
             let (dev, owners) = (dev.clone(), owners.clone());

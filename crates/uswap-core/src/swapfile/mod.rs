@@ -77,7 +77,10 @@ impl SwapDevice {
                 reserve(&file.file, 0, slots * PAGE_SIZE as u64).map_err(create_error)?;
                 (slots, None)
             }
-            None => (free_space_slots(&file.file).map_err(create_error)?, Some(Mutex::new(0))),
+            None => (
+                free_space_slots(&file.file).map_err(create_error)?,
+                Some(Mutex::new(0)),
+            ),
         };
         let initial = if grown.is_some() { 0 } else { capacity };
         Ok(Arc::new(SwapDevice {
@@ -240,7 +243,10 @@ impl SwapFile {
             let direct_flag = if direct { libc::O_DIRECT } else { 0 };
             match location {
                 SwapLocation::TempIn(_) => options.custom_flags(libc::O_TMPFILE | direct_flag),
-                SwapLocation::File(_) => options.create(true).truncate(true).custom_flags(direct_flag),
+                SwapLocation::File(_) => options
+                    .create(true)
+                    .truncate(true)
+                    .custom_flags(direct_flag),
             };
             options.open(path)
         };
@@ -293,7 +299,8 @@ fn free_space_slots(file: &File) -> io::Result<u64> {
     }
     // SAFETY: initialised by the successful call above.
     let st = unsafe { st.assume_init() };
-    let bytes = u64::from(st.f_bavail).saturating_mul(u64::from(st.f_frsize));
+    #[allow(clippy::unnecessary_cast)] // the field types are narrower on 32-bit targets
+    let bytes = (st.f_bavail as u64).saturating_mul(st.f_frsize as u64);
     Ok((bytes / CLUSTER_BYTES * u64::from(SWAPFILE_CLUSTER)).min(MAX_SLOTS))
 }
 
@@ -374,7 +381,10 @@ impl ChecksumTable {
 
     fn position(slot: SlotId) -> (usize, usize) {
         let slot = u64::from(slot);
-        ((slot / CHECKSUM_CHUNK) as usize, (slot % CHECKSUM_CHUNK) as usize)
+        (
+            (slot / CHECKSUM_CHUNK) as usize,
+            (slot % CHECKSUM_CHUNK) as usize,
+        )
     }
 }
 
@@ -393,7 +403,9 @@ mod tests {
     fn page(seed: u64) -> PageBuf {
         let mut p = PageBuf::new();
         for (i, chunk) in p.as_mut_slice().chunks_mut(8).enumerate() {
-            let x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15).wrapping_add(i as u64);
+            let x = seed
+                .wrapping_mul(0x9e37_79b9_7f4a_7c15)
+                .wrapping_add(i as u64);
             chunk.copy_from_slice(&(x ^ (x >> 29)).to_le_bytes());
         }
         p
@@ -413,18 +425,29 @@ mod tests {
 
     fn roundtrip(io: IoMode) {
         let dir = tempfile::tempdir().unwrap();
-        let dev = SwapDevice::open(&config(SwapLocation::TempIn(dir.path().into()), Some(4 << 20), io)).unwrap();
+        let dev = SwapDevice::open(&config(
+            SwapLocation::TempIn(dir.path().into()),
+            Some(4 << 20),
+            io,
+        ))
+        .unwrap();
         if io == IoMode::Pread || uring_allowed() {
             assert_eq!(dev.io_mode(), io);
         }
         assert_eq!(dev.capacity_pages(), 1024);
         let slots: Vec<SlotId> = (0..64).map(|_| dev.alloc_slot().unwrap()).collect();
         // Page 0 is all zeroes: it must read back as written, not as never written.
-        let pages: Vec<PageBuf> = (0..64).map(|i| if i == 0 { PageBuf::new() } else { page(i) }).collect();
+        let pages: Vec<PageBuf> = (0..64)
+            .map(|i| if i == 0 { PageBuf::new() } else { page(i) })
+            .collect();
         let batch: Vec<(SlotId, &PageBuf)> = slots.iter().copied().zip(&pages).collect();
         write(&dev, &batch);
         for (slot, expected) in batch {
-            assert_eq!(read(&dev, slot).unwrap().as_slice(), expected.as_slice(), "slot {slot}");
+            assert_eq!(
+                read(&dev, slot).unwrap().as_slice(),
+                expected.as_slice(),
+                "slot {slot}"
+            );
         }
     }
 
@@ -448,7 +471,12 @@ mod tests {
     #[test]
     fn a_rewritten_slot_reads_its_latest_page() {
         let dir = tempfile::tempdir().unwrap();
-        let dev = SwapDevice::open(&config(SwapLocation::TempIn(dir.path().into()), Some(1 << 20), IoMode::Uring)).unwrap();
+        let dev = SwapDevice::open(&config(
+            SwapLocation::TempIn(dir.path().into()),
+            Some(1 << 20),
+            IoMode::Uring,
+        ))
+        .unwrap();
         let slot = dev.alloc_slot().unwrap();
         write(&dev, &[(slot, &page(1))]);
         write(&dev, &[(slot, &page(2))]);
@@ -459,41 +487,68 @@ mod tests {
     fn a_slot_corrupted_on_disk_fails_its_checksum() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("swap");
-        let dev = SwapDevice::open(&config(SwapLocation::File(path.clone()), Some(1 << 20), IoMode::Uring)).unwrap();
+        let dev = SwapDevice::open(&config(
+            SwapLocation::File(path.clone()),
+            Some(1 << 20),
+            IoMode::Uring,
+        ))
+        .unwrap();
         let slots: Vec<SlotId> = (0..4).map(|_| dev.alloc_slot().unwrap()).collect();
         let pages: Vec<PageBuf> = (0..4).map(page).collect();
         write(&dev, &[(slots[2], &pages[2]), (slots[3], &pages[3])]);
         let other = File::options().write(true).open(&path).unwrap();
-        other.write_all_at(b"corrupt", slot_offset(slots[2]) + 100).unwrap();
+        other
+            .write_all_at(b"corrupt", slot_offset(slots[2]) + 100)
+            .unwrap();
         other.sync_all().unwrap();
         match read(&dev, slots[2]) {
-            Err(ReadError::Checksum { slot, expected, found }) => {
+            Err(ReadError::Checksum {
+                slot,
+                expected,
+                found,
+            }) => {
                 assert_eq!(slot, slots[2]);
                 assert_eq!(expected, crc32c::crc32c(pages[2].as_slice()));
                 assert_ne!(found, expected);
             }
             other => panic!("expected a checksum error, got {:?}", other.map(|_| ())),
         }
-        assert_eq!(read(&dev, slots[3]).unwrap().as_slice(), pages[3].as_slice());
+        assert_eq!(
+            read(&dev, slots[3]).unwrap().as_slice(),
+            pages[3].as_slice()
+        );
     }
 
     #[test]
     fn never_written_and_freed_slots_read_as_never_written() {
         let dir = tempfile::tempdir().unwrap();
-        let dev = SwapDevice::open(&config(SwapLocation::TempIn(dir.path().into()), Some(1 << 20), IoMode::Pread)).unwrap();
+        let dev = SwapDevice::open(&config(
+            SwapLocation::TempIn(dir.path().into()),
+            Some(1 << 20),
+            IoMode::Pread,
+        ))
+        .unwrap();
         let slot = dev.alloc_slot().unwrap();
         assert!(matches!(read(&dev, slot), Err(ReadError::NeverWritten { slot: s }) if s == slot));
         write(&dev, &[(slot, &page(7))]);
         dev.free_slot(slot);
         assert_eq!(dev.used_pages(), 0);
-        assert!(matches!(read(&dev, slot), Err(ReadError::NeverWritten { .. })));
+        assert!(matches!(
+            read(&dev, slot),
+            Err(ReadError::NeverWritten { .. })
+        ));
     }
 
     #[test]
     fn a_full_fixed_device_refuses_slots_and_keeps_its_pages() {
         let dir = tempfile::tempdir().unwrap();
         let size = 2 * CLUSTER_BYTES;
-        let dev = SwapDevice::open(&config(SwapLocation::TempIn(dir.path().into()), Some(size), IoMode::Uring)).unwrap();
+        let dev = SwapDevice::open(&config(
+            SwapLocation::TempIn(dir.path().into()),
+            Some(size),
+            IoMode::Uring,
+        ))
+        .unwrap();
         assert_eq!(dev.capacity_pages(), 512);
         let mut slots = Vec::new();
         for i in 0..512 {
@@ -503,12 +558,22 @@ mod tests {
         assert_eq!(dev.alloc_slot(), None);
         assert_eq!(dev.used_pages(), 512);
         let pages: Vec<PageBuf> = slots.iter().map(|&s| page(u64::from(s) + 1000)).collect();
-        for chunk in slots.iter().copied().zip(&pages).collect::<Vec<_>>().chunks(100) {
+        for chunk in slots
+            .iter()
+            .copied()
+            .zip(&pages)
+            .collect::<Vec<_>>()
+            .chunks(100)
+        {
             write(&dev, chunk);
         }
         assert_eq!(dev.alloc_slot(), None);
         for (&slot, expected) in slots.iter().zip(&pages) {
-            assert_eq!(read(&dev, slot).unwrap().as_slice(), expected.as_slice(), "slot {slot}");
+            assert_eq!(
+                read(&dev, slot).unwrap().as_slice(),
+                expected.as_slice(),
+                "slot {slot}"
+            );
         }
         slots.iter().for_each(|&s| dev.free_slot(s));
         assert_eq!(dev.used_pages(), 0);
@@ -519,7 +584,12 @@ mod tests {
     #[should_panic(expected = "freed while not in use")]
     fn freeing_a_free_slot_panics() {
         let dir = tempfile::tempdir().unwrap();
-        let dev = SwapDevice::open(&config(SwapLocation::TempIn(dir.path().into()), Some(1 << 20), IoMode::Pread)).unwrap();
+        let dev = SwapDevice::open(&config(
+            SwapLocation::TempIn(dir.path().into()),
+            Some(1 << 20),
+            IoMode::Pread,
+        ))
+        .unwrap();
         let slot = dev.alloc_slot().unwrap();
         dev.free_slot(slot);
         dev.free_slot(slot);
@@ -529,9 +599,17 @@ mod tests {
     fn a_missing_directory_is_a_swap_create_error_naming_it() {
         let dir = tempfile::tempdir().unwrap();
         let missing = dir.path().join("no-such-dir");
-        for location in [SwapLocation::TempIn(missing.clone()), SwapLocation::File(missing.join("swap"))] {
-            let err = SwapDevice::open(&config(location, None, IoMode::Uring)).err().expect("an error");
-            assert!(matches!(&err, Error::SwapCreate { dir, .. } if *dir == missing), "{err:?}");
+        for location in [
+            SwapLocation::TempIn(missing.clone()),
+            SwapLocation::File(missing.join("swap")),
+        ] {
+            let err = SwapDevice::open(&config(location, None, IoMode::Uring))
+                .err()
+                .expect("an error");
+            assert!(
+                matches!(&err, Error::SwapCreate { dir, .. } if *dir == missing),
+                "{err:?}"
+            );
             assert!(err.to_string().contains(missing.to_str().unwrap()), "{err}");
         }
     }
@@ -540,9 +618,16 @@ mod tests {
     fn an_impossible_fixed_size_is_refused() {
         let dir = tempfile::tempdir().unwrap();
         for size in [100, 32 << 40] {
-            let err = SwapDevice::open(&config(SwapLocation::TempIn(dir.path().into()), Some(size), IoMode::Uring));
+            let err = SwapDevice::open(&config(
+                SwapLocation::TempIn(dir.path().into()),
+                Some(size),
+                IoMode::Uring,
+            ));
             let msg = err.err().expect("an error").to_string();
-            assert!(msg.contains("swap size") && msg.contains(&size.to_string()), "{msg}");
+            assert!(
+                msg.contains("swap size") && msg.contains(&size.to_string()),
+                "{msg}"
+            );
         }
         assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
     }
@@ -550,19 +635,37 @@ mod tests {
     #[test]
     fn a_temp_file_leaves_nothing_in_its_directory() {
         let dir = tempfile::tempdir().unwrap();
-        let dev = SwapDevice::open(&config(SwapLocation::TempIn(dir.path().into()), None, IoMode::Uring)).unwrap();
+        let dev = SwapDevice::open(&config(
+            SwapLocation::TempIn(dir.path().into()),
+            None,
+            IoMode::Uring,
+        ))
+        .unwrap();
         let slot = dev.alloc_slot().unwrap();
         write(&dev, &[(slot, &page(3))]);
-        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0, "while open");
+        assert_eq!(
+            std::fs::read_dir(dir.path()).unwrap().count(),
+            0,
+            "while open"
+        );
         drop(dev);
-        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0, "after drop");
+        assert_eq!(
+            std::fs::read_dir(dir.path()).unwrap().count(),
+            0,
+            "after drop"
+        );
     }
 
     #[test]
     fn a_named_file_is_private_and_removed_on_drop() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("swap");
-        let dev = SwapDevice::open(&config(SwapLocation::File(path.clone()), Some(1 << 20), IoMode::Uring)).unwrap();
+        let dev = SwapDevice::open(&config(
+            SwapLocation::File(path.clone()),
+            Some(1 << 20),
+            IoMode::Uring,
+        ))
+        .unwrap();
         let meta = std::fs::metadata(&path).unwrap();
         assert_eq!(meta.permissions().mode() & 0o777, 0o600);
         assert_eq!(meta.len(), 1 << 20, "preallocated");
@@ -573,8 +676,16 @@ mod tests {
     #[test]
     fn a_growing_file_is_extended_in_64_mib_steps() {
         let dir = tempfile::tempdir().unwrap();
-        let dev = SwapDevice::open(&config(SwapLocation::TempIn(dir.path().into()), None, IoMode::Uring)).unwrap();
-        assert!(dev.capacity_pages() >= 2 * CHECKSUM_CHUNK, "needs 128 MiB free in the temp dir");
+        let dev = SwapDevice::open(&config(
+            SwapLocation::TempIn(dir.path().into()),
+            None,
+            IoMode::Uring,
+        ))
+        .unwrap();
+        assert!(
+            dev.capacity_pages() >= 2 * CHECKSUM_CHUNK,
+            "needs 128 MiB free in the temp dir"
+        );
         assert_eq!(dev.capacity_pages() % u64::from(SWAPFILE_CLUSTER), 0);
         let len = || dev.file.file.metadata().unwrap().len();
         assert_eq!(len(), 0);
@@ -600,7 +711,15 @@ mod tests {
             let dir = tempfile::tempdir().unwrap();
             let target = CString::new(dir.path().to_str().unwrap()).unwrap();
             let options = CString::new(format!("size={bytes},mode=0700")).unwrap();
-            let ok = unsafe { libc::mount(c"tmpfs".as_ptr(), target.as_ptr(), c"tmpfs".as_ptr(), 0, options.as_ptr().cast()) } == 0;
+            let ok = unsafe {
+                libc::mount(
+                    c"tmpfs".as_ptr(),
+                    target.as_ptr(),
+                    c"tmpfs".as_ptr(),
+                    0,
+                    options.as_ptr().cast(),
+                )
+            } == 0;
             ok.then_some(SmallFs(dir))
         }
     }
@@ -618,7 +737,12 @@ mod tests {
             eprintln!("skipped: cannot mount a tmpfs here (needs root)");
             return;
         };
-        let dev = SwapDevice::open(&config(SwapLocation::TempIn(fs.0.path().into()), None, IoMode::Uring)).unwrap();
+        let dev = SwapDevice::open(&config(
+            SwapLocation::TempIn(fs.0.path().into()),
+            None,
+            IoMode::Uring,
+        ))
+        .unwrap();
         assert_eq!(dev.capacity_pages(), 1024, "4 MiB of free space");
         // Someone else takes most of the space before the swap file grows.
         let filler = fs.0.path().join("filler");
