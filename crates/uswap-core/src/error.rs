@@ -38,6 +38,17 @@ pub enum Error {
     )]
     RegionTooLarge { region: u64, memory: u64, swap: u64 },
 
+    #[error(
+        "the shared swap device is full: this region needs {needed} pages of swap beyond its \
+         memory limit, but only {free} of the device's {capacity} pages are not promised to \
+         other regions. Drop a region, give this one more memory, or use a larger swap device"
+    )]
+    SwapExhausted {
+        needed: u64,
+        free: u64,
+        capacity: u64,
+    },
+
     #[error("{op} failed: {source}")]
     Os {
         op: &'static str,

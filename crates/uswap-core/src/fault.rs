@@ -17,6 +17,36 @@ pub(crate) enum Outcome {
     Fatal,
 }
 
+const OOM: &str = "out of memory: no page could be reclaimed";
+
+/// After a swap-in that could not be mapped: when its slot was already freed, writes the
+/// page back to a slot so its data survives, or marks it poisoned if that fails too.
+fn lock_after_put_back<'a>(
+    core: &RegionCore,
+    mut lock: PageLock<'a>,
+    buf: &crate::swap_io::PageBuf,
+    slot_kept: bool,
+) -> PageLock<'a> {
+    if slot_kept {
+        return lock;
+    }
+    let written = core.swap.alloc_slot().filter(|&slot| {
+        // SAFETY: the buffer is one aligned page we own.
+        let ok = unsafe { core.swap.write_pages(&[(slot, buf.as_ptr())]) }
+            .remove(0)
+            .is_ok();
+        if !ok {
+            core.swap.free_slot(slot);
+        }
+        ok
+    });
+    lock.set(match written {
+        Some(slot) => PageState::new(Kind::Swapped).with_slot(Some(slot)),
+        None => PageState::new(Kind::Poisoned),
+    });
+    lock
+}
+
 /// Direct reclaim gives up after this long without finding a free page.
 const OOM_AFTER: Duration = Duration::from_secs(2);
 
@@ -78,7 +108,7 @@ impl RegionCore {
             (page - page % window + window).min(self.pages.len()),
         );
         let Some(granted) = self.charge((hi_bound - lo_bound) as u64) else {
-            return self.fail(lock, "out of memory: no page could be reclaimed", true);
+            return self.fail(lock, OOM, true);
         };
         let granted = granted as usize;
         let (mut lo, mut hi) = (page, page + 1);
@@ -154,20 +184,15 @@ impl RegionCore {
         Outcome::Resolved
     }
 
-    /// Reads the page from its slot, verifies it and maps it.
+    /// Reads the page from its slot, verifies it and maps it. The read goes to a bounce
+    /// buffer outside the budget, so when swap is short the slot can be freed before the
+    /// page is charged: the reclaim that makes room may need exactly that slot.
     fn swap_in(&self, mut lock: PageLock<'_>, start: Instant) -> Outcome {
-        let st = lock.state();
-        let slot = st.slot().expect("a swapped page has a slot");
-        if self.charge(1).is_none() {
-            return self.fail(lock, "out of memory: no page could be reclaimed", true);
-        }
+        let slot = lock.state().slot().expect("a swapped page has a slot");
         let mut buf = self.take_bounce();
         // SAFETY: the buffer is one aligned page we own.
-        let read = unsafe { self.swap.read_page(slot, buf.as_mut_ptr()) };
-        self.vmstat.pswpin.fetch_add(read.is_ok() as u64, Relaxed);
-        if let Err(e) = read {
+        if let Err(e) = unsafe { self.swap.read_page(slot, buf.as_mut_ptr()) } {
             self.return_bounce(buf);
-            self.budget.uncharge(1);
             let counter = match e {
                 crate::swapfile::ReadError::Checksum { .. } => &self.vmstat.verify_errors,
                 _ => &self.vmstat.io_errors,
@@ -175,33 +200,33 @@ impl RegionCore {
             counter.fetch_add(1, Relaxed);
             self.swap.free_slot(slot);
             lock.set(PageState::new(Kind::Poisoned));
-            return self.fail(
-                lock,
-                &format!("swap-in from slot {slot} failed: {e}; the page's data is lost"),
-                false,
-            );
+            let why = format!("swap-in from slot {slot} failed: {e}; the page's data is lost");
+            return self.fail(lock, &why, false);
         }
+        self.vmstat.pswpin.fetch_add(1, Relaxed);
         // Keep the swap copy (and write-protect to learn of the first write) unless swap
         // space is getting short, as the kernel frees the slot when vm_swap_full().
         let keep = self.caps.write_protect && !self.swap.nearly_full();
         if !keep {
             self.swap.free_slot(slot);
         }
+        if self.charge(1).is_none() {
+            let outcome = self.fail(lock_after_put_back(self, lock, &buf, keep), OOM, true);
+            self.return_bounce(buf);
+            return outcome;
+        }
         self.vmstat.pgmajfault.fetch_add(1, Relaxed);
         let mapped = self
             .uffd
             .copy(self.page_addr(lock.page()), buf.as_ptr(), PAGE_SIZE, keep);
-        self.return_bounce(buf);
         if let Err(e) = mapped {
             self.vmstat.pgmajfault.fetch_sub(1, Relaxed);
             self.budget.uncharge(1);
-            lock.set(if keep {
-                st
-            } else {
-                PageState::new(Kind::Poisoned)
-            });
+            let lock = lock_after_put_back(self, lock, &buf, keep);
+            self.return_bounce(buf);
             return self.fail(lock, &format!("cannot map the swapped-in page: {e}"), false);
         }
+        self.return_bounce(buf);
         self.lru.add(LruList::Active, [lock.page()]);
         lock.set(PageState::new(Kind::Active).with_slot(keep.then_some(slot)));
         drop(lock);

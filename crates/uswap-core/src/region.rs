@@ -91,6 +91,7 @@ impl RegionCore {
 /// swap device and come back on access. Dropping the region frees its memory and slots.
 pub struct Region {
     core: Arc<RegionCore>,
+    _reservation: SwapReservation,
     workers: Vec<JoinHandle<()>>,
     handlers: Option<handler::Handlers>,
 }
@@ -150,14 +151,15 @@ impl Region {
             ));
         }
         let pages = size.div_ceil(PAGE_SIZE as u64);
-        let swap_bytes = swap.capacity_pages() * PAGE_SIZE as u64;
-        if pages.saturating_sub(limit) > swap.capacity_pages() {
+        let needed = pages.saturating_sub(limit);
+        if needed > swap.capacity_pages() {
             return Err(Error::RegionTooLarge {
                 region: pages * PAGE_SIZE as u64,
                 memory: limit * PAGE_SIZE as u64,
-                swap: swap_bytes,
+                swap: swap.capacity_pages() * PAGE_SIZE as u64,
             });
         }
+        let reservation = SwapReservation::new(&swap, needed)?;
 
         let probe = uffd::probe()?;
         let uffd = Uffd::open(required_features(&probe, cfg.fault_mode)?)?;
@@ -203,6 +205,7 @@ impl Region {
             cfg,
         });
         let mut region = Region {
+            _reservation: reservation,
             workers: vec![crate::vmscan::spawn_kswapd(core.clone())?],
             handlers: None,
             core,
@@ -229,6 +232,11 @@ impl Region {
 
     pub fn swap_device(&self) -> &Arc<SwapDevice> {
         &self.core.swap
+    }
+
+    /// The event counters alone: cheap enough to poll.
+    pub fn vmstat(&self) -> crate::VmStatSnapshot {
+        self.core.vmstat.snapshot()
     }
 
     pub fn stats(&self) -> Stats {
@@ -274,6 +282,34 @@ impl Region {
             }
         }
         Ok(())
+    }
+}
+
+/// Swap space promised to one region, given back when the region is dropped.
+struct SwapReservation {
+    swap: Arc<SwapDevice>,
+    pages: u64,
+}
+
+impl SwapReservation {
+    fn new(swap: &Arc<SwapDevice>, pages: u64) -> Result<Self> {
+        if !swap.reserve(pages) {
+            return Err(Error::SwapExhausted {
+                needed: pages,
+                free: swap.capacity_pages().saturating_sub(swap.reserved_pages()),
+                capacity: swap.capacity_pages(),
+            });
+        }
+        Ok(SwapReservation {
+            swap: swap.clone(),
+            pages,
+        })
+    }
+}
+
+impl Drop for SwapReservation {
+    fn drop(&mut self) {
+        self.swap.unreserve(self.pages);
     }
 }
 

@@ -362,7 +362,13 @@ impl Uffd {
     pub fn read_events(&self, out: &mut [Msg]) -> io::Result<usize> {
         let size = std::mem::size_of::<Msg>();
         // SAFETY: `out` is valid for its length in bytes; Msg is plain data.
-        let n = unsafe { libc::read(self.raw(), out.as_mut_ptr().cast(), std::mem::size_of_val(out)) };
+        let n = unsafe {
+            libc::read(
+                self.raw(),
+                out.as_mut_ptr().cast(),
+                std::mem::size_of_val(out),
+            )
+        };
         if n < 0 {
             let err = io::Error::last_os_error();
             return if err.raw_os_error() == Some(libc::EAGAIN) {

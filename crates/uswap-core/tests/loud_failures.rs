@@ -31,17 +31,85 @@ fn corrupt_then_touch(mode: FaultMode) {
     println!("read {word:#x} from a corrupted page");
 }
 
-fn child(name: &str) {
+/// The swap file's file system fills up behind uswap's back (another file takes the space
+/// a growing swap file was counting on). In a private mount namespace, on a small tmpfs
+/// that vanishes with the child. Pages already swapped must all read back; only when a new
+/// page finds neither memory nor swap does the access die, loudly.
+fn disk_fills_up(dir: &str) {
+    const MIB: usize = 1 << 20;
+    let c = |s: &str| std::ffi::CString::new(s).unwrap();
+    unsafe {
+        assert_eq!(
+            libc::unshare(libc::CLONE_NEWNS),
+            0,
+            "unshare: {}",
+            std::io::Error::last_os_error()
+        );
+        let none = std::ptr::null();
+        assert_eq!(
+            libc::mount(
+                none,
+                c("/").as_ptr(),
+                none,
+                libc::MS_REC | libc::MS_PRIVATE,
+                std::ptr::null()
+            ),
+            0
+        );
+        let rc = libc::mount(
+            c("tmpfs").as_ptr(),
+            c(dir).as_ptr(),
+            c("tmpfs").as_ptr(),
+            0,
+            c("size=160m").as_ptr().cast(),
+        );
+        assert_eq!(rc, 0, "mount tmpfs: {}", std::io::Error::last_os_error());
+    }
+    let mut cfg = Config::new(MIB as u64);
+    cfg.swap.location = SwapLocation::TempIn(dir.into());
+    // One page per fault, so the loop below notices the failed write-out while free
+    // memory remains.
+    cfg.fault_around = 1;
+    let region = Region::new(100 * MIB as u64, cfg).unwrap();
+    let pages = region.len() / PAGE_SIZE;
+    let mut written = 0;
+    // The swap file grows by 64 MiB once these pages go out; then the rest of the file
+    // system is taken.
+    while written < 32 * MIB / PAGE_SIZE {
+        unsafe { common::fill(region.as_ptr(), written, 1) };
+        written += 1;
+    }
+    std::fs::write(format!("{dir}/filler"), vec![1u8; 90 * MIB]).unwrap();
+    while region.vmstat().swap_full == 0 {
+        assert!(written < pages, "the swap file never ran out of space");
+        unsafe { common::fill(region.as_ptr(), written, 1) };
+        written += 1;
+    }
+    for p in 0..written {
+        unsafe { common::check(region.as_ptr(), p, 1) }.unwrap();
+    }
+    println!("verified {written} pages after the swap file system filled up");
+    std::io::stdout().flush().unwrap();
+    while written < pages {
+        unsafe { common::fill(region.as_ptr(), written, 1) };
+        written += 1;
+    }
+    println!("wrote {written} pages with no swap space");
+}
+
+fn child(name: &str, arg: Option<&String>) {
     match name {
         "corrupt-thread" => corrupt_then_touch(FaultMode::Thread),
         "corrupt-sigbus" => corrupt_then_touch(FaultMode::Sigbus),
+        "disk-fills-up" => disk_fills_up(arg.expect("a directory")),
         _ => panic!("unknown scenario {name}"),
     }
 }
 
-fn expect_sigbus(name: &str, stderr_has: &[&str]) -> Result<(), String> {
+fn expect_sigbus(name: &str, stdout_has: &str, stderr_has: &[&str]) -> Result<(), String> {
+    let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
     let out = Command::new(std::env::current_exe().unwrap())
-        .args(["child", name])
+        .args(["child", name, dir.path().to_str().unwrap()])
         .output()
         .map_err(|e| e.to_string())?;
     let (stdout, stderr) = (
@@ -54,7 +122,7 @@ fn expect_sigbus(name: &str, stderr_has: &[&str]) -> Result<(), String> {
             out.status
         ));
     }
-    if !stdout.contains("corrupted") || stdout.contains("read ") {
+    if !stdout.contains(stdout_has) || stdout.contains("read ") || stdout.contains("wrote ") {
         return Err(format!(
             "{name}: the access must fail, not return data: {stdout}"
         ));
@@ -70,25 +138,37 @@ fn expect_sigbus(name: &str, stderr_has: &[&str]) -> Result<(), String> {
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     if args.get(1).map(String::as_str) == Some("child") {
-        return child(&args[2]);
+        return child(&args[2], args.get(3));
     }
     let filter = args.iter().skip(1).find(|a| !a.starts_with('-'));
+    let corrupt: &[&str] = &["fails with SIGBUS", "checksum"];
+    let full: &[&str] = &["fails with SIGBUS", "out of memory", "swap"];
     let scenarios = [
         (
             "corrupted_page_kills_the_user_access_thread_mode",
             "corrupt-thread",
+            "corrupted",
+            corrupt,
         ),
         (
             "corrupted_page_kills_the_user_access_sigbus_mode",
             "corrupt-sigbus",
+            "corrupted",
+            corrupt,
+        ),
+        (
+            "full_swap_file_system_keeps_swapped_pages_and_fails_new_ones_loudly",
+            "disk-fills-up",
+            "verified",
+            full,
         ),
     ];
     let mut failed = 0;
-    for (test, name) in scenarios {
+    for (test, name, stdout_has, stderr_has) in scenarios {
         if filter.is_some_and(|f| !test.contains(f.as_str())) {
             continue;
         }
-        match expect_sigbus(name, &["fails with SIGBUS", "checksum"]) {
+        match expect_sigbus(name, stdout_has, stderr_has) {
             Ok(()) => println!("test {test} ... ok"),
             Err(e) => {
                 println!("test {test} ... FAILED\n{e}");

@@ -217,3 +217,36 @@ fn bad_inputs_give_clear_errors() {
         .to_string()
         .contains("outside"));
 }
+
+#[test]
+fn a_full_shared_swap_device_refuses_new_regions_and_loses_nothing() {
+    let mut cfg = Config::new(MIB);
+    cfg.swap.size = Some(4 * MIB);
+    let swap = uswap_core::swapfile::SwapDevice::open(&cfg.swap).unwrap();
+    // A holds the whole device: 1 MiB of memory plus 4 MiB of swap.
+    let a = Region::with_swap(5 * MIB, cfg.clone(), swap.clone()).unwrap();
+    let pages = a.len() / PAGE_SIZE;
+    for p in 0..pages {
+        unsafe { fill(a.as_ptr(), p, 1) };
+    }
+    assert!(swap.used_pages() > 0);
+    let e = Region::with_swap(2 * MIB, cfg.clone(), swap.clone())
+        .err()
+        .expect("no swap left for B");
+    let msg = e.to_string();
+    assert!(
+        msg.contains("swap device is full") && msg.contains("256 pages"),
+        "{msg}"
+    );
+    // A region that fits in its memory limit needs no swap and is still allowed.
+    let c = Region::with_swap(MIB, cfg.clone(), swap.clone()).unwrap();
+    unsafe { fill(c.as_ptr(), 0, 9) };
+    for p in 0..pages {
+        unsafe { check(a.as_ptr(), p, 1) }.unwrap();
+    }
+    unsafe { check(c.as_ptr(), 0, 9) }.unwrap();
+    assert_eq!(a.stats().vmstat.failed_faults, 0);
+    drop(a);
+    // Its promise is given back with it.
+    Region::with_swap(2 * MIB, cfg, swap).unwrap();
+}

