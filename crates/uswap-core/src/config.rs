@@ -171,6 +171,13 @@ impl Watermarks {
     }
 }
 
+/// One fault handler per four CPUs (1 to 8). On a small VM every extra handler costs a
+/// cross-CPU wake-up per fault, which is dearer there than the parallelism it buys.
+fn default_handler_threads() -> usize {
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+    (cpus / 4).clamp(1, 8)
+}
+
 /// Everything that shapes a region. Build with [`Config::new`] and adjust the fields.
 #[derive(Clone, Debug)]
 pub struct Config {
@@ -199,7 +206,7 @@ impl Config {
             memory_limit,
             swap: SwapConfig::default(),
             fault_mode: FaultMode::Thread,
-            handler_threads: 2,
+            handler_threads: default_handler_threads(),
             handler_spin_us: 50,
             watermarks: None,
             fault_around: 16,

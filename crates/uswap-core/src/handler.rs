@@ -6,7 +6,7 @@ use crate::fault::Outcome;
 use crate::region::RegionCore;
 use crate::uffd::{Msg, EVENT_PAGEFAULT, PAGEFAULT_FLAG_WP};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
-use std::sync::atomic::Ordering::Relaxed;
+use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -27,12 +27,15 @@ impl Handlers {
             stop: unsafe { OwnedFd::from_raw_fd(fd) },
             threads: Vec::new(),
         };
-        let leader = Arc::new(Mutex::new(()));
+        let shared = Arc::new(Shared {
+            leader: Mutex::new(()),
+            busy: AtomicUsize::new(0),
+        });
         for i in 0..core.cfg.handler_threads {
-            let (core, stop, leader) = (core.clone(), fd, leader.clone());
+            let (core, stop, shared) = (core.clone(), fd, shared.clone());
             let t = std::thread::Builder::new()
                 .name(format!("uswap-fault-{i}"))
-                .spawn(move || serve(&core, stop, &leader))
+                .spawn(move || serve(&core, stop, &shared))
                 .map_err(|source| Error::Os {
                     op: "spawn fault handler",
                     source,
@@ -57,16 +60,17 @@ impl Handlers {
 /// poll), hands leadership on as soon as it has events, and resolves them. Only one thread
 /// wakes per event, and a fault that follows soon after the last one finds a handler already
 /// running instead of waking a sleeping CPU: on a VM that wake-up costs more than the fault.
-fn serve(core: &RegionCore, stop: i32, leader: &Mutex<()>) {
+fn serve(core: &RegionCore, stop: i32, shared: &Shared) {
     let mut msgs = [Msg::default(); 16];
     loop {
         let n = {
-            let _leader = leader.lock().unwrap_or_else(|e| e.into_inner());
-            match next_events(core, stop, &mut msgs) {
+            let _leader = shared.leader.lock().unwrap_or_else(|e| e.into_inner());
+            match next_events(core, stop, &mut msgs, &shared.busy) {
                 Some(n) => n,
                 None => return,
             }
         };
+        let _busy = Busy::enter(&shared.busy);
         for m in msgs[..n].iter().filter(|m| m.event == EVENT_PAGEFAULT) {
             let Some(page) = core.page_of(m.address as usize) else {
                 continue;
@@ -79,9 +83,36 @@ fn serve(core: &RegionCore, stop: i32, leader: &Mutex<()>) {
     }
 }
 
+/// What the handler threads of one region share.
+struct Shared {
+    /// Held by the one thread waiting for events.
+    leader: Mutex<()>,
+    /// Handlers resolving faults right now.
+    busy: AtomicUsize,
+}
+
+/// Counts a handler as busy while alive.
+struct Busy<'a>(&'a AtomicUsize);
+
+impl<'a> Busy<'a> {
+    fn enter(count: &'a AtomicUsize) -> Self {
+        count.fetch_add(1, Relaxed);
+        Busy(count)
+    }
+}
+
+impl Drop for Busy<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Relaxed);
+    }
+}
+
 /// Waits for fault events; `None` when the region is shutting down or the descriptor failed.
-fn next_events(core: &RegionCore, stop: i32, msgs: &mut [Msg]) -> Option<usize> {
-    let spin_until = Instant::now() + Duration::from_micros(core.cfg.handler_spin_us);
+/// Spins first only while no other handler is busy: a busy handler means a faulting thread
+/// is blocked, and a spinning CPU would take time from that fault's I/O and from kswapd.
+fn next_events(core: &RegionCore, stop: i32, msgs: &mut [Msg], busy: &AtomicUsize) -> Option<usize> {
+    let spin = if busy.load(Relaxed) == 0 { core.cfg.handler_spin_us } else { 0 };
+    let spin_until = Instant::now() + Duration::from_micros(spin);
     loop {
         match core.uffd.read_events(msgs) {
             Ok(0) => {}

@@ -97,11 +97,29 @@ fn disk_fills_up(dir: &str) {
     println!("wrote {written} pages with no swap space");
 }
 
+/// Without permission for userfaultfd the error names the cause and the fixes. Runs as the
+/// unprivileged user `nobody` (the test itself runs as root).
+fn unprivileged() {
+    unsafe {
+        assert_eq!(libc::setgroups(0, std::ptr::null()), 0);
+        assert_eq!(libc::setgid(65534), 0);
+        assert_eq!(libc::setuid(65534), 0);
+    }
+    let unprivileged_ok = std::fs::read_to_string("/proc/sys/vm/unprivileged_userfaultfd")
+        .is_ok_and(|s| s.trim() == "1");
+    match Region::new(1 << 20, Config::new(1 << 20)) {
+        Err(e) => println!("error: {e}"),
+        Ok(_) if unprivileged_ok => println!("error: skipped, vm.unprivileged_userfaultfd=1 permits it"),
+        Ok(_) => panic!("an unprivileged process got a userfaultfd"),
+    }
+}
+
 fn child(name: &str, arg: Option<&String>) {
     match name {
         "corrupt-thread" => corrupt_then_touch(FaultMode::Thread),
         "corrupt-sigbus" => corrupt_then_touch(FaultMode::Sigbus),
         "disk-fills-up" => disk_fills_up(arg.expect("a directory")),
+        "unprivileged" => unprivileged(),
         _ => panic!("unknown scenario {name}"),
     }
 }
@@ -135,6 +153,20 @@ fn expect_sigbus(name: &str, stdout_has: &str, stderr_has: &[&str]) -> Result<()
     Ok(())
 }
 
+fn expect_permission_error() -> Result<(), String> {
+    let out = Command::new(std::env::current_exe().unwrap())
+        .args(["child", "unprivileged"])
+        .env("TMPDIR", "/tmp")
+        .output()
+        .map_err(|e| e.to_string())?;
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let wanted = ["not permitted", "root", "/dev/userfaultfd", "vm.unprivileged_userfaultfd"];
+    if out.status.success() && (stdout.contains("skipped") || wanted.iter().all(|w| stdout.contains(w))) {
+        return Ok(());
+    }
+    Err(format!("status {:?}\nstdout: {stdout}\nstderr: {}", out.status, String::from_utf8_lossy(&out.stderr)))
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     if args.get(1).map(String::as_str) == Some("child") {
@@ -164,6 +196,15 @@ fn main() {
         ),
     ];
     let mut failed = 0;
+    if filter.is_none_or(|f| "userfaultfd_not_permitted_names_cause_and_fixes".contains(f.as_str())) {
+        match expect_permission_error() {
+            Ok(()) => println!("test userfaultfd_not_permitted_names_cause_and_fixes ... ok"),
+            Err(e) => {
+                println!("test userfaultfd_not_permitted_names_cause_and_fixes ... FAILED\n{e}");
+                failed += 1;
+            }
+        }
+    }
     for (test, name, stdout_has, stderr_has) in scenarios {
         if filter.is_some_and(|f| !test.contains(f.as_str())) {
             continue;
