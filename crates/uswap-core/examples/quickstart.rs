@@ -6,7 +6,7 @@ fn main() -> uswap_core::Result<()> {
     // 4 GiB of memory that keeps at most 1 GiB resident; the rest goes to an unlinked
     // swap file in $TMPDIR.
     let region = Region::new(
-        parse_size(&std::env::var("QS_SIZE").unwrap_or("4G".into()))?,
+        parse_size("4G")?,
         Config::new(parse_size("1G")?),
     )?;
     let data = unsafe { std::slice::from_raw_parts_mut(region.as_ptr(), region.len()) };
