@@ -161,7 +161,9 @@ impl RegionCore {
         let back = if clean {
             self.uffd.copy(dst, src as *const u8, PAGE_SIZE, true)
         } else {
-            self.uffd.move_pages(dst, src, PAGE_SIZE, true)
+            self.uffd
+                .move_pages(dst, src, PAGE_SIZE, true)
+                .map_err(|p| p.error)
         };
         if let Err(e) = back {
             self.vmstat.pgactivate.fetch_sub(1, Relaxed);

@@ -110,8 +110,17 @@ impl Drop for Busy<'_> {
 /// Waits for fault events; `None` when the region is shutting down or the descriptor failed.
 /// Spins first only while no other handler is busy: a busy handler means a faulting thread
 /// is blocked, and a spinning CPU would take time from that fault's I/O and from kswapd.
-fn next_events(core: &RegionCore, stop: i32, msgs: &mut [Msg], busy: &AtomicUsize) -> Option<usize> {
-    let spin = if busy.load(Relaxed) == 0 { core.cfg.handler_spin_us } else { 0 };
+fn next_events(
+    core: &RegionCore,
+    stop: i32,
+    msgs: &mut [Msg],
+    busy: &AtomicUsize,
+) -> Option<usize> {
+    let spin = if busy.load(Relaxed) == 0 {
+        core.cfg.handler_spin_us
+    } else {
+        0
+    };
     let spin_until = Instant::now() + Duration::from_micros(spin);
     loop {
         match core.uffd.read_events(msgs) {

@@ -220,6 +220,19 @@ fn open_dev(flags: i32) -> io::Result<OwnedFd> {
     Ok(unsafe { OwnedFd::from_raw_fd(fd) })
 }
 
+/// A COPY or MOVE that stopped part-way: `done` bytes were filled before `error`.
+#[derive(Debug)]
+pub struct Partial {
+    pub done: usize,
+    pub error: io::Error,
+}
+
+impl std::fmt::Display for Partial {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} (after {} bytes)", self.error, self.done)
+    }
+}
+
 /// An open userfaultfd with its API handshake done.
 pub struct Uffd {
     fd: OwnedFd,
@@ -286,17 +299,31 @@ impl Uffd {
     ) -> io::Result<()> {
         let mode = if write_protect { COPY_MODE_WP } else { 0 };
         self.fill(UFFDIO_COPY, dst, src as usize, len, mode)
+            .map_err(|p| p.error)
     }
 
     /// Atomically moves the pages at `src` to the unmapped `dst` (zero copy), waking the
-    /// threads waiting on `dst` when asked to.
-    pub fn move_pages(&self, dst: usize, src: usize, len: usize, wake: bool) -> io::Result<()> {
+    /// threads waiting on `dst` when asked to. On failure, says how many bytes did move.
+    pub fn move_pages(
+        &self,
+        dst: usize,
+        src: usize,
+        len: usize,
+        wake: bool,
+    ) -> std::result::Result<(), Partial> {
         let mode = if wake { 0 } else { MOVE_MODE_DONTWAKE };
         self.fill(UFFDIO_MOVE, dst, src, len, mode)
     }
 
     /// COPY and MOVE share a layout and both may complete partially or ask to be retried.
-    fn fill(&self, op: u64, dst: usize, src: usize, len: usize, mode: u64) -> io::Result<()> {
+    fn fill(
+        &self,
+        op: u64,
+        dst: usize,
+        src: usize,
+        len: usize,
+        mode: u64,
+    ) -> std::result::Result<(), Partial> {
         let mut done = 0usize;
         while done < len {
             let mut arg = CopyArg {
@@ -314,7 +341,7 @@ impl Uffd {
             if ret != 0 {
                 let err = io::Error::last_os_error();
                 if err.raw_os_error() != Some(libc::EAGAIN) {
-                    return Err(err);
+                    return Err(Partial { done, error: err });
                 }
             }
         }

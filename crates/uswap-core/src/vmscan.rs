@@ -109,39 +109,55 @@ impl RegionCore {
     }
 
     /// Unmaps isolated active pages into staging frames (data kept) and puts them on the
-    /// inactive list; a later touch is a minor fault that promotes the page back.
+    /// inactive list; a later touch is a minor fault that promotes the page back. Pages that
+    /// are adjacent, with adjacent frames, move together: one UFFDIO_MOVE, one TLB flush.
     pub fn deactivate(&self, mut locks: Vec<PageLock<'_>>) {
-        let mut kept_active = Vec::new();
-        for lock in &mut locks {
-            let st = lock.state();
-            let moved = self.staging.alloc().map(|frame| {
-                let (dst, src) = (self.staging.addr(frame), self.page_addr(lock.page()));
-                match self.uffd.move_pages(dst, src, PAGE_SIZE, false) {
-                    Ok(()) => Some(frame),
-                    Err(_) => {
-                        // Pinned (O_DIRECT I/O in flight) or shared: try again later.
-                        self.staging.release_empty(frame);
-                        None
-                    }
-                }
-            });
-            match moved.flatten() {
-                Some(frame) => lock.set(st.with_kind(Kind::Inactive).with_frame(Some(frame))),
-                None => kept_active.push(lock.page()),
+        locks.sort_unstable_by_key(|l| l.page());
+        let frames = self.staging.alloc_many(locks.len());
+        let mut start = 0;
+        while start < frames.len() {
+            let mut end = start + 1;
+            while end < frames.len()
+                && locks[end].page() == locks[end - 1].page() + 1
+                && frames[end] == frames[end - 1] + 1
+            {
+                end += 1;
+            }
+            let (dst, src) = (
+                self.staging.addr(frames[start]),
+                self.page_addr(locks[start].page()),
+            );
+            let moved = match self
+                .uffd
+                .move_pages(dst, src, (end - start) * PAGE_SIZE, false)
+            {
+                Ok(()) => end - start,
+                // The page after the moved ones is pinned (O_DIRECT I/O in flight) or shared:
+                // it stays active and is tried again later.
+                Err(partial) => partial.done / PAGE_SIZE,
+            };
+            for (lock, &frame) in locks[start..start + moved].iter_mut().zip(&frames[start..]) {
+                let st = lock.state();
+                lock.set(st.with_kind(Kind::Inactive).with_frame(Some(frame)));
+            }
+            if start + moved < end {
+                self.staging.release_empty(frames[start + moved]);
+                start += moved + 1;
+            } else {
+                start = end;
             }
         }
-        let deactivated = locks.len() - kept_active.len();
+        let (inactive, active): (Vec<_>, Vec<_>) = locks
+            .iter()
+            .map(|l| (l.page(), l.state().kind()))
+            .partition(|&(_, k)| k == Kind::Inactive);
         self.vmstat
             .pgdeactivate
-            .fetch_add(deactivated as u64, Relaxed);
-        self.lru.add(
-            LruList::Inactive,
-            locks
-                .iter()
-                .filter(|l| l.state().kind() == Kind::Inactive)
-                .map(|l| l.page()),
-        );
-        self.lru.add(LruList::Active, kept_active);
+            .fetch_add(inactive.len() as u64, Relaxed);
+        self.lru
+            .add(LruList::Inactive, inactive.into_iter().map(|(p, _)| p));
+        self.lru
+            .add(LruList::Active, active.into_iter().map(|(p, _)| p));
     }
 
     /// Reclaims isolated inactive pages: all-zero pages are forgotten, clean pages with a
@@ -149,7 +165,7 @@ impl RegionCore {
     /// cannot be written (swap full, I/O error) stay in memory on the inactive list.
     pub fn evict(&self, mut locks: Vec<PageLock<'_>>) -> u64 {
         self.vmstat.pgscan.fetch_add(locks.len() as u64, Relaxed);
-        let mut freed = 0u64;
+        let mut freed_frames = Vec::with_capacity(locks.len());
         let mut writes = Vec::new();
         for (i, lock) in locks.iter_mut().enumerate() {
             let st = lock.state();
@@ -172,10 +188,11 @@ impl RegionCore {
                 }
                 continue;
             }
-            self.staging.release(frame);
-            freed += 1;
+            freed_frames.push(frame);
         }
-        freed += self.write_out(&mut locks, &writes);
+        self.write_out(&mut locks, &writes, &mut freed_frames);
+        let freed = freed_frames.len() as u64;
+        self.staging.release_all(freed_frames);
         let still_inactive = locks
             .iter()
             .filter(|l| l.state().kind() == Kind::Inactive)
@@ -186,10 +203,11 @@ impl RegionCore {
         freed
     }
 
-    /// Writes dirty inactive pages straight from their staging frames, as one batch.
-    fn write_out(&self, locks: &mut [PageLock<'_>], writes: &[(usize, u32)]) -> u64 {
+    /// Writes dirty inactive pages straight from their staging frames, as one batch; the
+    /// frames of the pages written go to `freed`.
+    fn write_out(&self, locks: &mut [PageLock<'_>], writes: &[(usize, u32)], freed: &mut Vec<u32>) {
         if writes.is_empty() {
-            return 0;
+            return;
         }
         let batch: Vec<(u32, *const u8)> = writes
             .iter()
@@ -205,8 +223,7 @@ impl RegionCore {
             let st = locks[i].state();
             match result {
                 Ok(()) => {
-                    self.staging
-                        .release(st.frame().expect("inactive page has a frame"));
+                    freed.push(st.frame().expect("inactive page has a frame"));
                     locks[i].set(
                         st.with_kind(Kind::Swapped)
                             .with_frame(None)
@@ -223,6 +240,5 @@ impl RegionCore {
             }
         }
         self.vmstat.pswpout.fetch_add(written, Relaxed);
-        written
     }
 }

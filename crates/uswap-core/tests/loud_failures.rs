@@ -109,7 +109,9 @@ fn unprivileged() {
         .is_ok_and(|s| s.trim() == "1");
     match Region::new(1 << 20, Config::new(1 << 20)) {
         Err(e) => println!("error: {e}"),
-        Ok(_) if unprivileged_ok => println!("error: skipped, vm.unprivileged_userfaultfd=1 permits it"),
+        Ok(_) if unprivileged_ok => {
+            println!("error: skipped, vm.unprivileged_userfaultfd=1 permits it")
+        }
         Ok(_) => panic!("an unprivileged process got a userfaultfd"),
     }
 }
@@ -160,11 +162,22 @@ fn expect_permission_error() -> Result<(), String> {
         .output()
         .map_err(|e| e.to_string())?;
     let stdout = String::from_utf8_lossy(&out.stdout);
-    let wanted = ["not permitted", "root", "/dev/userfaultfd", "vm.unprivileged_userfaultfd"];
-    if out.status.success() && (stdout.contains("skipped") || wanted.iter().all(|w| stdout.contains(w))) {
+    let wanted = [
+        "not permitted",
+        "root",
+        "/dev/userfaultfd",
+        "vm.unprivileged_userfaultfd",
+    ];
+    if out.status.success()
+        && (stdout.contains("skipped") || wanted.iter().all(|w| stdout.contains(w)))
+    {
         return Ok(());
     }
-    Err(format!("status {:?}\nstdout: {stdout}\nstderr: {}", out.status, String::from_utf8_lossy(&out.stderr)))
+    Err(format!(
+        "status {:?}\nstdout: {stdout}\nstderr: {}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    ))
 }
 
 fn main() {
@@ -196,7 +209,8 @@ fn main() {
         ),
     ];
     let mut failed = 0;
-    if filter.is_none_or(|f| "userfaultfd_not_permitted_names_cause_and_fixes".contains(f.as_str())) {
+    if filter.is_none_or(|f| "userfaultfd_not_permitted_names_cause_and_fixes".contains(f.as_str()))
+    {
         match expect_permission_error() {
             Ok(()) => println!("test userfaultfd_not_permitted_names_cause_and_fixes ... ok"),
             Err(e) => {
