@@ -7,7 +7,8 @@
 
 use crate::error::{Error, Result};
 use crate::PAGE_SIZE;
-use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use crate::sync::AtomicU64;
+use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Mutex;
 
 pub struct FrameBudget {
@@ -185,7 +186,7 @@ impl Staging {
     }
 }
 
-#[cfg(test)]
+#[cfg(all(test, not(loom)))]
 mod tests {
     use super::*;
 
@@ -240,5 +241,32 @@ mod tests {
         // SAFETY: as above; MADV_DONTNEED made it read as zero.
         assert_eq!(unsafe { *(s.addr(f) as *const u8) }, 0);
         assert!(s.alloc_many(1).is_empty());
+    }
+}
+
+/// Model check of the budget: `RUSTFLAGS="--cfg loom" cargo test -p uswap-core --lib --release page_alloc::loom`.
+#[cfg(all(test, loom))]
+mod loom_tests {
+    use super::*;
+
+    #[test]
+    fn concurrent_charges_never_exceed_the_limit_and_all_come_back() {
+        loom::model(|| {
+            let b = std::sync::Arc::new(FrameBudget::new(3));
+            let threads: Vec<_> = (0..2)
+                .map(|_| {
+                    let b = b.clone();
+                    loom::thread::spawn(move || {
+                        let got = b.try_charge(2);
+                        assert!(b.resident() <= 3);
+                        got
+                    })
+                })
+                .collect();
+            let granted: Vec<u64> = threads.into_iter().map(|t| t.join().unwrap()).collect();
+            assert_eq!(granted.iter().sum::<u64>(), 3, "{granted:?}: all of the limit, no more");
+            b.uncharge(3);
+            assert_eq!(b.resident(), 0);
+        });
     }
 }
