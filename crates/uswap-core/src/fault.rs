@@ -5,6 +5,7 @@ use crate::lru::LruList;
 use crate::page::{Kind, PageLock, PageState};
 use crate::region::RegionCore;
 use crate::stats::FaultKind;
+use crate::swap_io::PageBuf;
 use crate::PAGE_SIZE;
 use std::sync::atomic::Ordering::Relaxed;
 use std::time::{Duration, Instant};
@@ -17,38 +18,9 @@ pub(crate) enum Outcome {
     Fatal,
 }
 
-const OOM: &str = "out of memory: no page could be reclaimed";
-
-/// After a swap-in that could not be mapped: when its slot was already freed, writes the
-/// page back to a slot so its data survives, or marks it poisoned if that fails too.
-fn lock_after_put_back<'a>(
-    core: &RegionCore,
-    mut lock: PageLock<'a>,
-    buf: &crate::swap_io::PageBuf,
-    slot_kept: bool,
-) -> PageLock<'a> {
-    if slot_kept {
-        return lock;
-    }
-    let written = core.swap.alloc_slot().filter(|&slot| {
-        // SAFETY: the buffer is one aligned page we own.
-        let ok = unsafe { core.swap.write_pages(&[(slot, buf.as_ptr())]) }
-            .remove(0)
-            .is_ok();
-        if !ok {
-            core.swap.free_slot(slot);
-        }
-        ok
-    });
-    lock.set(match written {
-        Some(slot) => PageState::new(Kind::Swapped).with_slot(Some(slot)),
-        None => PageState::new(Kind::Poisoned),
-    });
-    lock
-}
-
 /// Direct reclaim gives up after this long without finding a free page.
 const OOM_AFTER: Duration = Duration::from_secs(2);
+const OOM: &str = "out of memory: no page could be reclaimed";
 
 impl RegionCore {
     /// Resolves a fault on `page`. `write_protect` is set for a write to a write-protected
@@ -138,7 +110,7 @@ impl RegionCore {
         if let Err(e) = filled {
             self.vmstat.pgzerofill.fetch_sub((hi - lo) as u64, Relaxed);
             self.budget.uncharge((hi - lo) as u64);
-            return self.fail(lock, &format!("zero-fill failed: {e}"), true);
+            return self.fail(lock, &format!("zero-fill failed: {e}"), false);
         }
         self.lru.add(LruList::Active, lo..hi);
         let mut lock = lock;
@@ -173,7 +145,6 @@ impl RegionCore {
                 false,
             );
         }
-        self.lru.remove(lock.page());
         self.lru.add(LruList::Active, [lock.page()]);
         lock.set(st.with_kind(Kind::Active).with_frame(None));
         drop(lock);
@@ -213,7 +184,7 @@ impl RegionCore {
             self.swap.free_slot(slot);
         }
         if self.charge(1).is_none() {
-            let outcome = self.fail(lock_after_put_back(self, lock, &buf, keep), OOM, true);
+            let outcome = self.fail(self.put_back(lock, &buf, keep), OOM, true);
             self.return_bounce(buf);
             return outcome;
         }
@@ -224,7 +195,7 @@ impl RegionCore {
         if let Err(e) = mapped {
             self.vmstat.pgmajfault.fetch_sub(1, Relaxed);
             self.budget.uncharge(1);
-            let lock = lock_after_put_back(self, lock, &buf, keep);
+            let lock = self.put_back(lock, &buf, keep);
             self.return_bounce(buf);
             return self.fail(lock, &format!("cannot map the swapped-in page: {e}"), false);
         }
@@ -260,6 +231,29 @@ impl RegionCore {
             round += 1;
             std::thread::sleep(Duration::from_micros(50 * round.min(20) as u64));
         }
+    }
+
+    /// After a swap-in that could not be mapped: when its slot was already freed, writes the
+    /// page back to a new slot so its data survives, or marks it poisoned if that fails too.
+    fn put_back<'a>(&self, mut lock: PageLock<'a>, buf: &PageBuf, slot_kept: bool) -> PageLock<'a> {
+        if slot_kept {
+            return lock;
+        }
+        let written = self.swap.alloc_slot().filter(|&slot| {
+            // SAFETY: the buffer is one aligned page we own.
+            let ok = unsafe { self.swap.write_pages(&[(slot, buf.as_ptr())]) }
+                .remove(0)
+                .is_ok();
+            if !ok {
+                self.swap.free_slot(slot);
+            }
+            ok
+        });
+        lock.set(match written {
+            Some(slot) => PageState::new(Kind::Swapped).with_slot(Some(slot)),
+            None => PageState::new(Kind::Poisoned),
+        });
+        lock
     }
 
     /// Fails the access loudly. Lost data (`oom` false) poisons the page so every later

@@ -6,8 +6,8 @@
 //! are parked by UFFDIO_MOVE: unmapped from the region but still in memory.
 
 use crate::error::{Error, Result};
-use crate::PAGE_SIZE;
 use crate::sync::AtomicU64;
+use crate::PAGE_SIZE;
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Mutex;
 
@@ -264,7 +264,11 @@ mod loom_tests {
                 })
                 .collect();
             let granted: Vec<u64> = threads.into_iter().map(|t| t.join().unwrap()).collect();
-            assert_eq!(granted.iter().sum::<u64>(), 3, "{granted:?}: all of the limit, no more");
+            assert_eq!(
+                granted.iter().sum::<u64>(),
+                3,
+                "{granted:?}: all of the limit, no more"
+            );
             b.uncharge(3);
             assert_eq!(b.resident(), 0);
         });
