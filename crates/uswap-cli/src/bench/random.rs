@@ -33,7 +33,7 @@ pub struct RandomArgs {
     pub write_pct: u8,
 
     /// Length of the measured interval; filling the region first is not counted
-    #[arg(long, value_name = "S", default_value = "10", value_parser = seconds)]
+    #[arg(long, value_name = "S", default_value = "8", value_parser = seconds)]
     pub seconds: f64,
 
     /// Which swap runs the workload
