@@ -60,7 +60,7 @@ impl RegionCore {
     fn write_fault(&self, mut lock: PageLock<'_>) -> Outcome {
         let st = lock.state();
         if let Some(slot) = st.slot() {
-            self.swap.free_slot(slot);
+            self.release_slot(slot);
             lock.set(st.with_slot(None));
         }
         let addr = self.page_addr(lock.page());
@@ -171,7 +171,7 @@ impl RegionCore {
                 _ => &self.vmstat.io_errors,
             };
             counter.fetch_add(1, Relaxed);
-            self.swap.free_slot(slot);
+            self.release_slot(slot);
             lock.set(PageState::new(Kind::Poisoned));
             let why = format!("swap-in from slot {slot} failed: {e}; the page's data is lost");
             return self.fail(lock, &why, false);
@@ -181,7 +181,7 @@ impl RegionCore {
         // space is getting short, as the kernel frees the slot when vm_swap_full().
         let keep = self.caps.write_protect && !self.swap.nearly_full();
         if !keep {
-            self.swap.free_slot(slot);
+            self.release_slot(slot);
         }
         if self.charge(1).is_none() {
             let outcome = self.fail(self.put_back(lock, &buf, keep), OOM, true);
@@ -250,7 +250,10 @@ impl RegionCore {
             ok
         });
         lock.set(match written {
-            Some(slot) => PageState::new(Kind::Swapped).with_slot(Some(slot)),
+            Some(slot) => {
+                self.slots_held.fetch_add(1, Relaxed);
+                PageState::new(Kind::Swapped).with_slot(Some(slot))
+            }
             None => PageState::new(Kind::Poisoned),
         });
         lock

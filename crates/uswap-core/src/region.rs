@@ -11,7 +11,7 @@ use crate::swapfile::SwapDevice;
 use crate::uffd::{self, Uffd};
 use crate::vmscan::Kswapd;
 use crate::{handler, sigbus, PAGE_SIZE};
-use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
@@ -53,6 +53,8 @@ pub(crate) struct RegionCore {
     /// Source of zeros for first-touch fills: never written, so it reads as the zero page.
     pub zeros: Mapping,
     bounce: Mutex<Vec<PageBuf>>,
+    /// Swap slots this region's pages hold.
+    pub slots_held: AtomicU64,
     pub shutdown: AtomicBool,
 }
 
@@ -80,6 +82,12 @@ impl RegionCore {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .push(buf);
+    }
+
+    /// Frees a slot a page of this region held.
+    pub fn release_slot(&self, slot: u32) {
+        self.swap.free_slot(slot);
+        self.slots_held.fetch_sub(1, Relaxed);
     }
 
     pub fn record(&self, kind: FaultKind, since: std::time::Instant) {
@@ -201,6 +209,7 @@ impl Region {
             latency: FaultLatency::default(),
             kswapd: Kswapd::default(),
             bounce: Mutex::new(Vec::new()),
+            slots_held: AtomicU64::new(0),
             shutdown: AtomicBool::new(false),
             cfg,
         });
@@ -247,9 +256,7 @@ impl Region {
             minor: Latency::of(&c.latency.merged(FaultKind::Minor)),
             major: Latency::of(&c.latency.merged(FaultKind::Major)),
             resident_pages: c.budget.resident(),
-            swap_used_pages: (0..c.pages.len())
-                .filter(|&p| c.pages.peek(p).0.slot().is_some())
-                .count() as u64,
+            swap_used_pages: c.slots_held.load(Relaxed),
         }
     }
 
@@ -329,7 +336,7 @@ impl Drop for Region {
         }
         for p in 0..core.pages.len() {
             if let Some(slot) = core.pages.peek(p).0.slot() {
-                core.swap.free_slot(slot);
+                core.release_slot(slot);
             }
         }
         // The mappings are unmapped when the core is dropped just after this.

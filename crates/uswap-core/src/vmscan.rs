@@ -172,7 +172,7 @@ impl RegionCore {
             let frame = st.frame().expect("an inactive page has a staging frame");
             if is_zero_page(self.staging.addr(frame)) {
                 if let Some(slot) = st.slot() {
-                    self.swap.free_slot(slot);
+                    self.release_slot(slot);
                 }
                 lock.set(PageState::NONE);
                 self.vmstat.pgzero_dropped.fetch_add(1, Relaxed);
@@ -240,5 +240,6 @@ impl RegionCore {
             }
         }
         self.vmstat.pswpout.fetch_add(written, Relaxed);
+        self.slots_held.fetch_add(written, Relaxed);
     }
 }

@@ -148,10 +148,17 @@ fn clean_pages_are_dropped_without_io_and_writes_dirty_them() {
     region.advise(0, region.len(), Advice::PageOut).unwrap();
     let out1 = region.stats().vmstat.pswpout;
     assert_eq!(out1, pages as u64, "every dirty page is written once");
+    assert_eq!(region.stats().swap_used_pages, pages as u64);
+    assert_eq!(region.swap_device().used_pages(), pages as u64);
     for p in 0..pages {
         unsafe { check(region.as_ptr(), p, 0) }.unwrap();
     }
     unsafe { fill(region.as_ptr(), 3, 7) };
+    assert_eq!(
+        region.stats().swap_used_pages,
+        pages as u64 - 1,
+        "the written page lost its slot"
+    );
     region.advise(0, region.len(), Advice::PageOut).unwrap();
     let s = region.stats().vmstat;
     assert_eq!(
