@@ -3,7 +3,7 @@
 //! reclaim takes from the tails.
 
 use crate::page::{PageLock, PageTable};
-use std::sync::Mutex;
+use crate::sync::{Mutex, MutexGuard};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum LruList {
@@ -92,7 +92,7 @@ impl Lru {
         }
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, Lists> {
+    fn lock(&self) -> MutexGuard<'_, Lists> {
         self.lists.lock().unwrap_or_else(|e| e.into_inner())
     }
 
@@ -141,7 +141,7 @@ impl Lru {
     }
 }
 
-#[cfg(test)]
+#[cfg(all(test, not(loom)))]
 mod tests {
     use super::*;
 
@@ -218,5 +218,49 @@ mod tests {
         all.extend(drain(&lru, &t, LruList::Inactive));
         all.sort_unstable();
         assert_eq!(all, (0..PAGES).collect::<Vec<_>>());
+    }
+}
+
+/// Model check of the lock order: a fault holds a page lock and then takes the LRU lock,
+/// reclaim holds the LRU lock and only try-locks pages. No interleaving may deadlock or lose
+/// the page. `RUSTFLAGS="--cfg loom" cargo test -p uswap-core --lib --release lru::loom`.
+#[cfg(all(test, loom))]
+mod loom_tests {
+    use super::*;
+    use std::sync::Arc;
+
+    #[test]
+    fn fault_and_reclaim_never_deadlock_or_lose_a_page() {
+        loom::model(|| {
+            let pages = Arc::new(PageTable::new(2));
+            let lru = Arc::new(Lru::new(2));
+            lru.add(LruList::Active, [0, 1]);
+            let fault = {
+                let (pages, lru) = (pages.clone(), lru.clone());
+                loom::thread::spawn(move || {
+                    let lock = pages.lock(0);
+                    lru.add(LruList::Active, [lock.page()]);
+                })
+            };
+            let isolated: Vec<usize> = lru
+                .isolate(&pages, LruList::Active, 2)
+                .iter()
+                .map(|l| l.page())
+                .collect();
+            lru.add(LruList::Inactive, isolated.iter().copied());
+            fault.join().unwrap();
+            let mut all: Vec<usize> = lru
+                .isolate(&pages, LruList::Active, 2)
+                .iter()
+                .map(|l| l.page())
+                .collect();
+            all.extend(
+                lru.isolate(&pages, LruList::Inactive, 2)
+                    .iter()
+                    .map(|l| l.page()),
+            );
+            all.sort_unstable();
+            assert_eq!(all, vec![0, 1], "every page on exactly one list");
+        });
     }
 }

@@ -1,9 +1,9 @@
 //! Atomics and waiting, switched to loom's model-checked versions under `--cfg loom`.
 
 #[cfg(loom)]
-pub(crate) use loom::sync::atomic::AtomicU64;
+pub(crate) use loom::sync::{atomic::AtomicU64, Mutex, MutexGuard};
 #[cfg(not(loom))]
-pub(crate) use std::sync::atomic::AtomicU64;
+pub(crate) use std::sync::{atomic::AtomicU64, Mutex, MutexGuard};
 
 /// Backs off while waiting for another thread: spin briefly, then yield, then sleep, so a
 /// waiter on a page under I/O does not burn the CPU the I/O completion needs.
