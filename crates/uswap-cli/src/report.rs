@@ -1,6 +1,5 @@
 //! Formatting results: human-readable tables and JSON.
 
-use crate::workload::latency::LatencySummary;
 use anyhow::{Context, Result};
 use serde::Serialize;
 use std::io::Write;
@@ -47,7 +46,7 @@ pub fn mb_per_s(pages: u64, seconds: f64) -> f64 {
     pages as f64 * uswap_core::PAGE_SIZE as f64 / seconds / 1e6
 }
 
-pub fn access_latency(l: &LatencySummary) -> String {
+pub fn access_latency(l: &Latency) -> String {
     format!(
         "p50 {:.1}  p90 {:.1}  p99 {:.1}  p99.9 {:.1}  max {:.1} µs  (mean {:.1})",
         l.p50_us, l.p90_us, l.p99_us, l.p999_us, l.max_us, l.mean_us

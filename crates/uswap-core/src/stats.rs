@@ -84,14 +84,15 @@ pub enum FaultKind {
     Major,
 }
 
-/// Service-time percentiles of one fault kind, in microseconds.
-#[derive(Clone, Copy, Debug, Default, Serialize)]
+/// Percentiles of a latency histogram of nanoseconds, in microseconds.
+#[derive(Clone, Copy, Debug, Default, Serialize, serde::Deserialize)]
 pub struct Latency {
     pub count: u64,
     pub mean_us: f64,
     pub p50_us: f64,
     pub p90_us: f64,
     pub p99_us: f64,
+    pub p999_us: f64,
     pub max_us: f64,
 }
 
@@ -104,6 +105,7 @@ impl Latency {
             p50_us: us(h.value_at_quantile(0.50)),
             p90_us: us(h.value_at_quantile(0.90)),
             p99_us: us(h.value_at_quantile(0.99)),
+            p999_us: us(h.value_at_quantile(0.999)),
             max_us: us(h.max()),
         }
     }
@@ -117,9 +119,14 @@ pub struct FaultLatency {
 
 const SHARDS: usize = 16;
 
-fn new_histogram() -> Histogram<u64> {
-    // 1 ns .. 100 s, 3 significant digits.
+/// A histogram of nanoseconds: 1 ns to 100 s at 3 significant digits.
+pub fn new_histogram() -> Histogram<u64> {
     Histogram::new_with_bounds(1, 100_000_000_000, 3).expect("static histogram bounds are valid")
+}
+
+/// Records a duration into a histogram from [`new_histogram`].
+pub fn record(h: &mut Histogram<u64>, took: Duration) {
+    h.saturating_record((took.as_nanos() as u64).max(1));
 }
 
 impl Default for FaultLatency {
@@ -135,9 +142,8 @@ impl Default for FaultLatency {
 impl FaultLatency {
     pub fn record(&self, kind: FaultKind, took: Duration) {
         let shard = crate::cpu::current() % SHARDS;
-        let ns = (took.as_nanos() as u64).max(1);
         if let Ok(mut h) = self.shards[shard].lock() {
-            h[kind as usize].saturating_record(ns);
+            record(&mut h[kind as usize], took);
         }
     }
 
@@ -184,12 +190,14 @@ mod tests {
     #[test]
     fn latency_percentiles_come_from_recorded_values() {
         let l = FaultLatency::default();
-        for us in 1..=100u64 {
+        for us in 1..=1000u64 {
             l.record(FaultKind::Major, Duration::from_micros(us));
         }
         let m = Latency::of(&l.merged(FaultKind::Major));
-        assert_eq!(m.count, 100);
-        assert!((m.p50_us - 50.0).abs() < 1.0, "{m:?}");
+        assert_eq!(m.count, 1000);
+        assert!((m.p50_us - 500.0).abs() < 1.0, "{m:?}");
+        assert!((m.p999_us - 999.0).abs() < 1.0, "{m:?}");
+        assert!((m.max_us - 1000.0).abs() < 1.0, "{m:?}");
         assert_eq!(Latency::of(&l.merged(FaultKind::Minor)).count, 0);
     }
 }

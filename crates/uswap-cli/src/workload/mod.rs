@@ -2,7 +2,6 @@
 //! kernel's own swap.
 
 pub mod fault;
-pub mod latency;
 pub mod mem;
 pub mod pattern;
 pub mod random;

@@ -6,7 +6,6 @@
 //! in a side table outside the measured memory, so a reader knows the lowest version a page
 //! may show. A final pass checks every word of every page.
 
-use super::latency::{self, LatencySummary};
 use super::mem::{Mem, WORDS};
 use super::pattern::{self, Mismatch};
 use super::rng::Rng;
@@ -16,6 +15,7 @@ use std::sync::atomic::Ordering::{AcqRel, Acquire, Relaxed, Release};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64};
 use std::thread;
 use std::time::{Duration, Instant};
+use uswap_core::stats::{new_histogram, record, Latency};
 
 /// The final pass uses at least this many threads, so a swap device sees some queue depth.
 const MIN_VERIFY_THREADS: usize = 4;
@@ -42,7 +42,7 @@ pub struct RandomOutcome {
     pub reads: u64,
     pub writes: u64,
     /// Time of one access (including any fault it took), measured by the accessing thread.
-    pub access_latency: LatencySummary,
+    pub access_latency: Latency,
     /// Wrong words seen by reads during the measured run.
     pub errors_during_run: u64,
     /// Pages with wrong words found by the final pass.
@@ -101,7 +101,7 @@ pub fn run<S>(
     let final_errors = verify_all(mem, &written, p.threads.max(MIN_VERIFY_THREADS));
     let verify_s = started.elapsed().as_secs_f64();
 
-    let mut hist = latency::new_histogram();
+    let mut hist = new_histogram();
     for r in &results {
         hist.add(&r.latency).expect("histograms share bounds");
     }
@@ -112,7 +112,7 @@ pub fn run<S>(
         verify_s,
         reads: results.iter().map(|r| r.reads).sum(),
         writes: results.iter().map(|r| r.writes).sum(),
-        access_latency: LatencySummary::of(&hist),
+        access_latency: Latency::of(&hist),
         errors_during_run: run_errors.count(),
         errors_final_pass: final_errors,
     };
@@ -137,7 +137,7 @@ fn access_loop(
     let mut r = ThreadResult {
         reads: 0,
         writes: 0,
-        latency: latency::new_histogram(),
+        latency: new_histogram(),
     };
     let pages = mem.pages() as u64;
     while !stop.load(Relaxed) {
@@ -150,7 +150,7 @@ fn access_loop(
             // Publish the new version only after the page holds it: a reader that sees it
             // in the side table must see at least it in the page.
             written[page as usize].fetch_max(pattern::header_version(old) + 1, Release);
-            latency::record(&mut r.latency, started.elapsed());
+            record(&mut r.latency, started.elapsed());
             r.writes += 1;
             log.check(pattern::check_header(page, old, 0));
         } else {
@@ -158,7 +158,7 @@ fn access_loop(
             let header = words[0].load(Acquire);
             let i = 1 + (dice >> 32) as usize % (WORDS - 1);
             let word = words[i].load(Relaxed);
-            latency::record(&mut r.latency, started.elapsed());
+            record(&mut r.latency, started.elapsed());
             r.reads += 1;
             log.check(pattern::check_header(page, header, min_version));
             log.check(pattern::check_word(page, i, word));
