@@ -36,7 +36,6 @@ pub const REGISTER_MODE_MISSING: u64 = 1 << 0;
 pub const REGISTER_MODE_WP: u64 = 1 << 1;
 
 pub const EVENT_PAGEFAULT: u8 = 0x12;
-pub const PAGEFAULT_FLAG_WRITE: u64 = 1 << 0;
 pub const PAGEFAULT_FLAG_WP: u64 = 1 << 1;
 
 const COPY_MODE_WP: u64 = 1 << 1;
@@ -96,7 +95,6 @@ struct PoisonArg {
 
 const UFFDIO_API: u64 = iowr(0x3F, std::mem::size_of::<ApiArg>());
 const UFFDIO_REGISTER: u64 = iowr(0x00, std::mem::size_of::<RegisterArg>());
-const UFFDIO_UNREGISTER: u64 = ior(0x01, std::mem::size_of::<Range>());
 const UFFDIO_WAKE: u64 = ior(0x02, std::mem::size_of::<Range>());
 const UFFDIO_COPY: u64 = iowr(0x03, std::mem::size_of::<CopyArg>());
 // struct uffdio_move has the same layout as uffdio_copy.
@@ -279,15 +277,6 @@ impl Uffd {
         check(unsafe { libc::ioctl(self.raw(), UFFDIO_REGISTER as _, &mut arg) })
     }
 
-    pub fn unregister(&self, start: usize, len: usize) -> io::Result<()> {
-        let mut r = Range {
-            start: start as u64,
-            len: len as u64,
-        };
-        // SAFETY: valid descriptor and argument.
-        check(unsafe { libc::ioctl(self.raw(), UFFDIO_UNREGISTER as _, &mut r) })
-    }
-
     /// Atomically fills `len` bytes at `dst` (unmapped) with a copy of `src`, optionally
     /// write-protected, and wakes the threads waiting on that range.
     pub fn copy(
@@ -417,7 +406,6 @@ mod tests {
         assert_eq!(std::mem::size_of::<Msg>(), 32);
         assert_eq!(UFFDIO_API, 0xc018_aa3f);
         assert_eq!(UFFDIO_REGISTER, 0xc020_aa00);
-        assert_eq!(UFFDIO_UNREGISTER, 0x8010_aa01);
         assert_eq!(UFFDIO_COPY, 0xc028_aa03);
         assert_eq!(UFFDIO_MOVE, 0xc028_aa05);
         assert_eq!(UFFDIO_WRITEPROTECT, 0xc018_aa06);
