@@ -211,7 +211,7 @@ impl RegionCore {
     /// pages fall under the min watermark. `None` when nothing could be freed for a while:
     /// the swap device is full or failing.
     pub fn charge(&self, want: u64) -> Option<u64> {
-        let deadline = Instant::now() + OOM_AFTER;
+        let mut deadline = None;
         let mut round = 0u32;
         loop {
             if self.budget.free() < self.marks.min {
@@ -225,7 +225,9 @@ impl RegionCore {
             if got > 0 {
                 return Some(got);
             }
-            if Instant::now() > deadline {
+            // Only a charge that has to wait reads the clock.
+            let give_up = *deadline.get_or_insert_with(|| Instant::now() + OOM_AFTER);
+            if Instant::now() > give_up {
                 return None;
             }
             round += 1;
