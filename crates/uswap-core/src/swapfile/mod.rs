@@ -450,6 +450,14 @@ mod tests {
     }
 
     /// A page whose every byte depends on `seed`.
+    /// A device on an unlinked file in a fresh temp dir (returned to keep it alive).
+    fn temp_device(size: Option<u64>, io: IoMode) -> (tempfile::TempDir, Arc<SwapDevice>) {
+        let dir = tempfile::tempdir().unwrap();
+        let dev =
+            SwapDevice::open(&config(SwapLocation::TempIn(dir.path().into()), size, io)).unwrap();
+        (dir, dev)
+    }
+
     fn page(seed: u64) -> PageBuf {
         let mut p = PageBuf::new();
         for (i, chunk) in p.as_mut_slice().chunks_mut(8).enumerate() {
@@ -474,13 +482,7 @@ mod tests {
     }
 
     fn roundtrip(io: IoMode) {
-        let dir = tempfile::tempdir().unwrap();
-        let dev = SwapDevice::open(&config(
-            SwapLocation::TempIn(dir.path().into()),
-            Some(4 << 20),
-            io,
-        ))
-        .unwrap();
+        let (_dir, dev) = temp_device(Some(4 << 20), io);
         if io == IoMode::Pread || uring_allowed() {
             assert_eq!(dev.io_mode(), io);
         }
@@ -520,13 +522,7 @@ mod tests {
 
     #[test]
     fn a_rewritten_slot_reads_its_latest_page() {
-        let dir = tempfile::tempdir().unwrap();
-        let dev = SwapDevice::open(&config(
-            SwapLocation::TempIn(dir.path().into()),
-            Some(1 << 20),
-            IoMode::Uring,
-        ))
-        .unwrap();
+        let (_dir, dev) = temp_device(Some(1 << 20), IoMode::Uring);
         let slot = dev.alloc_slot().unwrap();
         write(&dev, &[(slot, &page(1))]);
         write(&dev, &[(slot, &page(2))]);
@@ -571,13 +567,7 @@ mod tests {
 
     #[test]
     fn never_written_and_freed_slots_read_as_never_written() {
-        let dir = tempfile::tempdir().unwrap();
-        let dev = SwapDevice::open(&config(
-            SwapLocation::TempIn(dir.path().into()),
-            Some(1 << 20),
-            IoMode::Pread,
-        ))
-        .unwrap();
+        let (_dir, dev) = temp_device(Some(1 << 20), IoMode::Pread);
         let slot = dev.alloc_slot().unwrap();
         assert!(matches!(read(&dev, slot), Err(ReadError::NeverWritten { slot: s }) if s == slot));
         write(&dev, &[(slot, &page(7))]);
@@ -633,13 +623,7 @@ mod tests {
     #[test]
     #[should_panic(expected = "freed while not in use")]
     fn freeing_a_free_slot_panics() {
-        let dir = tempfile::tempdir().unwrap();
-        let dev = SwapDevice::open(&config(
-            SwapLocation::TempIn(dir.path().into()),
-            Some(1 << 20),
-            IoMode::Pread,
-        ))
-        .unwrap();
+        let (_dir, dev) = temp_device(Some(1 << 20), IoMode::Pread);
         let slot = dev.alloc_slot().unwrap();
         dev.free_slot(slot);
         dev.free_slot(slot);
@@ -684,13 +668,7 @@ mod tests {
 
     #[test]
     fn a_temp_file_leaves_nothing_in_its_directory() {
-        let dir = tempfile::tempdir().unwrap();
-        let dev = SwapDevice::open(&config(
-            SwapLocation::TempIn(dir.path().into()),
-            None,
-            IoMode::Uring,
-        ))
-        .unwrap();
+        let (dir, dev) = temp_device(None, IoMode::Uring);
         let slot = dev.alloc_slot().unwrap();
         write(&dev, &[(slot, &page(3))]);
         assert_eq!(
@@ -725,13 +703,7 @@ mod tests {
 
     #[test]
     fn a_growing_file_is_extended_in_64_mib_steps() {
-        let dir = tempfile::tempdir().unwrap();
-        let dev = SwapDevice::open(&config(
-            SwapLocation::TempIn(dir.path().into()),
-            None,
-            IoMode::Uring,
-        ))
-        .unwrap();
+        let (_dir, dev) = temp_device(None, IoMode::Uring);
         assert!(
             dev.capacity_pages() >= 2 * CHECKSUM_CHUNK,
             "needs 128 MiB free in the temp dir"
