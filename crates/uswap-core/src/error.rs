@@ -24,6 +24,12 @@ pub enum Error {
     },
 
     #[error(
+        "this kernel uses {kernel}-byte pages; uswap is built for 4096-byte pages only. Run \
+         on a kernel with 4 KiB pages (x86-64 always has them; on arm64 choose a 4K kernel)"
+    )]
+    UnsupportedPageSize { kernel: usize },
+
+    #[error(
         "cannot create the swap file in {dir}: {source}. Point --swap-dir (or TMPDIR) at a \
          writable directory on a local file system"
     )]

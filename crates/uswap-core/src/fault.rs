@@ -1,238 +1,388 @@
-//! Fault resolution, shared by the handler threads and SIGBUS mode ([mm/memory.c]'s
-//! `do_anonymous_page`, `do_swap_page` and `do_wp_page`, in user space).
+//! Fault resolution ([mm/memory.c]'s `do_anonymous_page`, `do_swap_page` and `do_wp_page`,
+//! in user space), shared by both fault sources: the handler threads and the SIGBUS
+//! handler. Built on reclaim (`vmscan`), which it calls to charge pages.
+//!
+//! Each resolution takes the page lock, does its ioctl, and only then applies the named
+//! transition: a step that fails leaves the page as it was. A fill that finds the range gone
+//! (unmapped or remapped under it) or busy (a vma event not yet handled) backs out with
+//! [`Outcome::Retry`]: the thread retries its access, which the kernel or the next fault
+//! then answers.
 
 use crate::lru::LruList;
-use crate::page::{Kind, PageLock, PageState};
-use crate::region::RegionCore;
+use crate::mm::Mm;
+use crate::page::{Kind, PageLock};
 use crate::stats::FaultKind;
 use crate::swap_io::PageBuf;
+use crate::vmscan::Reclaim;
 use crate::PAGE_SIZE;
-use std::sync::atomic::Ordering::Relaxed;
-use std::time::{Duration, Instant};
+use std::sync::atomic::{AtomicU32, Ordering::Relaxed, Ordering::SeqCst};
+use std::time::Instant;
 
 /// How a fault ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Outcome {
     /// The page is mapped (or poisoned, so the retried access fails by itself).
     Resolved,
+    /// Nothing changed; the faulting thread retries its access (woken in thread mode).
+    Retry,
     /// Nothing could be mapped: the faulting thread must get SIGBUS.
     Fatal,
 }
 
-/// Direct reclaim gives up after this long without finding a free page.
-const OOM_AFTER: Duration = Duration::from_secs(2);
 const OOM: &str = "out of memory: no page could be reclaimed";
 
-impl RegionCore {
-    /// Resolves a fault on `page`. `write_protect` is set for a write to a write-protected
-    /// (clean, swap-backed) page; in SIGBUS mode the caller cannot tell and passes `None`,
-    /// and the page state decides.
-    pub fn handle_fault(&self, page: usize, write_protect: Option<bool>) -> Outcome {
-        self.vmstat.pgfault.fetch_add(1, Relaxed);
-        let start = Instant::now();
-        let lock = self.pages.lock(page);
-        let kind = lock.state().kind();
-        match (kind, write_protect) {
-            (Kind::Active, Some(false)) => {
-                // Another handler mapped it (fault-around or a racing fault on the same page).
-                drop(lock);
-                self.wake(page);
-                Outcome::Resolved
-            }
-            (Kind::Active, _) => self.write_fault(lock),
-            (Kind::None, _) => self.first_touch(lock, start),
-            (Kind::Inactive, _) => self.activate(lock, start),
-            (Kind::Swapped, _) => self.swap_in(lock, start),
-            (Kind::Poisoned, _) => {
-                drop(lock);
-                Outcome::Fatal
-            }
+/// The fault path of one region.
+pub(crate) struct FaultPath {
+    reclaim: Reclaim,
+    fault_around: usize,
+    /// Non-zero while a vma event is being read or handled by a thread other than the one
+    /// that reads faults (SIGBUS mode): page states may be about to change under a fault.
+    events_in_flight: AtomicU32,
+}
+
+impl FaultPath {
+    pub fn new(reclaim: Reclaim, fault_around: usize) -> FaultPath {
+        FaultPath {
+            reclaim,
+            fault_around,
+            events_in_flight: AtomicU32::new(0),
         }
     }
 
-    fn wake(&self, page: usize) {
-        if self.cfg.fault_mode == crate::FaultMode::Thread {
-            let _ = self.uffd.wake(self.page_addr(page), PAGE_SIZE);
+    pub fn reclaim(&self) -> &Reclaim {
+        &self.reclaim
+    }
+
+    pub fn mm(&self) -> &Mm {
+        self.reclaim.mm()
+    }
+
+    /// Marks the start and end of reading and handling a vma event (see `vma.rs`).
+    pub fn events_begin(&self) {
+        self.events_in_flight.fetch_add(1, SeqCst);
+    }
+
+    pub fn events_end(&self) {
+        self.events_in_flight.fetch_sub(1, SeqCst);
+    }
+
+    fn events_pending(&self) -> bool {
+        self.events_in_flight.load(SeqCst) != 0
+    }
+
+    /// Resolves a fault on `page`. `write_protect` is set for a write to a write-protected
+    /// (clean, swap-backed) page; in SIGBUS mode the caller cannot tell and passes `None`.
+    /// May block, reclaim and allocate: not for a signal handler (see
+    /// [`FaultPath::resolve_in_signal`]).
+    pub fn handle_fault(&self, page: usize, write_protect: Option<bool>) -> Outcome {
+        let mm = self.mm();
+        mm.vmstat().pgfault.fetch_add(1, Relaxed);
+        let start = Instant::now();
+        let lock = mm.pages().lock(page);
+        match lock.kind() {
+            Kind::Active => self.fault_on_active(lock, write_protect),
+            Kind::None => self
+                .first_touch(lock, start, true)
+                .unwrap_or(Outcome::Retry),
+            Kind::Inactive => self.activate(lock, start, true).unwrap_or(Outcome::Retry),
+            Kind::Swapped => self.swap_in(lock, start),
+            Kind::Poisoned => {
+                drop(lock);
+                Outcome::Fatal
+            }
+            Kind::Unmapped => self.regrown(lock, start),
+        }
+    }
+
+    /// The part of fault resolution a signal handler may run: it allocates nothing, takes
+    /// no lock a program thread could hold, never reclaims and does no I/O. `None` means
+    /// the fault needs the full path (on a thread that may block).
+    pub fn resolve_in_signal(&self, page: usize) -> Option<Outcome> {
+        let mm = self.mm();
+        let start = Instant::now();
+        let lock = mm.pages().lock(page);
+        if self.events_pending() {
+            return Some(Outcome::Retry);
+        }
+        let outcome = match lock.kind() {
+            Kind::None => self.first_touch(lock, start, false)?,
+            Kind::Inactive => self.activate(lock, start, false)?,
+            Kind::Active => self.fault_on_active(lock, None),
+            _ => return None,
+        };
+        mm.vmstat().pgfault.fetch_add(1, Relaxed);
+        Some(outcome)
+    }
+
+    /// A fault on a page the table calls mapped: a write to a clean (write-protected) page,
+    /// a fault that another handler already resolved, or, when the page is not mapped
+    /// after all, something uswap was not told about: that fails loudly, never loops.
+    fn fault_on_active(&self, lock: PageLock<'_>, write_protect: Option<bool>) -> Outcome {
+        let mm = self.mm();
+        let page = lock.page();
+        match write_protect {
+            Some(true) => return self.write_fault(lock),
+            Some(false) => {
+                // Usually fault-around or a racing fault mapped it first.
+                if mm.pagemap_entry(page).is_none_or(|e| e.present) {
+                    drop(lock);
+                    mm.wake(page);
+                    return Outcome::Resolved;
+                }
+            }
+            _ => match mm.pagemap_entry(page) {
+                Some(e) if e.present && e.write_protected => return self.write_fault(lock),
+                Some(e) if e.present => return Outcome::Resolved,
+                // Without pagemap, a clean page's fault is taken for its first write.
+                None if lock.state().slot().is_some() => return self.write_fault(lock),
+                None => return Outcome::Resolved,
+                Some(_) => {}
+            },
+        }
+        if self.events_pending() {
+            return Outcome::Retry;
+        }
+        mm.vmstat().unexplained_faults.fetch_add(1, Relaxed);
+        let mut lock = lock;
+        let held = lock.poison();
+        self.release(held);
+        self.fail(
+            lock,
+            "the page was mapped and is gone (unmapped behind uswap's back, or a hardware \
+             memory error); its data is lost",
+            false,
+        )
+    }
+
+    /// Gives back what a page held: budget, staging frame, swap slot.
+    pub fn release(&self, held: crate::page::PageState) {
+        let mm = self.mm();
+        if held.is_resident() {
+            mm.budget().uncharge(1);
+        }
+        if let Some(frame) = held.frame() {
+            mm.staging().release(frame);
+        }
+        if let Some(slot) = held.slot() {
+            mm.release_slot(slot);
         }
     }
 
     /// First write to a page whose swap copy is valid: the copy goes stale, so the slot is
     /// freed and the page becomes writable (dirty).
     fn write_fault(&self, mut lock: PageLock<'_>) -> Outcome {
-        let st = lock.state();
-        if let Some(slot) = st.slot() {
-            self.release_slot(slot);
-            lock.set(st.with_slot(None));
+        let mm = self.mm();
+        let addr = mm.page_addr(lock.page());
+        if let Err(e) = mm.uffd().write_protect(addr, PAGE_SIZE, false) {
+            if matches!(e.raw_os_error(), Some(libc::ENOENT | libc::EAGAIN)) {
+                return Outcome::Retry;
+            }
+            return self.fail(lock, "cannot make the page writable", false);
         }
-        let addr = self.page_addr(lock.page());
-        match self.uffd.write_protect(addr, PAGE_SIZE, false) {
-            Ok(()) => Outcome::Resolved,
-            Err(e) => self.fail(lock, &format!("cannot make the page writable: {e}"), false),
+        if let Some(slot) = lock.dirty() {
+            mm.release_slot(slot);
         }
+        Outcome::Resolved
     }
 
     /// Zero-fills the faulting page and its untouched neighbours in its fault-around window
-    /// with one UFFDIO_COPY.
-    fn first_touch(&self, lock: PageLock<'_>, start: Instant) -> Outcome {
+    /// with one UFFDIO_COPY. `None` when it cannot be done without reclaim and
+    /// `may_reclaim` is off, or the fill failed for a reason the full path reports.
+    fn first_touch(
+        &self,
+        lock: PageLock<'_>,
+        start: Instant,
+        may_reclaim: bool,
+    ) -> Option<Outcome> {
+        let mm = self.mm();
         let page = lock.page();
-        let window = self.cfg.fault_around;
-        let (lo_bound, hi_bound) = (
-            page - page % window,
-            (page - page % window + window).min(self.pages.len()),
-        );
-        let Some(granted) = self.charge((hi_bound - lo_bound) as u64) else {
-            return self.fail(lock, OOM, true);
+        let window = self.fault_around;
+        let lo_bound = page - page % window;
+        let hi_bound = (lo_bound + window).min(mm.pages().len());
+        let want = (hi_bound - lo_bound) as u64;
+        let granted = if may_reclaim {
+            match self.reclaim.charge(want) {
+                Some(n) => n as usize,
+                None => return Some(self.fail(lock, OOM, true)),
+            }
+        } else {
+            self.reclaim.charge_without_reclaim(want)? as usize
         };
-        let granted = granted as usize;
         let (mut lo, mut hi) = (page, page + 1);
-        while hi < hi_bound && hi - lo < granted && self.pages.try_claim(hi, PageState::NONE) {
+        while hi < hi_bound && hi - lo < granted && mm.pages().try_claim_none(hi) {
             hi += 1;
         }
-        while lo > lo_bound && hi - lo < granted && self.pages.try_claim(lo - 1, PageState::NONE) {
+        while lo > lo_bound && hi - lo < granted && mm.pages().try_claim_none(lo - 1) {
             lo -= 1;
         }
-        self.budget.uncharge((granted - (hi - lo)) as u64);
+        mm.budget().uncharge((granted - (hi - lo)) as u64);
         // Counters move before the fill, which wakes the faulting thread: a caller that
         // reads them right after its access must see this fault.
-        self.vmstat.pgzerofill.fetch_add((hi - lo) as u64, Relaxed);
-        let filled = self.uffd.copy(
-            self.page_addr(lo),
-            self.zeros.addr() as *const u8,
+        mm.vmstat().pgzerofill.fetch_add((hi - lo) as u64, Relaxed);
+        let filled = mm.uffd().copy(
+            mm.page_addr(lo),
+            mm.zeros() as *const u8,
             (hi - lo) * PAGE_SIZE,
             false,
         );
-        let state = match filled {
-            Ok(()) => PageState::new(Kind::Active),
-            Err(_) => PageState::NONE,
+        // A partial fill maps a prefix of the window: those pages are active, the rest go
+        // back to untouched.
+        let done = match &filled {
+            Ok(()) => hi - lo,
+            Err(p) => p.done / PAGE_SIZE,
         };
         for p in (lo..hi).filter(|&p| p != page) {
-            self.pages.publish(p, state);
+            if p < lo + done {
+                mm.pages().publish_active(p);
+            } else {
+                mm.pages().unclaim(p);
+            }
         }
-        if let Err(e) = filled {
-            self.vmstat.pgzerofill.fetch_sub((hi - lo) as u64, Relaxed);
-            self.budget.uncharge((hi - lo) as u64);
-            return self.fail(lock, &format!("zero-fill failed: {e}"), false);
-        }
-        self.lru.add(LruList::Active, lo..hi);
+        mm.budget().uncharge((hi - lo - done) as u64);
+        mm.vmstat()
+            .pgzerofill
+            .fetch_sub((hi - lo - done) as u64, Relaxed);
+        mm.lru().add(LruList::Active, lo..lo + done);
         let mut lock = lock;
-        lock.set(state);
+        if page < lo + done {
+            lock.map_new();
+            drop(lock);
+            mm.record(FaultKind::FirstTouch, start);
+            return Some(Outcome::Resolved);
+        }
+        match filled {
+            Err(p) if p.vanished() || p.busy() => Some(Outcome::Retry),
+            _ if !may_reclaim => None,
+            _ => Some(self.fail(lock, "zero-fill failed", false)),
+        }
+    }
+
+    /// A page the program unmapped came back into a registered mapping (mremap grew the
+    /// region's mapping in place over it): it reads as zeros, like new anonymous memory.
+    fn regrown(&self, mut lock: PageLock<'_>, start: Instant) -> Outcome {
+        if self.events_pending() {
+            return Outcome::Retry;
+        }
+        let mm = self.mm();
+        if self.reclaim.charge(1).is_none() {
+            return self.fail(lock, OOM, true);
+        }
+        let addr = mm.page_addr(lock.page());
+        if let Err(p) = mm
+            .uffd()
+            .copy(addr, mm.zeros() as *const u8, PAGE_SIZE, false)
+        {
+            mm.budget().uncharge(1);
+            if p.vanished() || p.busy() {
+                return Outcome::Retry;
+            }
+            return self.fail(lock, &format!("zero-fill failed: {p}"), false);
+        }
+        mm.vmstat().pgzerofill.fetch_add(1, Relaxed);
+        lock.map_new();
+        mm.lru().add(LruList::Active, [lock.page()]);
         drop(lock);
-        self.record(FaultKind::FirstTouch, start);
+        mm.record(FaultKind::FirstTouch, start);
         Outcome::Resolved
     }
 
     /// A touch of an inactive page: its data is still in memory, so it comes back without
-    /// I/O and is promoted to the active list (the reference signal).
-    fn activate(&self, mut lock: PageLock<'_>, start: Instant) -> Outcome {
+    /// I/O and is promoted to the active list (the reference signal). Allocates nothing
+    /// unless it fails; `None` when it failed and `report` is off (a signal handler leaves
+    /// the report to the full path).
+    fn activate(&self, mut lock: PageLock<'_>, start: Instant, report: bool) -> Option<Outcome> {
+        let mm = self.mm();
         let st = lock.state();
         let frame = st.frame().expect("an inactive page has a staging frame");
-        let (dst, src) = (self.page_addr(lock.page()), self.staging.addr(frame));
-        // A clean page must come back write-protected, which only COPY does atomically;
-        // a dirty one moves back without copying.
-        let clean = st.slot().is_some() && self.caps.write_protect;
-        self.vmstat.pgactivate.fetch_add(1, Relaxed);
-        let back = if clean {
-            self.uffd.copy(dst, src as *const u8, PAGE_SIZE, true)
+        let (dst, src) = (mm.page_addr(lock.page()), mm.staging().addr(frame));
+        // A clean page must come back write-protected, which only COPY does atomically; a
+        // dirty one moves back without copying, unless the program changed the protection
+        // of its range (MOVE needs both sides alike), where it is copied too.
+        let clean = st.slot().is_some() && mm.caps().write_protect;
+        let mut copied = clean;
+        mm.vmstat().pgactivate.fetch_add(1, Relaxed);
+        let mut back = if clean {
+            mm.uffd().copy(dst, src as *const u8, PAGE_SIZE, true)
         } else {
-            self.uffd
-                .move_pages(dst, src, PAGE_SIZE, true)
-                .map_err(|p| p.error)
+            mm.uffd().move_pages(dst, src, PAGE_SIZE, true)
         };
-        if let Err(e) = back {
-            self.vmstat.pgactivate.fetch_sub(1, Relaxed);
-            return self.fail(
-                lock,
-                &format!("cannot map the inactive page back: {e}"),
-                false,
-            );
+        if matches!(&back, Err(p) if p.error.raw_os_error() == Some(libc::EINVAL)) && !clean {
+            copied = true;
+            back = mm.uffd().copy(dst, src as *const u8, PAGE_SIZE, false);
         }
-        self.lru.add(LruList::Active, [lock.page()]);
-        lock.set(st.with_kind(Kind::Active).with_frame(None));
+        if let Err(p) = back {
+            mm.vmstat().pgactivate.fetch_sub(1, Relaxed);
+            if p.vanished() || p.busy() {
+                return Some(Outcome::Retry);
+            }
+            // The data is still in its staging frame; only this access fails.
+            let why = format!("cannot map the inactive page back: {p}");
+            return report.then(|| self.fail(lock, &why, false));
+        }
+        mm.lru().add(LruList::Active, [lock.page()]);
+        lock.activate();
         drop(lock);
-        if clean {
-            self.staging.release(frame);
+        if copied {
+            mm.staging().release(frame);
         } else {
-            self.staging.release_empty(frame);
+            mm.staging().release_empty(frame);
         }
-        self.record(FaultKind::Minor, start);
-        Outcome::Resolved
+        mm.record(FaultKind::Minor, start);
+        Some(Outcome::Resolved)
     }
 
     /// Reads the page from its slot, verifies it and maps it. The read goes to a bounce
     /// buffer outside the budget, so when swap is short the slot can be freed before the
     /// page is charged: the reclaim that makes room may need exactly that slot.
     fn swap_in(&self, mut lock: PageLock<'_>, start: Instant) -> Outcome {
+        let mm = self.mm();
         let slot = lock.state().slot().expect("a swapped page has a slot");
-        let mut buf = self.take_bounce();
+        let mut buf = mm.take_bounce(true).expect("may allocate");
         // SAFETY: the buffer is one aligned page we own.
-        if let Err(e) = unsafe { self.swap.read_page(slot, buf.as_mut_ptr()) } {
-            self.return_bounce(buf);
+        if let Err(e) = unsafe { mm.swap().read_page(slot, buf.as_mut_ptr()) } {
+            mm.return_bounce(buf);
             let counter = match e {
-                crate::swapfile::ReadError::Checksum { .. } => &self.vmstat.verify_errors,
-                _ => &self.vmstat.io_errors,
+                crate::swapfile::ReadError::Checksum { .. } => &mm.vmstat().verify_errors,
+                _ => &mm.vmstat().io_errors,
             };
             counter.fetch_add(1, Relaxed);
-            self.release_slot(slot);
-            lock.set(PageState::new(Kind::Poisoned));
+            let held = lock.poison();
+            self.release(held);
             let why = format!("swap-in from slot {slot} failed: {e}; the page's data is lost");
             return self.fail(lock, &why, false);
         }
-        self.vmstat.pswpin.fetch_add(1, Relaxed);
+        mm.vmstat().pswpin.fetch_add(1, Relaxed);
         // Keep the swap copy (and write-protect to learn of the first write) unless swap
         // space is getting short, as the kernel frees the slot when vm_swap_full().
-        let keep = self.caps.write_protect && !self.swap.nearly_full();
+        let keep = mm.caps().write_protect && !mm.swap().nearly_full();
         if !keep {
-            self.release_slot(slot);
+            mm.release_slot(slot);
         }
-        if self.charge(1).is_none() {
-            let outcome = self.fail(self.put_back(lock, &buf, keep), OOM, true);
-            self.return_bounce(buf);
-            return outcome;
-        }
-        self.vmstat.pgmajfault.fetch_add(1, Relaxed);
-        let mapped = self
-            .uffd
-            .copy(self.page_addr(lock.page()), buf.as_ptr(), PAGE_SIZE, keep);
-        if let Err(e) = mapped {
-            self.vmstat.pgmajfault.fetch_sub(1, Relaxed);
-            self.budget.uncharge(1);
+        if self.reclaim.charge(1).is_none() {
             let lock = self.put_back(lock, &buf, keep);
-            self.return_bounce(buf);
-            return self.fail(lock, &format!("cannot map the swapped-in page: {e}"), false);
+            mm.return_bounce(buf);
+            return self.fail(lock, OOM, true);
         }
-        self.return_bounce(buf);
-        self.lru.add(LruList::Active, [lock.page()]);
-        lock.set(PageState::new(Kind::Active).with_slot(keep.then_some(slot)));
+        mm.vmstat().pgmajfault.fetch_add(1, Relaxed);
+        let mapped = mm
+            .uffd()
+            .copy(mm.page_addr(lock.page()), buf.as_ptr(), PAGE_SIZE, keep);
+        if let Err(p) = mapped {
+            mm.vmstat().pgmajfault.fetch_sub(1, Relaxed);
+            mm.budget().uncharge(1);
+            let lock = self.put_back(lock, &buf, keep);
+            mm.return_bounce(buf);
+            if p.vanished() || p.busy() {
+                return Outcome::Retry;
+            }
+            return self.fail(lock, &format!("cannot map the swapped-in page: {p}"), false);
+        }
+        mm.return_bounce(buf);
+        mm.lru().add(LruList::Active, [lock.page()]);
+        lock.swap_in(keep.then_some(slot));
         drop(lock);
-        self.record(FaultKind::Major, start);
+        mm.record(FaultKind::Major, start);
         Outcome::Resolved
-    }
-
-    /// Charges `want` pages (at least one) to the budget, reclaiming directly when the free
-    /// pages fall under the min watermark. `None` when nothing could be freed for a while:
-    /// the swap device is full or failing.
-    pub fn charge(&self, want: u64) -> Option<u64> {
-        let mut deadline = None;
-        let mut round = 0u32;
-        loop {
-            if self.budget.free() < self.marks.min {
-                self.vmstat.direct_reclaim.fetch_add(1, Relaxed);
-                self.shrink();
-            }
-            let got = self.budget.try_charge(want);
-            if self.budget.free() < self.marks.low {
-                self.kswapd.wake();
-            }
-            if got > 0 {
-                return Some(got);
-            }
-            // Only a charge that has to wait reads the clock.
-            let give_up = *deadline.get_or_insert_with(|| Instant::now() + OOM_AFTER);
-            if Instant::now() > give_up {
-                return None;
-            }
-            round += 1;
-            std::thread::sleep(Duration::from_micros(50 * round.min(20) as u64));
-        }
     }
 
     /// After a swap-in that could not be mapped: when its slot was already freed, writes the
@@ -241,49 +391,64 @@ impl RegionCore {
         if slot_kept {
             return lock;
         }
-        let written = self.swap.alloc_slot().filter(|&slot| {
+        let mm = self.mm();
+        let written = mm.swap().alloc_slot().filter(|&slot| {
             // SAFETY: the buffer is one aligned page we own.
-            let ok = unsafe { self.swap.write_pages(&[(slot, buf.as_ptr())]) }
+            let ok = unsafe { mm.swap().write_pages(&[(slot, buf.as_ptr())]) }
                 .remove(0)
                 .is_ok();
             if !ok {
-                self.swap.free_slot(slot);
+                mm.swap().free_slot(slot);
             }
             ok
         });
-        lock.set(match written {
+        match written {
             Some(slot) => {
-                self.slots_held.fetch_add(1, Relaxed);
-                PageState::new(Kind::Swapped).with_slot(Some(slot))
+                mm.slots_taken(1);
+                lock.rehome(slot);
             }
-            None => PageState::new(Kind::Poisoned),
-        });
+            None => {
+                lock.poison();
+            }
+        }
         lock
     }
 
     /// Fails the access loudly. Lost data (`oom` false) poisons the page so every later
     /// access fails too; running out of memory leaves the page as it was.
     fn fail(&self, lock: PageLock<'_>, why: &str, oom: bool) -> Outcome {
+        let mm = self.mm();
         let page = lock.page();
-        let addr = self.page_addr(page);
-        self.vmstat.failed_faults.fetch_add(1, Relaxed);
-        let poisoned = lock.state().kind() == Kind::Poisoned;
+        let addr = mm.page_addr(page);
+        mm.vmstat().failed_faults.fetch_add(1, Relaxed);
+        let poisoned = lock.kind() == Kind::Poisoned;
         drop(lock);
+        let detail = if oom {
+            let unmovable = mm.vmstat().pgskip_unmovable.load(Relaxed);
+            format!(
+                " (memory limit {} pages, swap {} of {} pages used{}; raise the memory limit \
+                 or the swap size)",
+                mm.budget().limit(),
+                mm.swap().used_pages(),
+                mm.swap().capacity_pages(),
+                if unmovable > 0 {
+                    format!(
+                        "; reclaim could not unmap pages {unmovable} times because the \
+                         program mlocked or mprotected them"
+                    )
+                } else {
+                    String::new()
+                }
+            )
+        } else {
+            String::new()
+        };
         eprintln!(
-            "uswap: access to {addr:#x} (page {page} of region at {:#x}) fails with SIGBUS: {why}{}",
-            self.map.addr(),
-            if oom {
-                format!(
-                    " (memory limit {} pages, swap {} of {} pages used; raise the memory limit or the swap size)",
-                    self.budget.limit(),
-                    self.swap.used_pages(),
-                    self.swap.capacity_pages()
-                )
-            } else {
-                String::new()
-            }
+            "uswap: access to {addr:#x} (page {page} of region at {:#x}) fails with SIGBUS: \
+             {why}{detail}",
+            mm.start(),
         );
-        if poisoned && self.caps.poison && self.uffd.poison(addr, PAGE_SIZE).is_ok() {
+        if poisoned && mm.caps().poison && mm.uffd().poison(addr, PAGE_SIZE).is_ok() {
             // The retried access hits the poison marker: SIGBUS for a user access, EFAULT
             // for a kernel one, like a hardware memory error.
             return Outcome::Resolved;

@@ -1,11 +1,14 @@
-//! Thread mode: handler threads read fault events from the userfaultfd and resolve them.
+//! Thread mode: handler threads read messages from the region's userfaultfd and act on
+//! them: faults go to the fault path, vma events (mremap, madvise, munmap) to `vma.rs`.
 //! Kernel accesses (a `read()` into a swapped-out page) are served like user accesses.
+//! A fault source: built on the fault path.
 
 use crate::error::{Error, Result};
-use crate::fault::Outcome;
-use crate::region::RegionCore;
-use crate::uffd::{Msg, EVENT_PAGEFAULT, PAGEFAULT_FLAG_WP};
+use crate::fault::{FaultPath, Outcome};
+use crate::sync::lock_std;
+use crate::uffd::{Event, Msg};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -16,30 +19,38 @@ pub(crate) struct Handlers {
     threads: Vec<JoinHandle<()>>,
 }
 
+/// Settings of the handler threads.
+pub(crate) struct HandlerConfig {
+    pub threads: usize,
+    pub spin_us: u64,
+}
+
 impl Handlers {
-    pub fn start(core: &Arc<RegionCore>) -> Result<Handlers> {
+    pub fn start(fault: &Arc<FaultPath>, cfg: HandlerConfig) -> Result<Handlers> {
         // SAFETY: plain system call; we own the new descriptor.
         let fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC) };
         if fd < 0 {
             return Err(Error::os("eventfd"));
         }
         let mut handlers = Handlers {
+            // SAFETY: the descriptor is new and ours.
             stop: unsafe { OwnedFd::from_raw_fd(fd) },
             threads: Vec::new(),
         };
         let shared = Arc::new(Shared {
             leader: Mutex::new(()),
             busy: AtomicUsize::new(0),
+            spin: Duration::from_micros(cfg.spin_us),
         });
-        for i in 0..core.cfg.handler_threads {
-            let (core, stop, shared) = (core.clone(), fd, shared.clone());
-            let t = std::thread::Builder::new()
-                .name(format!("uswap-fault-{i}"))
-                .spawn(move || serve(&core, stop, &shared))
-                .map_err(|source| Error::Os {
-                    op: "spawn fault handler",
-                    source,
-                })?;
+        for i in 0..cfg.threads {
+            let (fault, shared) = (fault.clone(), shared.clone());
+            let t = crate::signals::spawn_quiet(&format!("uswap-fault-{i}"), move || {
+                serve(&fault, fd, &shared)
+            })
+            .map_err(|source| Error::Os {
+                op: "spawn fault handler",
+                source,
+            })?;
             handlers.threads.push(t);
         }
         Ok(handlers)
@@ -56,39 +67,78 @@ impl Handlers {
     }
 }
 
-/// Leader/follower: one handler at a time waits for events (spinning briefly, then in
-/// poll), hands leadership on as soon as it has events, and resolves them. Only one thread
-/// wakes per event, and a fault that follows soon after the last one finds a handler already
-/// running instead of waking a sleeping CPU: on a VM that wake-up costs more than the fault.
-fn serve(core: &RegionCore, stop: i32, shared: &Shared) {
+/// What the handler threads of one region share.
+struct Shared {
+    /// Held by the one thread waiting for messages.
+    leader: Mutex<()>,
+    /// Handlers resolving faults right now.
+    busy: AtomicUsize,
+    /// How long a waiting leader polls before it sleeps.
+    spin: Duration,
+}
+
+/// Leader/follower: one handler at a time waits for messages (spinning briefly, then in
+/// poll), hands leadership on as soon as it has faults, and resolves them. Only one thread
+/// wakes per message, and a fault that follows soon after the last one finds a handler
+/// already running instead of waking a sleeping CPU. A batch with a vma event is handled
+/// whole before leadership passes on, so every message read after an event sees its effect.
+fn serve(fault: &FaultPath, stop: i32, shared: &Shared) {
     let mut msgs = [Msg::default(); 16];
     loop {
-        let n = {
-            let _leader = shared.leader.lock().unwrap_or_else(|e| e.into_inner());
-            match next_events(core, stop, &mut msgs, &shared.busy) {
-                Some(n) => n,
-                None => return,
-            }
+        let leader = lock_std(&shared.leader);
+        let Some(n) = next_messages(fault, stop, &mut msgs, shared) else {
+            return;
+        };
+        let has_event = msgs[..n]
+            .iter()
+            .any(|m| !matches!(m.decode(), Event::Fault { .. }));
+        let _leader = if has_event {
+            Some(leader)
+        } else {
+            drop(leader);
+            None
         };
         let _busy = Busy::enter(&shared.busy);
-        for m in msgs[..n].iter().filter(|m| m.event == EVENT_PAGEFAULT) {
-            let Some(page) = core.page_of(m.address as usize) else {
-                continue;
-            };
-            let wp = m.flags & PAGEFAULT_FLAG_WP != 0;
-            if let Outcome::Fatal = core.handle_fault(page, Some(wp)) {
-                kill_faulting_thread(m.ptid);
-            }
+        for m in &msgs[..n] {
+            handle_message(fault, m.decode());
         }
     }
 }
 
-/// What the handler threads of one region share.
-struct Shared {
-    /// Held by the one thread waiting for events.
-    leader: Mutex<()>,
-    /// Handlers resolving faults right now.
-    busy: AtomicUsize,
+fn handle_message(fault: &FaultPath, event: Event) {
+    let Event::Fault {
+        address,
+        write_protect,
+        tid,
+    } = event
+    else {
+        if catch_unwind(AssertUnwindSafe(|| fault.handle_event(event))).is_err() {
+            fault.mm().vmstat().handler_panics.fetch_add(1, Relaxed);
+            eprintln!("uswap: handling {event:?} panicked; the region may be inconsistent");
+        }
+        return;
+    };
+    let Some(page) = fault.mm().page_of(address) else {
+        return fault.foreign_fault(address);
+    };
+    let outcome = catch_unwind(AssertUnwindSafe(|| {
+        fault.handle_fault(page, Some(write_protect))
+    }));
+    match outcome {
+        Ok(Outcome::Resolved) => {}
+        Ok(Outcome::Retry) => fault.mm().wake(page),
+        Ok(Outcome::Fatal) => kill_faulting_thread(tid),
+        Err(_) => {
+            // The page lock was released as the panic unwound; the fault it held fails
+            // loudly instead of hanging, and the handler goes on serving.
+            fault.mm().vmstat().handler_panics.fetch_add(1, Relaxed);
+            eprintln!(
+                "uswap: a fault handler panicked on the access to {address:#x}; that access \
+                 fails with SIGBUS"
+            );
+            kill_faulting_thread(tid);
+        }
+    }
 }
 
 /// Counts a handler as busy while alive.
@@ -107,23 +157,19 @@ impl Drop for Busy<'_> {
     }
 }
 
-/// Waits for fault events; `None` when the region is shutting down or the descriptor failed.
+/// Waits for messages; `None` when the region is shutting down or the descriptor failed.
 /// Spins first only while no other handler is busy: a busy handler means a faulting thread
 /// is blocked, and a spinning CPU would take time from that fault's I/O and from kswapd.
-fn next_events(
-    core: &RegionCore,
-    stop: i32,
-    msgs: &mut [Msg],
-    busy: &AtomicUsize,
-) -> Option<usize> {
-    let spin = if busy.load(Relaxed) == 0 {
-        core.cfg.handler_spin_us
+fn next_messages(fault: &FaultPath, stop: i32, msgs: &mut [Msg], shared: &Shared) -> Option<usize> {
+    let mm = fault.mm();
+    let spin = if shared.busy.load(Relaxed) == 0 {
+        shared.spin
     } else {
-        0
+        Duration::ZERO
     };
-    let spin_until = Instant::now() + Duration::from_micros(spin);
+    let spin_until = Instant::now() + spin;
     loop {
-        match core.uffd.read_events(msgs) {
+        match mm.uffd().read_events(msgs) {
             Ok(0) => {}
             Ok(n) => return Some(n),
             Err(e) => {
@@ -131,34 +177,39 @@ fn next_events(
                 return None;
             }
         }
-        if core.shutdown.load(Relaxed) {
+        if mm.shutting_down() {
             return None;
         }
         if Instant::now() < spin_until {
             std::hint::spin_loop();
             continue;
         }
-        let mut fds = [
-            libc::pollfd {
-                fd: core.uffd.raw(),
-                events: libc::POLLIN,
-                revents: 0,
-            },
-            libc::pollfd {
-                fd: stop,
-                events: libc::POLLIN,
-                revents: 0,
-            },
-        ];
-        // SAFETY: valid pollfd array.
-        let ready = unsafe { libc::poll(fds.as_mut_ptr(), 2, -1) };
-        if ready < 0 && std::io::Error::last_os_error().kind() != std::io::ErrorKind::Interrupted {
-            return None;
-        }
-        if fds[1].revents != 0 {
+        if !wait_readable(mm.uffd().raw(), stop) {
             return None;
         }
     }
+}
+
+/// Sleeps until `fd` is readable (true) or `stop` is (false).
+fn wait_readable(fd: i32, stop: i32) -> bool {
+    let mut fds = [
+        libc::pollfd {
+            fd,
+            events: libc::POLLIN,
+            revents: 0,
+        },
+        libc::pollfd {
+            fd: stop,
+            events: libc::POLLIN,
+            revents: 0,
+        },
+    ];
+    // SAFETY: valid pollfd array.
+    let ready = unsafe { libc::poll(fds.as_mut_ptr(), 2, -1) };
+    if ready < 0 && std::io::Error::last_os_error().kind() != std::io::ErrorKind::Interrupted {
+        return false;
+    }
+    fds[1].revents == 0
 }
 
 /// Delivers SIGBUS to the thread whose fault could not be served. Without its thread id

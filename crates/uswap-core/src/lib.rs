@@ -4,28 +4,37 @@
 //! resident. Cold pages go to a swap file and come back on access. Modules are named after
 //! the kernel parts they mirror; see `docs/architecture.md` for the map.
 
+mod budget;
 pub mod config;
 pub mod cpu;
 pub mod error;
 mod fault;
 mod handler;
+mod list;
 mod lru;
+mod mapping;
+mod mm;
 mod page;
-mod page_alloc;
 mod region;
 mod sigbus;
+mod signals;
+mod staging;
 pub mod stats;
 mod sync;
 pub mod uffd;
+mod vma;
 mod vmscan;
 
 pub use config::{parse_size, Config, FaultMode, IoMode, SwapConfig, SwapLocation, Watermarks};
 pub use error::{Error, Result};
-pub use region::{Advice, Region};
+pub use region::{metadata_bytes, Advice, Region};
 pub use stats::{Latency, Stats, VmStatSnapshot};
 pub use uffd::{probe, Probe};
 
-/// The base page size uswap manages (x86-64 and arm64 4 KiB kernels).
+/// The page size uswap is built for, and the one place it is written down. Regions check
+/// the kernel's own page size (`sysconf(_SC_PAGESIZE)`) against it when they are made and
+/// refuse, with [`Error::UnsupportedPageSize`], to run on a kernel with other pages (arm64
+/// with 16 or 64 KiB pages, for example).
 pub const PAGE_SIZE: usize = 4096;
 pub mod swap_io;
 pub mod swapfile;

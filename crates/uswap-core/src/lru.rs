@@ -1,9 +1,10 @@
-//! Active and inactive LRU lists of one region, as intrusive doubly linked lists over page
-//! numbers under one lock (the kernel's `lru_lock`). Heads are the most recently added;
-//! reclaim takes from the tails.
+//! Active and inactive LRU lists of one region ([mm/swap.c], `lruvec`): intrusive lists
+//! over page numbers under one lock (the kernel's `lru_lock`). Heads are the most recently
+//! added; reclaim takes from the tails. Lock order: see `page.rs`.
 
+use crate::list::{Link, Links, ListHead};
 use crate::page::{PageLock, PageTable};
-use crate::sync::{Mutex, MutexGuard};
+use crate::sync::{lock, Mutex, MutexGuard};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum LruList {
@@ -11,21 +12,25 @@ pub enum LruList {
     Inactive = 1,
 }
 
-const NIL: u32 = u32::MAX;
 const OFF_LIST: u8 = u8::MAX;
 
 #[derive(Clone, Copy)]
-struct Link {
-    prev: u32,
-    next: u32,
+struct Node {
+    link: Link,
     list: u8,
 }
 
+struct Nodes(Vec<Node>);
+
+impl Links for Nodes {
+    fn link(&mut self, i: u32) -> &mut Link {
+        &mut self.0[i as usize].link
+    }
+}
+
 struct Lists {
-    links: Vec<Link>,
-    head: [u32; 2],
-    tail: [u32; 2],
-    len: [usize; 2],
+    nodes: Nodes,
+    heads: [ListHead; 2],
 }
 
 pub struct Lru {
@@ -34,66 +39,36 @@ pub struct Lru {
 
 impl Lists {
     fn unlink(&mut self, page: u32) {
-        let Link { prev, next, list } = self.links[page as usize];
-        if list == OFF_LIST {
-            return;
+        let list = self.nodes.0[page as usize].list;
+        if list != OFF_LIST {
+            self.heads[list as usize].remove(&mut self.nodes, page);
+            self.nodes.0[page as usize].list = OFF_LIST;
         }
-        let l = list as usize;
-        match prev {
-            NIL => self.head[l] = next,
-            p => self.links[p as usize].next = next,
-        }
-        match next {
-            NIL => self.tail[l] = prev,
-            n => self.links[n as usize].prev = prev,
-        }
-        self.len[l] -= 1;
-        self.links[page as usize] = Link {
-            prev: NIL,
-            next: NIL,
-            list: OFF_LIST,
-        };
     }
 
     fn push_head(&mut self, list: LruList, page: u32) {
         self.unlink(page);
-        let l = list as usize;
-        let old = self.head[l];
-        self.links[page as usize] = Link {
-            prev: NIL,
-            next: old,
-            list: l as u8,
-        };
-        match old {
-            NIL => self.tail[l] = page,
-            o => self.links[o as usize].prev = page,
-        }
-        self.head[l] = page;
-        self.len[l] += 1;
+        self.heads[list as usize].push_front(&mut self.nodes, page);
+        self.nodes.0[page as usize].list = list as u8;
     }
 }
 
 impl Lru {
     pub fn new(pages: usize) -> Self {
+        let off = Node {
+            link: Link::UNLINKED,
+            list: OFF_LIST,
+        };
         Lru {
             lists: Mutex::new(Lists {
-                links: vec![
-                    Link {
-                        prev: NIL,
-                        next: NIL,
-                        list: OFF_LIST
-                    };
-                    pages
-                ],
-                head: [NIL; 2],
-                tail: [NIL; 2],
-                len: [0; 2],
+                nodes: Nodes(vec![off; pages]),
+                heads: [ListHead::EMPTY; 2],
             }),
         }
     }
 
     fn lock(&self) -> MutexGuard<'_, Lists> {
-        self.lists.lock().unwrap_or_else(|e| e.into_inner())
+        lock(&self.lists)
     }
 
     /// Puts pages at the head of `list`, taking them off any list they are on.
@@ -109,35 +84,50 @@ impl Lru {
     }
 
     pub fn len(&self, list: LruList) -> usize {
-        self.lock().len[list as usize]
+        self.lock().heads[list as usize].len
+    }
+
+    /// The list `page` is on, if any.
+    pub fn list_of(&self, page: usize) -> Option<LruList> {
+        match self.lock().nodes.0[page].list {
+            0 => Some(LruList::Active),
+            1 => Some(LruList::Inactive),
+            _ => None,
+        }
+    }
+
+    /// Every page of `list`, head to tail, with the list's links checked (for the
+    /// invariant walker).
+    pub fn members(&self, list: LruList) -> Result<Vec<u32>, String> {
+        let mut l = self.lock();
+        let head = l.heads[list as usize];
+        head.walk(&mut l.nodes)
     }
 
     /// Takes up to `max` pages from the tail of `list` whose page lock is free, locked and off
-    /// the list. Pages whose lock is held (a fault in progress) are rotated to the head.
+    /// the list, into `out`. Pages whose lock is held (a fault in progress) are rotated to
+    /// the head.
     pub fn isolate<'t>(
         &self,
         pages: &'t PageTable,
         list: LruList,
         max: usize,
-    ) -> Vec<PageLock<'t>> {
+        out: &mut Vec<PageLock<'t>>,
+    ) {
         let mut l = self.lock();
-        let mut taken = Vec::with_capacity(max.min(l.len[list as usize]));
-        let mut budget = l.len[list as usize];
-        while taken.len() < max && budget > 0 {
+        let mut budget = l.heads[list as usize].len;
+        let wanted = out.len() + max;
+        while out.len() < wanted && budget > 0 {
             budget -= 1;
-            let page = l.tail[list as usize];
-            if page == NIL {
-                break;
-            }
+            let page = l.heads[list as usize].tail;
             match pages.try_lock(page as usize) {
                 Some(lock) => {
                     l.unlink(page);
-                    taken.push(lock);
+                    out.push(lock);
                 }
                 None => l.push_head(list, page),
             }
         }
-        taken
     }
 }
 
@@ -145,11 +135,10 @@ impl Lru {
 mod tests {
     use super::*;
 
-    fn drain(lru: &Lru, t: &PageTable, list: LruList) -> Vec<usize> {
-        lru.isolate(t, list, usize::MAX)
-            .iter()
-            .map(|l| l.page())
-            .collect()
+    fn isolate(lru: &Lru, t: &PageTable, list: LruList, max: usize) -> Vec<usize> {
+        let mut out = Vec::new();
+        lru.isolate(t, list, max, &mut out);
+        out.iter().map(|l| l.page()).collect()
     }
 
     #[test]
@@ -159,16 +148,12 @@ mod tests {
         lru.add(LruList::Active, [0, 1, 2, 3]);
         lru.add(LruList::Inactive, [4, 5]);
         let held = t.lock(1);
-        let got: Vec<usize> = lru
-            .isolate(&t, LruList::Active, 2)
-            .iter()
-            .map(|l| l.page())
-            .collect();
-        assert_eq!(got, vec![0, 2]);
+        assert_eq!(isolate(&lru, &t, LruList::Active, 2), vec![0, 2]);
         drop(held);
         assert_eq!(lru.len(LruList::Active), 2);
-        assert_eq!(drain(&lru, &t, LruList::Active), vec![3, 1]);
-        assert_eq!(drain(&lru, &t, LruList::Inactive), vec![4, 5]);
+        assert_eq!(lru.members(LruList::Active).unwrap(), vec![1, 3]);
+        assert_eq!(isolate(&lru, &t, LruList::Active, 9), vec![3, 1]);
+        assert_eq!(isolate(&lru, &t, LruList::Inactive, 9), vec![4, 5]);
     }
 
     #[test]
@@ -179,10 +164,12 @@ mod tests {
         lru.add(LruList::Active, [2, 4]);
         lru.remove(5);
         lru.remove(5);
+        assert_eq!(lru.list_of(5), None);
+        assert_eq!(lru.list_of(2), Some(LruList::Active));
         assert_eq!(lru.len(LruList::Inactive), 3);
         assert_eq!(lru.len(LruList::Active), 2);
-        assert_eq!(drain(&lru, &t, LruList::Inactive), vec![0, 1, 3]);
-        assert_eq!(drain(&lru, &t, LruList::Active), vec![2, 4]);
+        assert_eq!(isolate(&lru, &t, LruList::Inactive, 9), vec![0, 1, 3]);
+        assert_eq!(isolate(&lru, &t, LruList::Active, 9), vec![2, 4]);
     }
 
     #[test]
@@ -195,27 +182,22 @@ mod tests {
             for id in 0..4 {
                 let (t, lru) = (&t, &lru);
                 s.spawn(move || {
+                    let mut got = Vec::new();
                     for round in 0..2000 {
-                        let list = if (round + id) % 2 == 0 {
-                            LruList::Active
+                        let (from, to) = if (round + id) % 2 == 0 {
+                            (LruList::Active, LruList::Inactive)
                         } else {
-                            LruList::Inactive
+                            (LruList::Inactive, LruList::Active)
                         };
-                        let got = lru.isolate(t, list, 8);
-                        let back: Vec<usize> = got.iter().map(|l| l.page()).collect();
-                        drop(got);
-                        let other = if list == LruList::Active {
-                            LruList::Inactive
-                        } else {
-                            LruList::Active
-                        };
-                        lru.add(other, back);
+                        lru.isolate(t, from, 8, &mut got);
+                        let back: Vec<usize> = got.drain(..).map(|l| l.page()).collect();
+                        lru.add(to, back);
                     }
                 });
             }
         });
-        let mut all = drain(&lru, &t, LruList::Active);
-        all.extend(drain(&lru, &t, LruList::Inactive));
+        let mut all = isolate(&lru, &t, LruList::Active, PAGES);
+        all.extend(isolate(&lru, &t, LruList::Inactive, PAGES));
         all.sort_unstable();
         assert_eq!(all, (0..PAGES).collect::<Vec<_>>());
     }
@@ -228,6 +210,12 @@ mod tests {
 mod loom_tests {
     use super::*;
     use std::sync::Arc;
+
+    fn isolate(lru: &Lru, t: &PageTable, list: LruList) -> Vec<usize> {
+        let mut out = Vec::new();
+        lru.isolate(t, list, 2, &mut out);
+        out.iter().map(|l| l.page()).collect()
+    }
 
     #[test]
     fn fault_and_reclaim_never_deadlock_or_lose_a_page() {
@@ -242,23 +230,11 @@ mod loom_tests {
                     lru.add(LruList::Active, [lock.page()]);
                 })
             };
-            let isolated: Vec<usize> = lru
-                .isolate(&pages, LruList::Active, 2)
-                .iter()
-                .map(|l| l.page())
-                .collect();
+            let isolated = isolate(&lru, &pages, LruList::Active);
             lru.add(LruList::Inactive, isolated.iter().copied());
             fault.join().unwrap();
-            let mut all: Vec<usize> = lru
-                .isolate(&pages, LruList::Active, 2)
-                .iter()
-                .map(|l| l.page())
-                .collect();
-            all.extend(
-                lru.isolate(&pages, LruList::Inactive, 2)
-                    .iter()
-                    .map(|l| l.page()),
-            );
+            let mut all = isolate(&lru, &pages, LruList::Active);
+            all.extend(isolate(&lru, &pages, LruList::Inactive));
             all.sort_unstable();
             assert_eq!(all, vec![0, 1], "every page on exactly one list");
         });

@@ -1,15 +1,36 @@
-//! The page table: one atomic 64-bit state word per page of a region.
+//! The page table: one atomic 64-bit state word per page of a region, and the named
+//! transitions between page states.
 //!
 //! ```text
-//!  63            32 31              4  3      2..0
-//! +----------------+------------------+------+------+
-//! | swap slot      | staging frame    | lock | kind |
-//! +----------------+------------------+------+------+
+//!  63            32 31            6   5    4    3    2..0
+//! +----------------+---------------+----+----+----+------+
+//! | swap slot      | staging frame | ra | ref|lock| kind |
+//! +----------------+---------------+----+----+----+------+
 //! ```
 //! `kind` says where the data is. A page with a swap slot has a valid copy on the swap
 //! device (it is clean); a write after swap-in frees the slot. The frame is the staging
-//! frame holding an inactive page's data. The lock bit serialises every transition: the
-//! fault path and reclaim both take it, so the rest of the word only changes under it.
+//! frame holding an inactive page's data. `ref` and `ra` are spare for the referenced bit
+//! and the readahead marker. The lock bit serialises every transition.
+//!
+//! # Locking
+//!
+//! What each lock protects, in the order they nest (take a later one while holding an
+//! earlier one, never the reverse):
+//!
+//! 1. **page lock** (the lock bit of a page's word): the page's kind, frame and slot, and the
+//!    page's presence in the region's page tables (no one maps or unmaps a page without it).
+//!    Held across swap I/O and across `charge` (which may reclaim directly), so **reclaim
+//!    never waits for a page lock**: it only try-locks (`Lru::isolate`, `try_claim_none`)
+//!    and skips pages it cannot take. Vma events (`vma.rs`) and the invariant walker take
+//!    page locks blocking, one page at a time in address order.
+//! 2. **`Lru` lock** (`lru.rs`): list membership and order. Taken with page locks held;
+//!    while holding it, only `try_lock` on pages.
+//! 3. **staging free list**, **bounce pool**, **swap allocator** locks: leaves; nothing
+//!    is taken while holding them.
+//!
+//! The resident budget is a lock-free counter. The fault path may block (I/O, `charge`)
+//! while holding one page lock; reclaim holds many page locks (an isolated batch) but only
+//! blocks on I/O, never on another lock of this list except the leaves.
 
 use crate::sync::{backoff, AtomicU64};
 use std::sync::atomic::Ordering::{Acquire, Relaxed, Release};
@@ -17,27 +38,32 @@ use std::sync::atomic::Ordering::{Acquire, Relaxed, Release};
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[repr(u8)]
 pub enum Kind {
-    /// Never touched (or dropped as all zeros): the next touch zero-fills.
+    /// Never touched, or discarded (MADV_DONTNEED): the next touch zero-fills.
     None = 0,
-    /// Mapped in the region, on the active list.
+    /// Mapped in the region, on the active list, charged to the budget.
     Active = 1,
-    /// Unmapped, data kept in a staging frame, on the inactive list.
+    /// Unmapped, data kept in a staging frame, on the inactive list, charged.
     Inactive = 2,
     /// Data only in its swap slot.
     Swapped = 3,
     /// Data lost (failed verification or I/O): every access fails.
     Poisoned = 4,
+    /// The program unmapped (munmap) or moved (mremap) this page away: nothing is here.
+    Unmapped = 5,
 }
 
 const KIND_MASK: u64 = 0b111;
 const LOCKED: u64 = 1 << 3;
-const FRAME_SHIFT: u32 = 4;
-const FRAME_BITS: u32 = 28;
+/// Spare bits, zero until used: 4 for the referenced bit (second-chance aging), 5 for the
+/// marker of a page brought in by readahead until its first use.
+const SPARE: u64 = 0b11 << 4;
+const FRAME_SHIFT: u32 = 6;
+const FRAME_BITS: u32 = 26;
 const FRAME_NONE: u32 = (1 << FRAME_BITS) - 1;
 const SLOT_SHIFT: u32 = 32;
 const SLOT_NONE: u32 = u32::MAX;
 
-/// Largest number of staging frames (resident pages) a region can have: 1 TiB.
+/// Largest number of staging frames (resident pages) a region can have: 256 GiB.
 pub const MAX_FRAMES: u64 = FRAME_NONE as u64;
 
 /// A decoded state word (never includes the lock bit).
@@ -57,12 +83,18 @@ impl std::fmt::Debug for PageState {
 }
 
 impl PageState {
-    pub const NONE: PageState = PageState::new(Kind::None);
+    pub const NONE: PageState = PageState::of(Kind::None, None, None);
 
-    pub const fn new(kind: Kind) -> Self {
-        PageState(
-            kind as u64 | ((FRAME_NONE as u64) << FRAME_SHIFT) | ((SLOT_NONE as u64) << SLOT_SHIFT),
-        )
+    const fn of(kind: Kind, frame: Option<u32>, slot: Option<u32>) -> Self {
+        let f = match frame {
+            Some(f) => f,
+            None => FRAME_NONE,
+        };
+        let s = match slot {
+            Some(s) => s,
+            None => SLOT_NONE,
+        };
+        PageState(kind as u64 | ((f as u64) << FRAME_SHIFT) | ((s as u64) << SLOT_SHIFT))
     }
 
     pub fn kind(self) -> Kind {
@@ -71,7 +103,8 @@ impl PageState {
             1 => Kind::Active,
             2 => Kind::Inactive,
             3 => Kind::Swapped,
-            _ => Kind::Poisoned,
+            4 => Kind::Poisoned,
+            _ => Kind::Unmapped,
         }
     }
 
@@ -85,20 +118,24 @@ impl PageState {
         (s != SLOT_NONE).then_some(s)
     }
 
-    pub fn with_kind(self, kind: Kind) -> Self {
-        PageState((self.0 & !KIND_MASK) | kind as u64)
+    /// Whether the page counts against the resident budget.
+    pub fn is_resident(self) -> bool {
+        matches!(self.kind(), Kind::Active | Kind::Inactive)
     }
 
-    pub fn with_frame(self, frame: Option<u32>) -> Self {
-        let f = frame.unwrap_or(FRAME_NONE);
-        debug_assert!(f <= FRAME_NONE);
-        let mask = (FRAME_NONE as u64) << FRAME_SHIFT;
-        PageState((self.0 & !mask) | ((f as u64) << FRAME_SHIFT))
-    }
-
-    pub fn with_slot(self, slot: Option<u32>) -> Self {
-        let s = slot.unwrap_or(SLOT_NONE);
-        PageState((self.0 & !((SLOT_NONE as u64) << SLOT_SHIFT)) | ((s as u64) << SLOT_SHIFT))
+    /// The invariants of each kind: which of frame and slot it may carry.
+    pub fn is_well_formed(self) -> bool {
+        if self.0 & (SPARE | LOCKED) != 0 {
+            return false;
+        }
+        match self.kind() {
+            Kind::None | Kind::Poisoned | Kind::Unmapped => {
+                self.frame().is_none() && self.slot().is_none()
+            }
+            Kind::Active => self.frame().is_none(),
+            Kind::Inactive => self.frame().is_some(),
+            Kind::Swapped => self.frame().is_none() && self.slot().is_some(),
+        }
     }
 }
 
@@ -142,19 +179,6 @@ impl PageTable {
             })
     }
 
-    /// Locks a page only if it is unlocked and in state `expect`, without a guard: for
-    /// batches (fault-around) that finish with [`PageTable::publish`].
-    pub fn try_claim(&self, page: usize, expect: PageState) -> bool {
-        self.words[page]
-            .compare_exchange(expect.0, expect.0 | LOCKED, Acquire, Relaxed)
-            .is_ok()
-    }
-
-    /// Releases a page taken with [`PageTable::try_claim`], publishing its new state.
-    pub fn publish(&self, page: usize, state: PageState) {
-        self.words[page].store(state.0, Release);
-    }
-
     /// Takes the page lock, waiting for the holder (a fault or reclaim in progress).
     pub fn lock(&self, page: usize) -> PageLock<'_> {
         let mut round = 0;
@@ -166,9 +190,32 @@ impl PageTable {
             round += 1;
         }
     }
+
+    /// Locks an untouched page without a guard, for a fault-around batch that allocates
+    /// nothing; finish with [`PageTable::publish_active`] or [`PageTable::unclaim`].
+    pub fn try_claim_none(&self, page: usize) -> bool {
+        let none = PageState::NONE.0;
+        self.words[page]
+            .compare_exchange(none, none | LOCKED, Acquire, Relaxed)
+            .is_ok()
+    }
+
+    /// A claimed page was filled with zeros: it is active now, and unlocked.
+    pub fn publish_active(&self, page: usize) {
+        debug_assert_eq!(self.words[page].load(Relaxed), PageState::NONE.0 | LOCKED);
+        self.words[page].store(PageState::of(Kind::Active, None, None).0, Release);
+    }
+
+    /// A claimed page was not filled after all: untouched again, and unlocked.
+    pub fn unclaim(&self, page: usize) {
+        debug_assert_eq!(self.words[page].load(Relaxed), PageState::NONE.0 | LOCKED);
+        self.words[page].store(PageState::NONE.0, Release);
+    }
 }
 
-/// A held page lock. The state is written back and the lock released on drop.
+/// A held page lock. Its state changes only through the named transitions below, each of
+/// which checks (in debug builds) that it starts from a kind it applies to. The state is
+/// published and the lock released on drop.
 pub struct PageLock<'a> {
     word: &'a AtomicU64,
     page: usize,
@@ -184,9 +231,111 @@ impl PageLock<'_> {
         self.state
     }
 
-    /// The state published when the lock is released.
-    pub fn set(&mut self, state: PageState) {
-        self.state = state;
+    pub fn kind(&self) -> Kind {
+        self.state.kind()
+    }
+
+    fn become_(&mut self, kind: Kind, frame: Option<u32>, slot: Option<u32>) -> PageState {
+        let old = self.state;
+        self.state = PageState::of(kind, frame, slot);
+        debug_assert!(self.state.is_well_formed(), "{:?}", self.state);
+        old
+    }
+
+    fn expect(&self, kinds: &[Kind], transition: &str) {
+        debug_assert!(
+            kinds.contains(&self.kind()),
+            "page {}: {transition} from {:?}",
+            self.page,
+            self.state
+        );
+    }
+
+    /// First touch: an untouched (or discarded, or regrown) page was zero-filled and mapped.
+    pub fn map_new(&mut self) {
+        self.expect(&[Kind::None, Kind::Unmapped], "map_new");
+        self.become_(Kind::Active, None, None);
+    }
+
+    /// An inactive page was mapped back: returns its staging frame. A clean page keeps its
+    /// slot.
+    pub fn activate(&mut self) -> u32 {
+        self.expect(&[Kind::Inactive], "activate");
+        let old = self.become_(Kind::Active, None, self.state.slot());
+        old.frame().expect("an inactive page has a frame")
+    }
+
+    /// An active page was moved into staging `frame` (unmapped, data kept).
+    pub fn deactivate(&mut self, frame: u32) {
+        self.expect(&[Kind::Active], "deactivate");
+        self.become_(Kind::Inactive, Some(frame), self.state.slot());
+    }
+
+    /// A dirty inactive page was written to `slot`: returns its frame, now free.
+    pub fn swap_out(&mut self, slot: u32) -> u32 {
+        self.expect(&[Kind::Inactive], "swap_out");
+        debug_assert!(self.state.slot().is_none(), "a dirty page has no slot");
+        let old = self.become_(Kind::Swapped, None, Some(slot));
+        old.frame().expect("an inactive page has a frame")
+    }
+
+    /// A clean inactive page (its slot still holds its data) was dropped without I/O:
+    /// returns its frame.
+    pub fn drop_clean(&mut self) -> u32 {
+        self.expect(&[Kind::Inactive], "drop_clean");
+        let old = self.become_(Kind::Swapped, None, self.state.slot());
+        debug_assert!(old.slot().is_some(), "only a clean page is dropped");
+        old.frame().expect("an inactive page has a frame")
+    }
+
+    /// An all-zero inactive page was forgotten: returns what it held (frame, maybe slot).
+    pub fn drop_zero(&mut self) -> PageState {
+        self.expect(&[Kind::Inactive], "drop_zero");
+        self.become_(Kind::None, None, None)
+    }
+
+    /// A swapped page was read, verified and mapped. `slot` is the slot it keeps (clean,
+    /// write-protected) or `None` when the slot was given up.
+    pub fn swap_in(&mut self, slot: Option<u32>) {
+        self.expect(&[Kind::Swapped], "swap_in");
+        self.become_(Kind::Active, None, slot);
+    }
+
+    /// A swapped page whose data moved to a new slot (its old slot was given up early and
+    /// the page could not be mapped after all).
+    pub fn rehome(&mut self, slot: u32) {
+        self.expect(&[Kind::Swapped], "rehome");
+        self.become_(Kind::Swapped, None, Some(slot));
+    }
+
+    /// The first write to a clean page: its swap copy is stale. Returns the slot to free.
+    pub fn dirty(&mut self) -> Option<u32> {
+        self.expect(&[Kind::Active], "dirty");
+        self.become_(Kind::Active, None, None).slot()
+    }
+
+    /// The data is lost: every later access fails. Returns what the page held.
+    pub fn poison(&mut self) -> PageState {
+        self.become_(Kind::Poisoned, None, None)
+    }
+
+    /// MADV_DONTNEED/MADV_FREE: the range reads as zeros from now on. Returns what the page
+    /// held, for the caller to release (budget, frame, slot).
+    pub fn discard(&mut self) -> PageState {
+        self.become_(Kind::None, None, None)
+    }
+
+    /// munmap, or the source of an mremap: nothing is mapped here any more. Returns what the
+    /// page held, for the caller to release or move.
+    pub fn unmap(&mut self) -> PageState {
+        self.become_(Kind::Unmapped, None, None)
+    }
+
+    /// The target of an mremap inside the region: takes over what the source page held.
+    pub fn install(&mut self, moved: PageState) {
+        self.expect(&[Kind::Unmapped, Kind::None], "install");
+        debug_assert!(moved.is_well_formed());
+        self.state = moved;
     }
 }
 
@@ -201,16 +350,48 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
 
+    const KINDS: [Kind; 6] = [
+        Kind::None,
+        Kind::Active,
+        Kind::Inactive,
+        Kind::Swapped,
+        Kind::Poisoned,
+        Kind::Unmapped,
+    ];
+
     proptest! {
         #[test]
-        fn fields_round_trip_independently(kind in 0u8..5, frame in proptest::option::of(0u32..FRAME_NONE), slot in proptest::option::of(0u32..SLOT_NONE)) {
-            let kinds = [Kind::None, Kind::Active, Kind::Inactive, Kind::Swapped, Kind::Poisoned];
-            let s = PageState::NONE.with_slot(slot).with_frame(frame).with_kind(kinds[kind as usize]);
-            prop_assert_eq!(s.kind(), kinds[kind as usize]);
+        fn fields_round_trip_independently(kind in 0usize..6, frame in proptest::option::of(0u32..FRAME_NONE), slot in proptest::option::of(0u32..SLOT_NONE)) {
+            let s = PageState::of(KINDS[kind], frame, slot);
+            prop_assert_eq!(s.kind(), KINDS[kind]);
             prop_assert_eq!(s.frame(), frame);
             prop_assert_eq!(s.slot(), slot);
-            prop_assert_eq!(s.0 & LOCKED, 0);
+            prop_assert_eq!(s.0 & (LOCKED | SPARE), 0);
         }
+    }
+
+    #[test]
+    fn a_page_goes_out_and_comes_back_through_named_transitions() {
+        let t = PageTable::new(1);
+        let mut l = t.lock(0);
+        l.map_new();
+        l.deactivate(7);
+        assert_eq!(l.swap_out(3), 7);
+        assert_eq!((l.kind(), l.state().slot()), (Kind::Swapped, Some(3)));
+        l.swap_in(Some(3));
+        assert_eq!(l.dirty(), Some(3));
+        l.deactivate(9);
+        assert_eq!(l.discard().frame(), Some(9));
+        drop(l);
+        assert_eq!(t.peek(0), (PageState::NONE, false));
+    }
+
+    #[test]
+    #[cfg(debug_assertions)]
+    #[should_panic(expected = "activate from")]
+    fn a_transition_from_the_wrong_kind_is_caught() {
+        let t = PageTable::new(1);
+        t.lock(0).activate();
     }
 
     #[test]
@@ -219,30 +400,46 @@ mod tests {
         let mut l = t.lock(1);
         assert!(t.try_lock(1).is_none());
         assert!(t.peek(1).1);
-        l.set(PageState::new(Kind::Swapped).with_slot(Some(7)));
+        l.map_new();
         drop(l);
         let (s, locked) = t.peek(1);
         assert!(!locked);
-        assert_eq!((s.kind(), s.slot()), (Kind::Swapped, Some(7)));
+        assert_eq!(s.kind(), Kind::Active);
         assert_eq!(t.peek(0).0, PageState::NONE);
+        assert!(t.try_claim_none(0));
+        assert!(!t.try_claim_none(0));
+        t.publish_active(0);
+        assert_eq!(t.peek(0), (PageState::of(Kind::Active, None, None), false));
     }
 
     #[test]
-    fn stress_many_threads_increment_under_the_page_lock() {
+    fn stress_many_threads_move_a_page_through_its_states_under_the_lock() {
         let t = PageTable::new(4);
         std::thread::scope(|s| {
             for _ in 0..8 {
                 s.spawn(|| {
                     for i in 0..20_000u32 {
                         let mut l = t.lock(i as usize % 4);
-                        let n = l.state().slot().map_or(0, |v| v + 1);
-                        l.set(l.state().with_slot(Some(n)));
+                        match l.kind() {
+                            Kind::None => l.map_new(),
+                            Kind::Active => l.deactivate(i),
+                            Kind::Inactive => {
+                                l.swap_out(i);
+                            }
+                            Kind::Swapped => {
+                                l.discard();
+                            }
+                            _ => unreachable!(),
+                        }
+                        assert!(l.state().is_well_formed());
                     }
                 });
             }
         });
-        let total: u32 = (0..4).map(|p| t.peek(p).0.slot().unwrap() + 1).sum();
-        assert_eq!(total, 8 * 20_000);
+        // 160,000 transitions in cycles of 4 over 4 pages: each page made 40,000.
+        for p in 0..4 {
+            assert_eq!(t.peek(p).0.kind(), Kind::None);
+        }
     }
 }
 
@@ -252,7 +449,7 @@ mod loom_tests {
     use super::*;
 
     #[test]
-    fn page_lock_is_mutually_exclusive_and_publishes_updates() {
+    fn page_lock_is_mutually_exclusive_and_publishes_transitions() {
         loom::model(|| {
             let t = std::sync::Arc::new(PageTable::new(1));
             let handles: Vec<_> = (0..2)
@@ -260,15 +457,19 @@ mod loom_tests {
                     let t = t.clone();
                     loom::thread::spawn(move || {
                         let mut l = t.lock(0);
-                        let n = l.state().slot().map_or(0, |v| v + 1);
-                        l.set(l.state().with_slot(Some(n)));
+                        match l.kind() {
+                            Kind::None => l.map_new(),
+                            _ => l.deactivate(1),
+                        }
                     })
                 })
                 .collect();
             for h in handles {
                 h.join().unwrap();
             }
-            assert_eq!(t.peek(0).0.slot(), Some(1));
+            let (s, locked) = t.peek(0);
+            assert!(!locked);
+            assert_eq!((s.kind(), s.frame()), (Kind::Inactive, Some(1)));
         });
     }
 }

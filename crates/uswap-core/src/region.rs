@@ -1,28 +1,23 @@
-//! A region: anonymous memory backed by uswap, and its lifetime.
+//! A region: anonymous memory backed by uswap, its creation, public calls and lifetime. The
+//! top layer: it builds the parts (mm -> reclaim -> fault path -> fault source) and holds
+//! them.
 
-use crate::config::{Config, FaultMode, Watermarks, MAX_SIZE};
+use crate::config::{Config, FaultMode, MAX_SIZE};
 use crate::error::{Error, Result};
-use crate::lru::Lru;
-use crate::page::{Kind, PageTable, MAX_FRAMES};
-use crate::page_alloc::{FrameBudget, Mapping, Staging};
-use crate::stats::{FaultKind, FaultLatency, Latency, Stats, VmStat};
-use crate::swap_io::PageBuf;
+use crate::fault::FaultPath;
+use crate::handler::{HandlerConfig, Handlers};
+use crate::mapping::Mapping;
+use crate::mm::{check_page_size, Caps, Mm, Parts};
+use crate::page::{Kind, MAX_FRAMES};
+use crate::signals::Quiet;
+use crate::staging::Staging;
+use crate::stats::{FaultKind, Latency, Stats};
 use crate::swapfile::SwapDevice;
 use crate::uffd::{self, Uffd};
-use crate::vmscan::Kswapd;
-use crate::{handler, sigbus, PAGE_SIZE};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
-use std::sync::{Arc, Mutex};
+use crate::vmscan::{Reclaim, ZAP_PAGES};
+use crate::{sigbus, PAGE_SIZE};
+use std::sync::Arc;
 use std::thread::JoinHandle;
-
-/// What the kernel lets this region use beyond the required MISSING and MOVE support.
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct Caps {
-    /// Write-protect faults: a swapped-in page keeps its slot until written.
-    pub write_protect: bool,
-    /// UFFDIO_POISON: a page that cannot be served fails every access with SIGBUS.
-    pub poison: bool,
-}
 
 /// What to do with a range of a region, as `madvise` does for ordinary memory.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -33,105 +28,73 @@ pub enum Advice {
     PageOut,
 }
 
-/// State shared by the application's faults, the handler threads and the reclaimer.
-pub(crate) struct RegionCore {
-    pub map: Mapping,
-    pub pages: PageTable,
-    pub lru: Lru,
-    pub budget: FrameBudget,
-    pub staging: Staging,
-    pub swap: Arc<SwapDevice>,
-    pub uffd: Uffd,
-    pub caps: Caps,
-    pub cfg: Config,
-    pub marks: Watermarks,
-    /// Inactive list length reclaim keeps, in pages.
-    pub inactive_target: usize,
-    pub vmstat: VmStat,
-    pub latency: FaultLatency,
-    pub kswapd: Kswapd,
-    /// Source of zeros for first-touch fills: never written, so it reads as the zero page.
-    pub zeros: Mapping,
-    bounce: Mutex<Vec<PageBuf>>,
-    /// Swap slots this region's pages hold.
-    pub slots_held: AtomicU64,
-    pub shutdown: AtomicBool,
-}
-
-impl RegionCore {
-    pub fn page_addr(&self, page: usize) -> usize {
-        self.map.addr() + page * PAGE_SIZE
-    }
-
-    /// The page containing `addr`, if it is inside the region.
-    pub fn page_of(&self, addr: usize) -> Option<usize> {
-        let off = addr.checked_sub(self.map.addr())?;
-        (off < self.map.len()).then_some(off / PAGE_SIZE)
-    }
-
-    pub fn take_bounce(&self) -> PageBuf {
-        self.bounce
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .pop()
-            .unwrap_or_default()
-    }
-
-    pub fn return_bounce(&self, buf: PageBuf) {
-        self.bounce
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .push(buf);
-    }
-
-    /// Frees a slot a page of this region held.
-    pub fn release_slot(&self, slot: u32) {
-        self.swap.free_slot(slot);
-        self.slots_held.fetch_sub(1, Relaxed);
-    }
-
-    pub fn record(&self, kind: FaultKind, since: std::time::Instant) {
-        self.latency.record(kind, since.elapsed());
-    }
+/// Where faults come from.
+enum Source {
+    Handlers(Handlers),
+    Sigbus(sigbus::Service),
 }
 
 /// Anonymous memory of `len()` bytes that may exceed the memory limit: cold pages go to the
 /// swap device and come back on access. Dropping the region frees its memory and slots.
+///
+/// The program may `madvise(MADV_DONTNEED/MADV_FREE)`, `munmap` and `mremap` region memory
+/// as it would ordinary memory (see `docs/architecture.md` for what each does here).
 pub struct Region {
-    core: Arc<RegionCore>,
+    fault: Arc<FaultPath>,
     _reservation: SwapReservation,
-    workers: Vec<JoinHandle<()>>,
-    handlers: Option<handler::Handlers>,
+    kswapd: Option<JoinHandle<()>>,
+    source: Option<Source>,
 }
 
-fn required_features(probe: &uffd::Probe, mode: FaultMode) -> Result<u64> {
-    let need = |bit: u64, feature: &'static str| {
-        if probe.has(bit) {
-            Ok(bit)
-        } else {
-            Err(Error::UnsupportedFeature {
+/// The userfaultfd features a region needs: the error names the first one missing.
+fn features(
+    probe: &uffd::Probe,
+    required: &[(u64, &'static str)],
+    optional: &[u64],
+) -> Result<u64> {
+    let mut features = 0;
+    for &(bit, feature) in required {
+        if !probe.has(bit) {
+            return Err(Error::UnsupportedFeature {
                 kernel: probe.kernel.clone(),
                 feature,
-            })
+            });
         }
-    };
-    let mut features = need(uffd::FEATURE_MOVE, "UFFDIO_MOVE (Linux 6.8 or later)")?;
-    if mode == FaultMode::Sigbus {
-        features |= need(
-            uffd::FEATURE_SIGBUS,
-            "UFFD_FEATURE_SIGBUS (Linux 4.14 or later)",
-        )?;
+        features |= bit;
     }
-    for optional in [
-        uffd::FEATURE_WP,
-        uffd::FEATURE_POISON,
-        uffd::FEATURE_THREAD_ID,
-    ] {
-        if probe.has(optional) {
-            features |= optional;
-        }
-    }
-    Ok(features)
+    Ok(features
+        | optional
+            .iter()
+            .filter(|&&b| probe.has(b))
+            .fold(0, |a, b| a | b))
+}
+
+const MOVE: (u64, &str) = (uffd::FEATURE_MOVE, "UFFDIO_MOVE (Linux 6.8 or later)");
+const SIGBUS: (u64, &str) = (
+    uffd::FEATURE_SIGBUS,
+    "UFFD_FEATURE_SIGBUS (Linux 4.14 or later)",
+);
+const EVENTS: [(u64, &str); 3] = [
+    (
+        uffd::FEATURE_EVENT_REMAP,
+        "UFFD_FEATURE_EVENT_REMAP (Linux 4.11 or later)",
+    ),
+    (
+        uffd::FEATURE_EVENT_REMOVE,
+        "UFFD_FEATURE_EVENT_REMOVE (Linux 4.11 or later)",
+    ),
+    (
+        uffd::FEATURE_EVENT_UNMAP,
+        "UFFD_FEATURE_EVENT_UNMAP (Linux 4.11 or later)",
+    ),
+];
+
+fn register(uffd: &Uffd, map: &Mapping, mode: u64) -> Result<()> {
+    uffd.register(map.addr(), map.len(), mode)
+        .map_err(|source| Error::Os {
+            op: "UFFDIO_REGISTER",
+            source,
+        })
 }
 
 impl Region {
@@ -145,6 +108,7 @@ impl Region {
     /// A region that swaps to `swap`, which other regions may share.
     pub fn with_swap(size: u64, cfg: Config, swap: Arc<SwapDevice>) -> Result<Region> {
         cfg.validate()?;
+        check_page_size()?;
         if size == 0 || size > MAX_SIZE || size.div_ceil(PAGE_SIZE as u64) >= u32::MAX as u64 {
             return Err(Error::invalid(
                 "region size",
@@ -155,7 +119,7 @@ impl Region {
         if limit > MAX_FRAMES {
             return Err(Error::invalid(
                 "memory limit",
-                format!("{} bytes: at most 1 TiB per region", cfg.memory_limit),
+                format!("{} bytes: at most 256 GiB per region", cfg.memory_limit),
             ));
         }
         let pages = size.div_ceil(PAGE_SIZE as u64);
@@ -170,69 +134,93 @@ impl Region {
         let reservation = SwapReservation::new(&swap, needed)?;
 
         let probe = uffd::probe()?;
-        let uffd = Uffd::open(required_features(&probe, cfg.fault_mode)?)?;
+        let optional = [
+            uffd::FEATURE_WP,
+            uffd::FEATURE_POISON,
+            uffd::FEATURE_THREAD_ID,
+        ];
+        let mut required = vec![MOVE];
+        required.extend(EVENTS);
+        if cfg.fault_mode == FaultMode::Sigbus {
+            required.push(SIGBUS);
+        }
+        let uffd = Uffd::open(features(&probe, &required, &optional)?)?;
+        // Staging has a userfaultfd of its own, without events: freeing a staging frame must
+        // not raise an event that blocks reclaim until a handler reads it. Nothing should
+        // ever fault there; if something does, SIGBUS makes it loud.
+        let staging_uffd = Uffd::open(features(
+            &probe,
+            &[MOVE],
+            &[uffd::FEATURE_WP, uffd::FEATURE_SIGBUS],
+        )?)?;
         let caps = Caps {
             write_protect: probe.has(uffd::FEATURE_WP),
             poison: probe.has(uffd::FEATURE_POISON),
         };
         let map = Mapping::new(pages as usize * PAGE_SIZE)?;
         let staging = Staging::new(limit)?;
-        // Both ranges are registered with the same modes: UFFDIO_MOVE needs the destination
-        // registered and both sides with the same page protection.
+        let zap_scratch = Mapping::new(ZAP_PAGES * PAGE_SIZE)?;
+        // Every range is registered with the same modes: UFFDIO_MOVE needs both sides with
+        // the same page protection, and the destination registered with the ioctl's fd.
         let mode = uffd::REGISTER_MODE_MISSING
             | if caps.write_protect {
                 uffd::REGISTER_MODE_WP
             } else {
                 0
             };
-        for m in [&map, staging.mapping()] {
-            uffd.register(m.addr(), m.len(), mode)
-                .map_err(|source| Error::Os {
-                    op: "UFFDIO_REGISTER",
-                    source,
-                })?;
-        }
-        let core = Arc::new(RegionCore {
-            pages: PageTable::new(pages as usize),
-            lru: Lru::new(pages as usize),
-            budget: FrameBudget::new(limit),
-            marks: cfg.watermarks(),
-            inactive_target: (limit as usize * cfg.inactive_percent as usize / 100)
-                .max(cfg.reclaim_batch),
-            zeros: Mapping::new(cfg.fault_around * PAGE_SIZE)?,
+        register(&uffd, &map, mode)?;
+        register(&staging_uffd, staging.mapping(), mode)?;
+        register(&staging_uffd, &zap_scratch, mode)?;
+        let mm = Mm::new(Parts {
             map,
             staging,
-            swap,
+            zap_scratch,
             uffd,
+            staging_uffd,
+            swap,
             caps,
-            vmstat: VmStat::default(),
-            latency: FaultLatency::default(),
-            kswapd: Kswapd::default(),
-            bounce: Mutex::new(Vec::new()),
-            slots_held: AtomicU64::new(0),
-            shutdown: AtomicBool::new(false),
-            cfg,
-        });
+            limit,
+            mode: cfg.fault_mode,
+            fault_around: cfg.fault_around,
+            bounce_buffers: cfg.handler_threads + 2,
+        })?;
+        let reclaim = Reclaim::new(
+            mm,
+            cfg.watermarks(),
+            cfg.inactive_percent,
+            cfg.reclaim_batch,
+        );
+        let fault = Arc::new(FaultPath::new(reclaim, cfg.fault_around));
         let mut region = Region {
             _reservation: reservation,
-            workers: vec![crate::vmscan::spawn_kswapd(core.clone())?],
-            handlers: None,
-            core,
+            kswapd: None,
+            source: None,
+            fault: fault.clone(),
         };
-        match region.core.cfg.fault_mode {
-            FaultMode::Thread => region.handlers = Some(handler::Handlers::start(&region.core)?),
-            FaultMode::Sigbus => sigbus::register(&region.core)?,
-        }
+        region.kswapd = Some(crate::vmscan::spawn_kswapd(
+            fault.clone(),
+            FaultPath::reclaim,
+        )?);
+        region.source = Some(match cfg.fault_mode {
+            FaultMode::Thread => Source::Handlers(Handlers::start(
+                &fault,
+                HandlerConfig {
+                    threads: cfg.handler_threads,
+                    spin_us: cfg.handler_spin_us,
+                },
+            )?),
+            FaultMode::Sigbus => Source::Sigbus(sigbus::register(&fault)?),
+        });
         Ok(region)
     }
 
     /// Start of the region. Its pages read as zeros until written.
     pub fn as_ptr(&self) -> *mut u8 {
-        self.core.map.addr() as *mut u8
+        self.fault.mm().start() as *mut u8
     }
 
     pub fn len(&self) -> usize {
-        self.core.map.len()
+        self.fault.mm().len()
     }
 
     pub fn is_empty(&self) -> bool {
@@ -240,28 +228,39 @@ impl Region {
     }
 
     pub fn swap_device(&self) -> &Arc<SwapDevice> {
-        &self.core.swap
+        self.fault.mm().swap()
     }
 
     /// The event counters alone: cheap enough to poll.
     pub fn vmstat(&self) -> crate::VmStatSnapshot {
-        self.core.vmstat.snapshot()
+        self.fault.mm().vmstat().snapshot()
     }
 
     pub fn stats(&self) -> Stats {
-        let c = &self.core;
+        let _quiet = Quiet::new();
+        let mm = self.fault.mm();
+        let latency = |kind| Latency::of(&mm.latency().merged(kind));
         Stats {
-            vmstat: c.vmstat.snapshot(),
-            first_touch: Latency::of(&c.latency.merged(FaultKind::FirstTouch)),
-            minor: Latency::of(&c.latency.merged(FaultKind::Minor)),
-            major: Latency::of(&c.latency.merged(FaultKind::Major)),
-            resident_pages: c.budget.resident(),
-            swap_used_pages: c.slots_held.load(Relaxed),
+            vmstat: mm.vmstat().snapshot(),
+            first_touch: latency(FaultKind::FirstTouch),
+            minor: latency(FaultKind::Minor),
+            major: latency(FaultKind::Major),
+            resident_pages: mm.budget().resident(),
+            swap_used_pages: mm.slots_held(),
+            metadata_bytes: metadata_bytes(mm.pages().len() as u64),
         }
     }
 
+    /// Checks that page states, LRU lists, budget, staging frames and swap slots agree;
+    /// the error lists every disagreement. It stops faults and reclaim while it walks:
+    /// for tests and debugging.
+    pub fn check_invariants(&self) -> std::result::Result<(), String> {
+        let _quiet = Quiet::new();
+        self.fault.check_invariants()
+    }
+
     /// Applies `advice` to the pages overlapping `[offset, offset + len)`.
-    pub fn advise(&self, offset: usize, len: usize, advice: crate::Advice) -> Result<()> {
+    pub fn advise(&self, offset: usize, len: usize, advice: Advice) -> Result<()> {
         let end = offset
             .checked_add(len)
             .filter(|&e| e <= self.len())
@@ -274,22 +273,34 @@ impl Region {
                     ),
                 )
             })?;
+        let _quiet = Quiet::new();
+        let reclaim = self.fault.reclaim();
         let pages = offset / PAGE_SIZE..end.div_ceil(PAGE_SIZE);
-        let batch = self.core.cfg.reclaim_batch;
-        let starts: Vec<usize> = pages.clone().step_by(batch).collect();
-        for first in &starts {
-            let chunk = *first..(*first + batch).min(pages.end);
-            self.core
-                .deactivate(self.core.lock_kind(chunk, Kind::Active));
+        let batch = ADVISE_BATCH;
+        let chunks = || {
+            pages
+                .clone()
+                .step_by(batch)
+                .map(move |first| first..(first + batch).min(pages.end))
+        };
+        for chunk in chunks() {
+            reclaim.deactivate(&mut reclaim.lock_kind(chunk, Kind::Active));
         }
-        if advice == crate::Advice::PageOut {
-            for first in starts {
-                let chunk = first..(first + batch).min(pages.end);
-                self.core.evict(self.core.lock_kind(chunk, Kind::Inactive));
+        if advice == Advice::PageOut {
+            for chunk in chunks() {
+                reclaim.evict(&mut reclaim.lock_kind(chunk, Kind::Inactive));
             }
         }
         Ok(())
     }
+}
+
+/// Pages `advise` locks and moves at a time.
+const ADVISE_BATCH: usize = 64;
+
+/// Memory uswap keeps per region page beyond the limit: the page word and the LRU links.
+pub fn metadata_bytes(pages: u64) -> u64 {
+    pages * (8 + 12)
 }
 
 /// Swap space promised to one region, given back when the region is dropped.
@@ -322,23 +333,23 @@ impl Drop for SwapReservation {
 
 impl Drop for Region {
     fn drop(&mut self) {
-        let core = &self.core;
-        core.shutdown.store(true, Relaxed);
-        if core.cfg.fault_mode == FaultMode::Sigbus {
-            sigbus::unregister(core);
+        let _quiet = Quiet::new();
+        match self.source.take() {
+            Some(Source::Handlers(h)) => h.stop(),
+            Some(Source::Sigbus(s)) => s.stop(),
+            None => {}
         }
-        if let Some(h) = self.handlers.take() {
-            h.stop();
+        self.fault.reclaim().stop_kswapd();
+        if let Some(k) = self.kswapd.take() {
+            let _ = k.join();
         }
-        core.kswapd.wake();
-        for w in self.workers.drain(..) {
-            let _ = w.join();
-        }
-        for p in 0..core.pages.len() {
-            if let Some(slot) = core.pages.peek(p).0.slot() {
-                core.release_slot(slot);
+        let mm = self.fault.mm();
+        for p in 0..mm.pages().len() {
+            if let Some(slot) = mm.pages().peek(p).0.slot() {
+                mm.release_slot(slot);
             }
         }
-        // The mappings are unmapped when the core is dropped just after this.
+        // The mappings are unregistered and unmapped when the last reference to the fault
+        // path (held only here now) goes, just after this.
     }
 }

@@ -1,102 +1,449 @@
-//! SIGBUS mode: the kernel sends the faulting thread SIGBUS instead of queueing an event,
-//! and the thread resolves its own fault in the signal handler. No context switch, but a
-//! kernel access to a missing page fails with EFAULT instead of being served.
+//! SIGBUS mode: the kernel sends the faulting thread SIGBUS instead of queueing a fault
+//! message, and the thread resolves its own fault in the signal handler. No context
+//! switch, but a kernel access to a missing page fails with EFAULT instead of being served.
+//! A fault source: built on the fault path.
+//!
+//! The handler is async-signal-safe: it allocates nothing and takes no lock a program
+//! thread could hold (uswap's public calls run with asynchronous signals blocked, so no
+//! program signal handler interrupts a thread inside one). It runs with every asynchronous
+//! signal blocked, on the thread's alternate stack when it has one, and keeps `errno`. What
+//! it cannot do that way (swap I/O, direct reclaim, reporting a failure) it hands to the
+//! region's service thread through a preallocated request and waits on a futex. The service
+//! thread also reads the region's vma events, and watches for threads that block SIGBUS and
+//! for another handler replacing uswap's, saying so on stderr before it costs a process.
 
 use crate::error::{Error, Result};
-use crate::fault::Outcome;
-use crate::region::RegionCore;
+use crate::fault::{FaultPath, Outcome};
+use crate::uffd::Msg;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{
-    AtomicPtr,
-    Ordering::{AcqRel, Acquire},
+    AtomicPtr, AtomicU32, AtomicUsize,
+    Ordering::{AcqRel, Acquire, Relaxed, Release, SeqCst},
 };
-use std::sync::{Arc, Mutex, Once};
+use std::sync::{Arc, Once};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
 
 const MAX_REGIONS: usize = 64;
 
 /// Regions in SIGBUS mode, looked up by the signal handler without locks or allocation.
-static REGIONS: [AtomicPtr<RegionCore>; MAX_REGIONS] =
+static REGIONS: [AtomicPtr<Served>; MAX_REGIONS] =
     [const { AtomicPtr::new(std::ptr::null_mut()) }; MAX_REGIONS];
+/// Signal handlers inside each entry of `REGIONS`; unregistering waits for zero.
+static IN_FLIGHT: [AtomicU32; MAX_REGIONS] = [const { AtomicU32::new(0) }; MAX_REGIONS];
+/// The address range of each entry, readable without touching the entry: the handler
+/// announces itself in `IN_FLIGHT` only for the entry whose range holds the address.
+static RANGES: [(AtomicUsize, AtomicUsize); MAX_REGIONS] =
+    [const { (AtomicUsize::new(0), AtomicUsize::new(0)) }; MAX_REGIONS];
 
-/// The SIGBUS action that was installed before ours, for signals that are not ours.
-static PREVIOUS: Mutex<Option<libc::sigaction>> = Mutex::new(None);
+/// The SIGBUS action found before ours, for signals that are not about a region. Leaked
+/// on purpose: the handler may read it at any time.
+static PREVIOUS: AtomicPtr<libc::sigaction> = AtomicPtr::new(std::ptr::null_mut());
 static INSTALL: Once = Once::new();
 
-pub(crate) fn register(core: &Arc<RegionCore>) -> Result<()> {
-    install_handler()?;
-    let ptr = Arc::as_ptr(core) as *mut RegionCore;
-    for slot in &REGIONS {
-        if slot
-            .compare_exchange(std::ptr::null_mut(), ptr, AcqRel, Acquire)
-            .is_ok()
-        {
-            return Ok(());
-        }
-    }
-    Err(Error::invalid(
-        "fault mode",
-        format!("at most {MAX_REGIONS} regions can use SIGBUS mode at once; use thread mode"),
-    ))
+/// Faults handed from signal handlers to the service thread at once, per region.
+const REQUESTS: usize = 32;
+
+const FREE: u32 = 0;
+const CLAIMED: u32 = 1;
+const PENDING: u32 = 2;
+const DONE_RESOLVED: u32 = 3;
+const DONE_FATAL: u32 = 4;
+
+struct Request {
+    /// FREE -> CLAIMED (handler) -> PENDING (handler) -> DONE_* (service) -> FREE (handler).
+    /// The futex word the handler waits on.
+    state: AtomicU32,
+    page: AtomicUsize,
 }
 
-pub(crate) fn unregister(core: &RegionCore) {
-    let ptr = core as *const RegionCore as *mut RegionCore;
-    for slot in &REGIONS {
-        let _ = slot.compare_exchange(ptr, std::ptr::null_mut(), AcqRel, Acquire);
+/// One region as the signal handler and its service thread see it.
+struct Served {
+    fault: Arc<FaultPath>,
+    requests: [Request; REQUESTS],
+    /// Rung by a handler that queued a request.
+    doorbell: OwnedFd,
+    stop: OwnedFd,
+}
+
+/// A region registered for SIGBUS mode, with its service thread.
+pub(crate) struct Service {
+    index: usize,
+    served: Arc<Served>,
+    thread: Option<JoinHandle<()>>,
+}
+
+fn eventfd() -> Result<OwnedFd> {
+    // SAFETY: plain system call; we own the new descriptor.
+    let fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
+    if fd < 0 {
+        return Err(Error::os("eventfd"));
     }
+    // SAFETY: the descriptor is new and ours.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+pub(crate) fn register(fault: &Arc<FaultPath>) -> Result<Service> {
+    if crate::signals::is_blocked(libc::SIGBUS) {
+        return Err(Error::invalid(
+            "fault mode",
+            "SIGBUS is blocked in this thread, so SIGBUS mode would kill the process on the \
+             first swapped-out page: unblock SIGBUS or use thread mode",
+        ));
+    }
+    install_handler()?;
+    let served = Arc::new(Served {
+        fault: fault.clone(),
+        requests: std::array::from_fn(|_| Request {
+            state: AtomicU32::new(FREE),
+            page: AtomicUsize::new(0),
+        }),
+        doorbell: eventfd()?,
+        stop: eventfd()?,
+    });
+    let ptr = Arc::as_ptr(&served) as *mut Served;
+    let index = (0..MAX_REGIONS)
+        .find(|&i| {
+            REGIONS[i]
+                .compare_exchange(std::ptr::null_mut(), ptr, AcqRel, Acquire)
+                .is_ok()
+        })
+        .ok_or_else(|| {
+            Error::invalid(
+                "fault mode",
+                format!(
+                    "at most {MAX_REGIONS} regions can use SIGBUS mode at once; use thread mode"
+                ),
+            )
+        })?;
+    let mm = fault.mm();
+    RANGES[index].0.store(mm.start(), SeqCst);
+    RANGES[index].1.store(mm.start() + mm.len(), SeqCst);
+    let mut service = Service {
+        index,
+        served: served.clone(),
+        thread: None,
+    };
+    let thread =
+        crate::signals::spawn_quiet("uswap-sigbus", move || serve(&served)).map_err(|source| {
+            Error::Os {
+                op: "spawn SIGBUS service",
+                source,
+            }
+        })?;
+    service.thread = Some(thread);
+    Ok(service)
+}
+
+impl Service {
+    /// Unregisters the region, waits for signal handlers still inside it, and stops the
+    /// service thread.
+    pub fn stop(mut self) {
+        RANGES[self.index].1.store(0, SeqCst);
+        REGIONS[self.index].store(std::ptr::null_mut(), SeqCst);
+        while IN_FLIGHT[self.index].load(SeqCst) != 0 {
+            std::thread::yield_now();
+        }
+        ring(self.served.stop.as_raw_fd());
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+fn ring(fd: i32) {
+    let one: u64 = 1;
+    // SAFETY: writing 8 bytes to an eventfd; async-signal-safe.
+    unsafe { libc::write(fd, (&one as *const u64).cast(), 8) };
+}
+
+/// The service thread: vma events, faults handed over by signal handlers, and the watch
+/// on signal dispositions.
+fn serve(s: &Served) {
+    let mm = s.fault.mm();
+    let mut msgs = [Msg::default(); 16];
+    let mut next_watch = Instant::now();
+    let mut watch = Watch::default();
+    loop {
+        if Instant::now() >= next_watch {
+            watch.look();
+            next_watch = Instant::now() + Duration::from_secs(1);
+        }
+        let mut fds =
+            [mm.uffd().raw(), s.doorbell.as_raw_fd(), s.stop.as_raw_fd()].map(|fd| libc::pollfd {
+                fd,
+                events: libc::POLLIN,
+                revents: 0,
+            });
+        // SAFETY: valid pollfd array.
+        unsafe { libc::poll(fds.as_mut_ptr(), 3, 1000) };
+        if fds[2].revents != 0 {
+            return;
+        }
+        if fds[0].revents != 0 {
+            // Fence faults off before the read: once an event is read, the program's
+            // syscall returns and its page states are about to change.
+            s.fault.events_begin();
+            match mm.uffd().read_events(&mut msgs) {
+                Ok(n) => {
+                    for m in &msgs[..n] {
+                        let event = m.decode();
+                        if catch_unwind(AssertUnwindSafe(|| s.fault.handle_event(event))).is_err() {
+                            mm.vmstat().handler_panics.fetch_add(1, Relaxed);
+                            eprintln!("uswap: handling {event:?} panicked");
+                        }
+                    }
+                }
+                Err(e) => eprintln!("uswap: reading userfaultfd events failed: {e}"),
+            }
+            s.fault.events_end();
+        }
+        if fds[1].revents != 0 {
+            let mut count = 0u64;
+            // SAFETY: reading our eventfd's counter.
+            unsafe { libc::read(s.doorbell.as_raw_fd(), (&mut count as *mut u64).cast(), 8) };
+            serve_requests(s);
+        }
+    }
+}
+
+fn serve_requests(s: &Served) {
+    for r in &s.requests {
+        if r.state.load(Acquire) != PENDING {
+            continue;
+        }
+        let page = r.page.load(Relaxed);
+        let outcome = catch_unwind(AssertUnwindSafe(|| s.fault.handle_fault(page, None)))
+            .unwrap_or_else(|_| {
+                s.fault.mm().vmstat().handler_panics.fetch_add(1, Relaxed);
+                eprintln!("uswap: the SIGBUS service panicked on page {page}; that access fails");
+                Outcome::Fatal
+            });
+        let done = match outcome {
+            Outcome::Fatal => DONE_FATAL,
+            _ => DONE_RESOLVED,
+        };
+        r.state.store(done, Release);
+        futex_wake(&r.state);
+    }
+}
+
+/// What the service thread has already said about signal dispositions.
+#[derive(Default)]
+struct Watch {
+    blocked: Vec<i32>,
+}
+
+impl Watch {
+    fn look(&mut self) {
+        if !handler_is_ours() {
+            eprintln!(
+                "uswap: another SIGBUS handler replaced uswap's; SIGBUS-mode regions would \
+                 kill the process on their next fault, so uswap installs its handler again \
+                 and passes other SIGBUS signals on to that one"
+            );
+            reinstall();
+        }
+        for tid in threads_blocking_sigbus() {
+            if !self.blocked.contains(&tid) {
+                self.blocked.push(tid);
+                eprintln!(
+                    "uswap: thread {tid} blocks SIGBUS; in SIGBUS mode its first access to a \
+                     page that is not resident kills the process. Unblock SIGBUS there or use \
+                     thread mode"
+                );
+            }
+        }
+    }
+}
+
+/// Threads of this process whose signal mask blocks SIGBUS (uswap's own block only
+/// asynchronous signals).
+fn threads_blocking_sigbus() -> Vec<i32> {
+    let Ok(dir) = std::fs::read_dir("/proc/self/task") else {
+        return Vec::new();
+    };
+    let bit = 1u64 << (libc::SIGBUS - 1);
+    dir.filter_map(|e| {
+        let e = e.ok()?;
+        let tid: i32 = e.file_name().to_str()?.parse().ok()?;
+        let status = std::fs::read_to_string(e.path().join("status")).ok()?;
+        let mask = status.lines().find_map(|l| l.strip_prefix("SigBlk:"))?;
+        let mask = u64::from_str_radix(mask.trim(), 16).ok()?;
+        (mask & bit != 0).then_some(tid)
+    })
+    .collect()
+}
+
+fn our_action() -> libc::sigaction {
+    // SAFETY: sigaction is plain data.
+    let mut act: libc::sigaction = unsafe { std::mem::zeroed() };
+    act.sa_sigaction = on_sigbus as *const () as usize;
+    act.sa_flags = libc::SA_SIGINFO | libc::SA_ONSTACK | libc::SA_RESTART;
+    act.sa_mask = crate::signals::asynchronous();
+    act
 }
 
 fn install_handler() -> Result<()> {
     let mut result = Ok(());
     INSTALL.call_once(|| {
-        // SAFETY: sigaction structures are plain data; the handler is async-signal aware.
+        // SAFETY: installing a handler; `old` is filled by the kernel.
         unsafe {
-            let mut act: libc::sigaction = std::mem::zeroed();
-            act.sa_sigaction = on_sigbus as *const () as usize;
-            act.sa_flags = libc::SA_SIGINFO | libc::SA_NODEFER;
-            libc::sigemptyset(&mut act.sa_mask);
             let mut old: libc::sigaction = std::mem::zeroed();
-            if libc::sigaction(libc::SIGBUS, &act, &mut old) != 0 {
+            if libc::sigaction(libc::SIGBUS, &our_action(), &mut old) != 0 {
                 result = Err(Error::os("sigaction(SIGBUS)"));
                 return;
             }
-            *PREVIOUS.lock().unwrap_or_else(|e| e.into_inner()) = Some(old);
+            PREVIOUS.store(Box::into_raw(Box::new(old)), Release);
         }
     });
     result
 }
 
+fn handler_is_ours() -> bool {
+    // SAFETY: reading the current disposition.
+    unsafe {
+        let mut cur: libc::sigaction = std::mem::zeroed();
+        libc::sigaction(libc::SIGBUS, std::ptr::null(), &mut cur);
+        cur.sa_sigaction == on_sigbus as *const () as usize
+    }
+}
+
+/// Installs uswap's handler again over one that replaced it, which becomes the one that
+/// other SIGBUS signals are passed to.
+fn reinstall() {
+    // SAFETY: as in install_handler.
+    unsafe {
+        let mut old: libc::sigaction = std::mem::zeroed();
+        if libc::sigaction(libc::SIGBUS, &our_action(), &mut old) == 0 {
+            // The previous record is leaked, not freed: a handler may be reading it.
+            PREVIOUS.store(Box::into_raw(Box::new(old)), Release);
+        }
+    }
+}
+
 extern "C" fn on_sigbus(sig: libc::c_int, info: *mut libc::siginfo_t, ctx: *mut libc::c_void) {
+    // SAFETY: __errno_location is the calling thread's errno; restored on the way out.
+    let errno = unsafe { *libc::__errno_location() };
+    dispatch(sig, info, ctx);
+    // SAFETY: as above.
+    unsafe { *libc::__errno_location() = errno };
+}
+
+fn dispatch(sig: libc::c_int, info: *mut libc::siginfo_t, ctx: *mut libc::c_void) {
     // SAFETY: the kernel passes a valid siginfo for SA_SIGINFO handlers.
-    let addr = unsafe { (*info).si_addr() } as usize;
-    for slot in &REGIONS {
-        let ptr = slot.load(Acquire);
-        if ptr.is_null() {
+    let (addr, code) = unsafe { ((*info).si_addr() as usize, (*info).si_code) };
+    // A userfaultfd fault is BUS_ADRERR; a poisoned page (uswap's UFFDIO_POISON or a
+    // hardware memory error) is BUS_MCEERR_*: that one is never retried here.
+    let uffd_fault = code == libc::BUS_ADRERR;
+    for (i, entry) in REGIONS.iter().enumerate() {
+        let (start, end) = (&RANGES[i].0, &RANGES[i].1);
+        if addr < start.load(Relaxed) || addr >= end.load(Relaxed) {
             continue;
         }
-        // SAFETY: a registered region outlives its registration (unregistered before drop).
-        let core = unsafe { &*ptr };
-        if let Some(page) = core.page_of(addr) {
-            if let Outcome::Fatal = core.handle_fault(page, None) {
-                restore_default();
-            }
-            return;
+        IN_FLIGHT[i].fetch_add(1, SeqCst);
+        let ptr = entry.load(SeqCst);
+        // SAFETY: an entry stays valid while IN_FLIGHT is non-zero (Service::stop waits).
+        let served = unsafe { ptr.as_ref() };
+        let page = served.and_then(|s| s.fault.mm().page_of(addr));
+        let outcome = match (served, page) {
+            (Some(s), Some(page)) if uffd_fault => Some(resolve(s, page)),
+            (Some(_), Some(_)) => Some(Outcome::Fatal),
+            _ => None,
+        };
+        IN_FLIGHT[i].fetch_sub(1, SeqCst);
+        match outcome {
+            None => continue,
+            Some(Outcome::Fatal) => return restore_default(),
+            Some(_) => return,
         }
     }
     forward(sig, info, ctx);
 }
 
+/// Resolves a fault in the handler when it can, else hands it to the service thread and
+/// waits.
+fn resolve(s: &Served, page: usize) -> Outcome {
+    match s.fault.resolve_in_signal(page) {
+        Some(Outcome::Retry) => {
+            // SAFETY: sched_yield is async-signal-safe.
+            unsafe { libc::sched_yield() };
+            Outcome::Retry
+        }
+        Some(outcome) => outcome,
+        None => hand_over(s, page),
+    }
+}
+
+fn hand_over(s: &Served, page: usize) -> Outcome {
+    let Some(r) = s.requests.iter().find(|r| {
+        r.state
+            .compare_exchange(FREE, CLAIMED, Acquire, Relaxed)
+            .is_ok()
+    }) else {
+        // Every request is taken: let the access retry.
+        // SAFETY: async-signal-safe.
+        unsafe { libc::sched_yield() };
+        return Outcome::Retry;
+    };
+    r.page.store(page, Relaxed);
+    r.state.store(PENDING, Release);
+    ring(s.doorbell.as_raw_fd());
+    while r.state.load(Acquire) == PENDING {
+        futex_wait(&r.state, PENDING);
+    }
+    let done = r.state.load(Acquire);
+    r.state.store(FREE, Release);
+    if done == DONE_FATAL {
+        Outcome::Fatal
+    } else {
+        Outcome::Resolved
+    }
+}
+
+fn futex_wait(word: &AtomicU32, expected: u32) {
+    // SAFETY: a private futex on a word we own; returns on wake, mismatch or signal.
+    unsafe {
+        libc::syscall(
+            libc::SYS_futex,
+            word.as_ptr(),
+            libc::FUTEX_WAIT | libc::FUTEX_PRIVATE_FLAG,
+            expected,
+            std::ptr::null::<libc::timespec>(),
+        );
+    }
+}
+
+fn futex_wake(word: &AtomicU32) {
+    // SAFETY: as above.
+    unsafe {
+        libc::syscall(
+            libc::SYS_futex,
+            word.as_ptr(),
+            libc::FUTEX_WAKE | libc::FUTEX_PRIVATE_FLAG,
+            i32::MAX,
+        );
+    }
+}
+
 /// The access cannot be served: with the default action restored, the retried access
 /// kills the process with SIGBUS.
 fn restore_default() {
-    // SAFETY: resetting a signal disposition.
+    // SAFETY: resetting a signal disposition; async-signal-safe.
     unsafe { libc::signal(libc::SIGBUS, libc::SIG_DFL) };
 }
 
 /// Passes a SIGBUS that is not about a uswap region to whoever handled it before.
 fn forward(sig: libc::c_int, info: *mut libc::siginfo_t, ctx: *mut libc::c_void) {
-    let previous = PREVIOUS.try_lock().ok().and_then(|g| *g);
+    // SAFETY: PREVIOUS points to a leaked, never freed record once set.
+    let previous = unsafe { PREVIOUS.load(Acquire).as_ref() };
     match previous {
-        Some(old) if old.sa_sigaction != libc::SIG_DFL && old.sa_sigaction != libc::SIG_IGN => {
+        Some(old)
+            if old.sa_sigaction != libc::SIG_DFL
+                && old.sa_sigaction != libc::SIG_IGN
+                && old.sa_sigaction != on_sigbus as *const () as usize =>
+        {
             // SAFETY: calling the previously installed handler with the same arguments.
             unsafe {
                 if old.sa_flags & libc::SA_SIGINFO != 0 {

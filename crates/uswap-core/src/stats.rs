@@ -71,6 +71,21 @@ vmstat! {
     swap_full,
     /// Accesses failed loudly (SIGBUS or poisoned page) because data could not be served.
     failed_faults,
+    /// Times reclaim could not unmap a page the program had mlocked or mprotected.
+    pgskip_unmovable,
+    /// Faults on pages uswap had mapped that were gone (failed loudly, never looped).
+    unexplained_faults,
+    /// Pages the program discarded (MADV_DONTNEED/MADV_FREE): zeros from then on.
+    pgdiscard,
+    /// Pages the program unmapped.
+    pgunmap,
+    /// Pages that followed an mremap to a new place in the region.
+    pgremap,
+    /// Faults on memory that left the region (mremap grew or moved it out), handed back to
+    /// the kernel.
+    foreign_faults,
+    /// Faults or events whose handling panicked (each failed loudly).
+    handler_panics,
 }
 
 /// What a handled fault was, for the service-time histograms.
@@ -142,17 +157,17 @@ impl Default for FaultLatency {
 impl FaultLatency {
     pub fn record(&self, kind: FaultKind, took: Duration) {
         let shard = crate::cpu::current() % SHARDS;
-        if let Ok(mut h) = self.shards[shard].lock() {
-            record(&mut h[kind as usize], took);
-        }
+        record(
+            &mut crate::sync::lock_std(&self.shards[shard])[kind as usize],
+            took,
+        );
     }
 
     pub fn merged(&self, kind: FaultKind) -> Histogram<u64> {
         let mut all = new_histogram();
         for shard in &self.shards {
-            if let Ok(h) = shard.lock() {
-                all.add(&h[kind as usize]).expect("same bounds");
-            }
+            all.add(&crate::sync::lock_std(shard)[kind as usize])
+                .expect("same bounds");
         }
         all
     }
@@ -169,6 +184,8 @@ pub struct Stats {
     pub resident_pages: u64,
     /// Swap slots in use now.
     pub swap_used_pages: u64,
+    /// Memory uswap keeps for the region outside its limit (page table, LRU links).
+    pub metadata_bytes: u64,
 }
 
 #[cfg(test)]

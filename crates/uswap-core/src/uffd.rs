@@ -16,6 +16,10 @@ pub const FEATURE_POISON: u64 = 1 << 14;
 pub const FEATURE_MOVE: u64 = 1 << 16;
 /// Write-protect faults on anonymous memory (`UFFD_FEATURE_PAGEFAULT_FLAG_WP`).
 pub const FEATURE_WP: u64 = 1 << 0;
+/// The non-cooperative events: mremap, madvise(DONTNEED/FREE/REMOVE), munmap.
+pub const FEATURE_EVENT_REMAP: u64 = 1 << 2;
+pub const FEATURE_EVENT_REMOVE: u64 = 1 << 3;
+pub const FEATURE_EVENT_UNMAP: u64 = 1 << 6;
 
 const FEATURE_NAMES: &[(u64, &str)] = &[
     (1 << 0, "pagefault_flag_wp"),
@@ -36,10 +40,14 @@ pub const REGISTER_MODE_MISSING: u64 = 1 << 0;
 pub const REGISTER_MODE_WP: u64 = 1 << 1;
 
 pub const EVENT_PAGEFAULT: u8 = 0x12;
+pub const EVENT_REMAP: u8 = 0x14;
+pub const EVENT_REMOVE: u8 = 0x15;
+pub const EVENT_UNMAP: u8 = 0x16;
 pub const PAGEFAULT_FLAG_WP: u64 = 1 << 1;
 
 const COPY_MODE_WP: u64 = 1 << 1;
 const MOVE_MODE_DONTWAKE: u64 = 1 << 0;
+const MOVE_MODE_ALLOW_SRC_HOLES: u64 = 1 << 1;
 const WRITEPROTECT_MODE_WP: u64 = 1 << 0;
 
 const fn iowr(nr: u64, size: usize) -> u64 {
@@ -95,6 +103,7 @@ struct PoisonArg {
 
 const UFFDIO_API: u64 = iowr(0x3F, std::mem::size_of::<ApiArg>());
 const UFFDIO_REGISTER: u64 = iowr(0x00, std::mem::size_of::<RegisterArg>());
+const UFFDIO_UNREGISTER: u64 = ior(0x01, std::mem::size_of::<Range>());
 const UFFDIO_WAKE: u64 = ior(0x02, std::mem::size_of::<Range>());
 const UFFDIO_COPY: u64 = iowr(0x03, std::mem::size_of::<CopyArg>());
 // struct uffdio_move has the same layout as uffdio_copy.
@@ -103,16 +112,61 @@ const UFFDIO_WRITEPROTECT: u64 = iowr(0x06, std::mem::size_of::<WriteProtectArg>
 const UFFDIO_POISON: u64 = iowr(0x08, std::mem::size_of::<PoisonArg>());
 const USERFAULTFD_IOC_NEW: u64 = 0xAA00;
 
-/// One message read from the userfaultfd (`struct uffd_msg`, 32 bytes).
+/// One message read from the userfaultfd (`struct uffd_msg`, 32 bytes): an event code and
+/// three words whose meaning depends on it.
 #[repr(C)]
 #[derive(Clone, Copy, Default)]
 pub struct Msg {
     pub event: u8,
     _reserved: [u8; 7],
-    pub flags: u64,
-    pub address: u64,
-    pub ptid: u32,
-    _pad: u32,
+    arg: [u64; 3],
+}
+
+/// A decoded message.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Event {
+    /// An access to a missing page, or a write to a write-protected one; `tid` is the
+    /// faulting thread (0 without UFFD_FEATURE_THREAD_ID).
+    Fault {
+        address: usize,
+        write_protect: bool,
+        tid: u32,
+    },
+    /// mremap moved `len` bytes from `from` to `to`.
+    Remap { from: usize, to: usize, len: usize },
+    /// madvise(MADV_DONTNEED/MADV_FREE/MADV_REMOVE) on `[start, end)`.
+    Remove { start: usize, end: usize },
+    /// munmap (or the part of an mremap that unmaps) of `[start, end)`.
+    Unmap { start: usize, end: usize },
+    /// Something uswap did not register for (fork).
+    Other(u8),
+}
+
+impl Msg {
+    pub fn decode(&self) -> Event {
+        let [a, b, c] = self.arg;
+        match self.event {
+            EVENT_PAGEFAULT => Event::Fault {
+                address: b as usize,
+                write_protect: a & PAGEFAULT_FLAG_WP != 0,
+                tid: c as u32,
+            },
+            EVENT_REMAP => Event::Remap {
+                from: a as usize,
+                to: b as usize,
+                len: c as usize,
+            },
+            EVENT_REMOVE => Event::Remove {
+                start: a as usize,
+                end: b as usize,
+            },
+            EVENT_UNMAP => Event::Unmap {
+                start: a as usize,
+                end: b as usize,
+            },
+            other => Event::Other(other),
+        }
+    }
 }
 
 /// What the running kernel offers.
@@ -231,6 +285,22 @@ impl std::fmt::Display for Partial {
     }
 }
 
+/// How often COPY/MOVE retry EAGAIN before reporting it.
+const EAGAIN_RETRIES: u32 = 8;
+
+impl Partial {
+    /// The range stopped being there (unmapped or remapped under the operation): not a
+    /// failure of the page, the access is retried by the program.
+    pub fn vanished(&self) -> bool {
+        matches!(self.error.raw_os_error(), Some(libc::ENOENT | libc::ESRCH))
+    }
+
+    /// A non-cooperative event is pending: back out and retry after it is handled.
+    pub fn busy(&self) -> bool {
+        self.error.raw_os_error() == Some(libc::EAGAIN)
+    }
+}
+
 /// An open userfaultfd with its API handshake done.
 pub struct Uffd {
     fd: OwnedFd,
@@ -277,18 +347,29 @@ impl Uffd {
         check(unsafe { libc::ioctl(self.raw(), UFFDIO_REGISTER as _, &mut arg) })
     }
 
+    /// Removes `[start, start + len)` from this userfaultfd: its faults go back to the
+    /// kernel's ordinary handling.
+    pub fn unregister(&self, start: usize, len: usize) -> io::Result<()> {
+        let mut arg = Range {
+            start: start as u64,
+            len: len as u64,
+        };
+        // SAFETY: valid descriptor and argument.
+        check(unsafe { libc::ioctl(self.raw(), UFFDIO_UNREGISTER as _, &mut arg) })
+    }
+
     /// Atomically fills `len` bytes at `dst` (unmapped) with a copy of `src`, optionally
-    /// write-protected, and wakes the threads waiting on that range.
+    /// write-protected, and wakes the threads waiting on that range. On failure, says how
+    /// many bytes were filled.
     pub fn copy(
         &self,
         dst: usize,
         src: *const u8,
         len: usize,
         write_protect: bool,
-    ) -> io::Result<()> {
+    ) -> std::result::Result<(), Partial> {
         let mode = if write_protect { COPY_MODE_WP } else { 0 };
         self.fill(UFFDIO_COPY, dst, src as usize, len, mode)
-            .map_err(|p| p.error)
     }
 
     /// Atomically moves the pages at `src` to the unmapped `dst` (zero copy), waking the
@@ -304,7 +385,27 @@ impl Uffd {
         self.fill(UFFDIO_MOVE, dst, src, len, mode)
     }
 
+    /// Moves whatever pages are present in `[src, src + len)` to `dst` and skips the holes;
+    /// for taking pages out of the region without knowing which are mapped.
+    pub fn move_present(
+        &self,
+        dst: usize,
+        src: usize,
+        len: usize,
+    ) -> std::result::Result<(), Partial> {
+        self.fill(
+            UFFDIO_MOVE,
+            dst,
+            src,
+            len,
+            MOVE_MODE_DONTWAKE | MOVE_MODE_ALLOW_SRC_HOLES,
+        )
+    }
+
     /// COPY and MOVE share a layout and both may complete partially or ask to be retried.
+    /// EAGAIN is retried a few times; it persists while a non-cooperative event (mremap,
+    /// madvise, munmap) is queued and not yet read, so it is then returned: the caller backs
+    /// out and lets the thread that reads events get on.
     fn fill(
         &self,
         op: u64,
@@ -314,6 +415,7 @@ impl Uffd {
         mode: u64,
     ) -> std::result::Result<(), Partial> {
         let mut done = 0usize;
+        let mut eagain = 0;
         while done < len {
             let mut arg = CopyArg {
                 dst: (dst + done) as u64,
@@ -329,9 +431,11 @@ impl Uffd {
             }
             if ret != 0 {
                 let err = io::Error::last_os_error();
-                if err.raw_os_error() != Some(libc::EAGAIN) {
+                eagain += 1;
+                if err.raw_os_error() != Some(libc::EAGAIN) || eagain > EAGAIN_RETRIES {
                     return Err(Partial { done, error: err });
                 }
+                std::thread::yield_now();
             }
         }
         Ok(())
@@ -406,10 +510,45 @@ mod tests {
         assert_eq!(std::mem::size_of::<Msg>(), 32);
         assert_eq!(UFFDIO_API, 0xc018_aa3f);
         assert_eq!(UFFDIO_REGISTER, 0xc020_aa00);
+        assert_eq!(UFFDIO_UNREGISTER, 0x8010_aa01);
         assert_eq!(UFFDIO_COPY, 0xc028_aa03);
         assert_eq!(UFFDIO_MOVE, 0xc028_aa05);
         assert_eq!(UFFDIO_WRITEPROTECT, 0xc018_aa06);
         assert_eq!(UFFDIO_POISON, 0xc020_aa08);
+    }
+
+    #[test]
+    fn messages_decode_by_event() {
+        let msg = |event, arg| Msg {
+            event,
+            arg,
+            ..Default::default()
+        };
+        assert_eq!(
+            msg(EVENT_PAGEFAULT, [PAGEFAULT_FLAG_WP, 0x1000, 7]).decode(),
+            Event::Fault {
+                address: 0x1000,
+                write_protect: true,
+                tid: 7
+            }
+        );
+        assert_eq!(
+            msg(EVENT_REMAP, [1, 2, 3]).decode(),
+            Event::Remap {
+                from: 1,
+                to: 2,
+                len: 3
+            }
+        );
+        assert_eq!(
+            msg(EVENT_REMOVE, [4, 5, 0]).decode(),
+            Event::Remove { start: 4, end: 5 }
+        );
+        assert_eq!(
+            msg(EVENT_UNMAP, [4, 5, 0]).decode(),
+            Event::Unmap { start: 4, end: 5 }
+        );
+        assert_eq!(msg(0x13, [0; 3]).decode(), Event::Other(0x13));
     }
 
     #[test]

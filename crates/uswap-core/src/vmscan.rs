@@ -1,18 +1,27 @@
-//! Reclaim ([mm/vmscan.c]): the background reclaimer (kswapd), direct reclaim, aging the
-//! active list into the inactive list, and batched write-out of inactive pages.
+//! Reclaim ([mm/vmscan.c]): the resident budget's `charge` with direct reclaim, the
+//! background reclaimer (kswapd), aging the active list into the inactive list, and batched
+//! write-out of inactive pages. Built on `mm`; the fault path is built on it.
 
+use crate::config::Watermarks;
 use crate::error::{Error, Result};
 use crate::lru::LruList;
-use crate::page::{Kind, PageLock, PageState};
-use crate::region::RegionCore;
+use crate::mm::Mm;
+use crate::page::{Kind, PageLock};
+use crate::sync::lock_std;
 use crate::PAGE_SIZE;
 use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use std::sync::{Arc, Condvar, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
+
+/// Direct reclaim gives up after this long without finding a free page.
+const OOM_AFTER: Duration = Duration::from_secs(2);
+
+/// Most batches moved from the active to the inactive list in one reclaim pass.
+const REFILL_BATCHES: usize = 4;
 
 /// Wake-up channel of the background reclaimer.
 #[derive(Default)]
-pub(crate) struct Kswapd {
+struct Kswapd {
     pending: AtomicBool,
     lock: Mutex<()>,
     cv: Condvar,
@@ -20,60 +29,37 @@ pub(crate) struct Kswapd {
 
 impl Kswapd {
     /// Asks kswapd to run; cheap when a wake-up is already pending.
-    pub fn wake(&self) {
+    fn wake(&self) {
         if !self.pending.load(Relaxed) {
-            let _g = self.lock.lock().unwrap_or_else(|e| e.into_inner());
+            let _g = lock_std(&self.lock);
             self.pending.store(true, Relaxed);
             self.cv.notify_one();
         }
     }
 
-    /// Sleeps until woken (or a periodic check is due); returns whether a wake was pending.
-    fn sleep(&self) -> bool {
-        let mut g = self.lock.lock().unwrap_or_else(|e| e.into_inner());
+    /// Sleeps until woken (or a periodic check is due).
+    fn sleep(&self) {
+        let g = lock_std(&self.lock);
         if !self.pending.load(Relaxed) {
-            g = self
-                .cv
-                .wait_timeout(g, Duration::from_millis(100))
-                .unwrap_or_else(|e| e.into_inner())
-                .0;
+            drop(
+                self.cv
+                    .wait_timeout(g, Duration::from_millis(100))
+                    .unwrap_or_else(|e| e.into_inner()),
+            );
         }
-        drop(g);
-        self.pending.swap(false, Relaxed)
+        self.pending.store(false, Relaxed);
     }
 }
 
-pub(crate) fn spawn_kswapd(core: Arc<RegionCore>) -> Result<std::thread::JoinHandle<()>> {
-    std::thread::Builder::new()
-        .name("uswap-kswapd".into())
-        .spawn(move || kswapd(&core))
-        .map_err(|source| Error::Os {
-            op: "spawn kswapd",
-            source,
-        })
+/// Reclaim of one region, over its [`Mm`].
+pub(crate) struct Reclaim {
+    mm: Mm,
+    marks: Watermarks,
+    /// Inactive list length reclaim keeps, in pages.
+    inactive_target: usize,
+    batch: usize,
+    kswapd: Kswapd,
 }
-
-/// Balances the region: whenever free pages drop under the low watermark, reclaim until
-/// they reach the high one.
-fn kswapd(core: &RegionCore) {
-    while !core.shutdown.load(Relaxed) {
-        core.kswapd.sleep();
-        if core.shutdown.load(Relaxed) || core.budget.free() >= core.marks.low {
-            continue;
-        }
-        core.vmstat.kswapd_wake.fetch_add(1, Relaxed);
-        while core.budget.free() < core.marks.high && !core.shutdown.load(Relaxed) {
-            if core.shrink() == 0 {
-                // Nothing reclaimable right now (all pages busy, or swap full): back off.
-                std::thread::sleep(Duration::from_millis(1));
-                break;
-            }
-        }
-    }
-}
-
-/// Most batches moved from the active to the inactive list in one reclaim pass.
-const REFILL_BATCHES: usize = 4;
 
 fn is_zero_page(addr: usize) -> bool {
     // SAFETY: the caller passes a populated, page-aligned staging frame.
@@ -81,29 +67,94 @@ fn is_zero_page(addr: usize) -> bool {
     words.iter().all(|&w| w == 0)
 }
 
-impl RegionCore {
+impl Reclaim {
+    pub fn new(mm: Mm, marks: Watermarks, inactive_percent: u8, batch: usize) -> Reclaim {
+        let limit = mm.budget().limit() as usize;
+        Reclaim {
+            inactive_target: (limit * inactive_percent as usize / 100).max(batch),
+            mm,
+            marks,
+            batch,
+            kswapd: Kswapd::default(),
+        }
+    }
+
+    pub fn mm(&self) -> &Mm {
+        &self.mm
+    }
+
+    /// Charges `want` pages (at least one) to the budget, reclaiming directly when the free
+    /// pages fall under the min watermark. `None` when nothing could be freed for a while:
+    /// memory and swap are both spent (or nothing left can be unmapped).
+    pub fn charge(&self, want: u64) -> Option<u64> {
+        let budget = self.mm.budget();
+        let mut deadline = None;
+        let mut round = 0u32;
+        loop {
+            if budget.free() < self.marks.min {
+                self.mm.vmstat().direct_reclaim.fetch_add(1, Relaxed);
+                self.shrink();
+            }
+            let got = budget.try_charge(want);
+            if budget.free() < self.marks.low {
+                self.kswapd.wake();
+            }
+            if got > 0 {
+                return Some(got);
+            }
+            // Only a charge that has to wait reads the clock.
+            let give_up = *deadline.get_or_insert_with(|| Instant::now() + OOM_AFTER);
+            if Instant::now() > give_up {
+                return None;
+            }
+            round += 1;
+            std::thread::sleep(Duration::from_micros(50 * round.min(20) as u64));
+        }
+    }
+
+    /// A charge that never reclaims, sleeps or allocates (the SIGBUS handler's): `None`
+    /// when the free pages are under the min watermark and direct reclaim would be needed.
+    pub fn charge_without_reclaim(&self, want: u64) -> Option<u64> {
+        let budget = self.mm.budget();
+        if budget.free() < self.marks.min {
+            self.kswapd.wake();
+            return None;
+        }
+        let got = budget.try_charge(want);
+        if budget.free() < self.marks.low {
+            self.kswapd.wake();
+        }
+        (got > 0).then_some(got)
+    }
+
     /// One reclaim pass: top the inactive list up from the active tail (at most a few
     /// batches per pass, so a direct reclaimer is not held long), then reclaim a batch from
     /// the inactive tail. Pages deactivated now sit behind older inactive pages, so they get
     /// their second chance: a touch before they reach the tail promotes them. Returns the
     /// pages freed.
     pub fn shrink(&self) -> u64 {
-        let batch = self.cfg.reclaim_batch;
-        let short = (self.inactive_target + batch).saturating_sub(self.lru.len(LruList::Inactive));
+        let (mm, batch) = (&self.mm, self.batch);
+        let short = (self.inactive_target + batch).saturating_sub(mm.lru().len(LruList::Inactive));
+        let mut isolated = Vec::with_capacity(batch);
         for _ in 0..short.div_ceil(batch).min(REFILL_BATCHES) {
-            self.deactivate(self.lru.isolate(&self.pages, LruList::Active, batch));
+            mm.lru()
+                .isolate(mm.pages(), LruList::Active, batch, &mut isolated);
+            self.deactivate(&mut isolated);
+            isolated.clear();
         }
-        self.evict(self.lru.isolate(&self.pages, LruList::Inactive, batch))
+        mm.lru()
+            .isolate(mm.pages(), LruList::Inactive, batch, &mut isolated);
+        self.evict(&mut isolated)
     }
 
     /// Locks the pages of `range` that are in state `kind` and takes them off their list.
     pub fn lock_kind(&self, range: std::ops::Range<usize>, kind: Kind) -> Vec<PageLock<'_>> {
         let locks: Vec<PageLock<'_>> = range
-            .map(|p| self.pages.lock(p))
-            .filter(|l| l.state().kind() == kind)
+            .map(|p| self.mm.pages().lock(p))
+            .filter(|l| l.kind() == kind)
             .collect();
         for l in &locks {
-            self.lru.remove(l.page());
+            self.mm.lru().remove(l.page());
         }
         locks
     }
@@ -111,9 +162,12 @@ impl RegionCore {
     /// Unmaps isolated active pages into staging frames (data kept) and puts them on the
     /// inactive list; a later touch is a minor fault that promotes the page back. Pages that
     /// are adjacent, with adjacent frames, move together: one UFFDIO_MOVE, one TLB flush.
-    pub fn deactivate(&self, mut locks: Vec<PageLock<'_>>) {
+    /// A page that cannot be moved (mlocked or mprotected by the program, pinned by I/O in
+    /// flight, or unmapped under us) stays active and is counted.
+    pub fn deactivate(&self, locks: &mut [PageLock<'_>]) {
+        let mm = &self.mm;
         locks.sort_unstable_by_key(|l| l.page());
-        let frames = self.staging.alloc_many(locks.len());
+        let frames = mm.staging().alloc_many(locks.len());
         let mut start = 0;
         while start < frames.len() {
             let mut end = start + 1;
@@ -124,82 +178,89 @@ impl RegionCore {
                 end += 1;
             }
             let (dst, src) = (
-                self.staging.addr(frames[start]),
-                self.page_addr(locks[start].page()),
+                mm.staging().addr(frames[start]),
+                mm.page_addr(locks[start].page()),
             );
-            let moved = match self
-                .uffd
-                .move_pages(dst, src, (end - start) * PAGE_SIZE, false)
-            {
-                Ok(()) => end - start,
-                // The page after the moved ones is pinned (O_DIRECT I/O in flight) or shared:
-                // it stays active and is tried again later.
-                Err(partial) => partial.done / PAGE_SIZE,
-            };
+            let moved =
+                match mm
+                    .staging_uffd()
+                    .move_pages(dst, src, (end - start) * PAGE_SIZE, false)
+                {
+                    Ok(()) => end - start,
+                    Err(partial) => {
+                        if partial.error.raw_os_error() == Some(libc::EINVAL) {
+                            mm.vmstat().pgskip_unmovable.fetch_add(1, Relaxed);
+                        }
+                        partial.done / PAGE_SIZE
+                    }
+                };
             for (lock, &frame) in locks[start..start + moved].iter_mut().zip(&frames[start..]) {
-                let st = lock.state();
-                lock.set(st.with_kind(Kind::Inactive).with_frame(Some(frame)));
+                lock.deactivate(frame);
             }
             if start + moved < end {
-                self.staging.release_empty(frames[start + moved]);
+                mm.staging().release_empty(frames[start + moved]);
                 start += moved + 1;
             } else {
                 start = end;
             }
         }
-        let (inactive, active): (Vec<_>, Vec<_>) = locks
-            .iter()
-            .map(|l| (l.page(), l.state().kind()))
-            .partition(|&(_, k)| k == Kind::Inactive);
-        self.vmstat
-            .pgdeactivate
-            .fetch_add(inactive.len() as u64, Relaxed);
-        self.lru
-            .add(LruList::Inactive, inactive.into_iter().map(|(p, _)| p));
-        self.lru
-            .add(LruList::Active, active.into_iter().map(|(p, _)| p));
+        let inactive = locks.iter().filter(|l| l.kind() == Kind::Inactive).count();
+        mm.vmstat().pgdeactivate.fetch_add(inactive as u64, Relaxed);
+        let list_of = |l: &PageLock<'_>| match l.kind() {
+            Kind::Inactive => LruList::Inactive,
+            _ => LruList::Active,
+        };
+        for list in [LruList::Inactive, LruList::Active] {
+            mm.lru().add(
+                list,
+                locks
+                    .iter()
+                    .filter(|l| list_of(l) == list)
+                    .map(|l| l.page()),
+            );
+        }
     }
 
     /// Reclaims isolated inactive pages: all-zero pages are forgotten, clean pages with a
     /// valid swap copy are dropped, dirty pages are written out in one batch. Pages that
     /// cannot be written (swap full, I/O error) stay in memory on the inactive list.
-    pub fn evict(&self, mut locks: Vec<PageLock<'_>>) -> u64 {
-        self.vmstat.pgscan.fetch_add(locks.len() as u64, Relaxed);
+    pub fn evict(&self, locks: &mut [PageLock<'_>]) -> u64 {
+        let mm = &self.mm;
+        mm.vmstat().pgscan.fetch_add(locks.len() as u64, Relaxed);
         let mut freed_frames = Vec::with_capacity(locks.len());
         let mut writes = Vec::new();
         for (i, lock) in locks.iter_mut().enumerate() {
             let st = lock.state();
             let frame = st.frame().expect("an inactive page has a staging frame");
-            if is_zero_page(self.staging.addr(frame)) {
-                if let Some(slot) = st.slot() {
-                    self.release_slot(slot);
+            if is_zero_page(mm.staging().addr(frame)) {
+                if let Some(slot) = lock.drop_zero().slot() {
+                    mm.release_slot(slot);
                 }
-                lock.set(PageState::NONE);
-                self.vmstat.pgzero_dropped.fetch_add(1, Relaxed);
+                mm.vmstat().pgzero_dropped.fetch_add(1, Relaxed);
             } else if st.slot().is_some() {
-                lock.set(st.with_kind(Kind::Swapped).with_frame(None));
-                self.vmstat.pgclean_dropped.fetch_add(1, Relaxed);
+                lock.drop_clean();
+                mm.vmstat().pgclean_dropped.fetch_add(1, Relaxed);
             } else {
-                match self.swap.alloc_slot() {
+                match mm.swap().alloc_slot() {
                     Some(slot) => writes.push((i, slot)),
                     None => {
-                        self.vmstat.swap_full.fetch_add(1, Relaxed);
+                        mm.vmstat().swap_full.fetch_add(1, Relaxed);
                     }
                 }
                 continue;
             }
             freed_frames.push(frame);
         }
-        self.write_out(&mut locks, &writes, &mut freed_frames);
+        self.write_out(locks, &writes, &mut freed_frames);
         let freed = freed_frames.len() as u64;
-        self.staging.release_all(freed_frames);
+        mm.staging().release_all(freed_frames);
         let still_inactive = locks
             .iter()
-            .filter(|l| l.state().kind() == Kind::Inactive)
+            .filter(|l| l.kind() == Kind::Inactive)
             .map(|l| l.page());
-        self.lru.add(LruList::Inactive, still_inactive);
-        self.budget.uncharge(freed);
-        self.vmstat.pgsteal.fetch_add(freed, Relaxed);
+        mm.lru().add(LruList::Inactive, still_inactive);
+        mm.budget().uncharge(freed);
+        mm.vmstat().pgsteal.fetch_add(freed, Relaxed);
         freed
     }
 
@@ -209,37 +270,94 @@ impl RegionCore {
         if writes.is_empty() {
             return;
         }
+        let mm = &self.mm;
         let batch: Vec<(u32, *const u8)> = writes
             .iter()
             .map(|&(i, slot)| {
                 let frame = locks[i].state().frame().expect("inactive page has a frame");
-                (slot, self.staging.addr(frame) as *const u8)
+                (slot, mm.staging().addr(frame) as *const u8)
             })
             .collect();
         // SAFETY: each source is a populated staging frame, held by its page lock.
-        let results = unsafe { self.swap.write_pages(&batch) };
+        let results = unsafe { mm.swap().write_pages(&batch) };
         let mut written = 0;
         for (&(i, slot), result) in writes.iter().zip(results) {
-            let st = locks[i].state();
             match result {
                 Ok(()) => {
-                    freed.push(st.frame().expect("inactive page has a frame"));
-                    locks[i].set(
-                        st.with_kind(Kind::Swapped)
-                            .with_frame(None)
-                            .with_slot(Some(slot)),
-                    );
+                    freed.push(locks[i].swap_out(slot));
                     written += 1;
                 }
                 Err(e) => {
-                    self.swap.free_slot(slot);
-                    if self.vmstat.io_errors.fetch_add(1, Relaxed) == 0 {
+                    mm.swap().free_slot(slot);
+                    if mm.vmstat().io_errors.fetch_add(1, Relaxed) == 0 {
                         eprintln!("uswap: swap write to slot {slot} failed: {e}; the page stays in memory");
                     }
                 }
             }
         }
-        self.vmstat.pswpout.fetch_add(written, Relaxed);
-        self.slots_held.fetch_add(written, Relaxed);
+        mm.vmstat().pswpout.fetch_add(written, Relaxed);
+        mm.slots_taken(written);
+    }
+
+    /// Takes whatever is mapped at `pages` (at most [`ZAP_PAGES`], all locked by the caller)
+    /// out of the region and frees it: the zap of MADV_DONTNEED/MADV_FREE, done again by
+    /// uswap so that a fault that raced the kernel's zap leaves nothing mapped behind it.
+    pub fn zap(&self, pages: std::ops::Range<usize>) {
+        debug_assert!(pages.len() <= ZAP_PAGES);
+        let mm = &self.mm;
+        let scratch = mm.zap_scratch();
+        let (dst, src, len) = (
+            scratch.addr(),
+            mm.page_addr(pages.start),
+            pages.len() * PAGE_SIZE,
+        );
+        // Holes are skipped; pages the program mlocked or mprotected cannot move and are left
+        // to the kernel's own zap.
+        let _ = mm.staging_uffd().move_present(dst, src, len);
+        scratch.discard(0, pages.len());
+    }
+}
+
+/// Pages [`Reclaim::zap`] takes at a time: the size of its scratch area.
+pub(crate) const ZAP_PAGES: usize = 512;
+
+/// Starts kswapd for the reclaim that `owner` holds (`reclaim` finds it).
+pub(crate) fn spawn_kswapd<T: Send + Sync + 'static>(
+    owner: Arc<T>,
+    reclaim: fn(&T) -> &Reclaim,
+) -> Result<std::thread::JoinHandle<()>> {
+    crate::signals::spawn_quiet("uswap-kswapd", move || kswapd(reclaim(&owner))).map_err(|source| {
+        Error::Os {
+            op: "spawn kswapd",
+            source,
+        }
+    })
+}
+
+impl Reclaim {
+    /// Stops kswapd at its next look (the caller joins it).
+    pub fn stop_kswapd(&self) {
+        self.mm.shut_down();
+        self.kswapd.wake();
+    }
+}
+
+/// Balances the region: whenever free pages drop under the low watermark, reclaim until
+/// they reach the high one.
+fn kswapd(r: &Reclaim) {
+    let budget = r.mm.budget();
+    while !r.mm.shutting_down() {
+        r.kswapd.sleep();
+        if r.mm.shutting_down() || budget.free() >= r.marks.low {
+            continue;
+        }
+        r.mm.vmstat().kswapd_wake.fetch_add(1, Relaxed);
+        while budget.free() < r.marks.high && !r.mm.shutting_down() {
+            if r.shrink() == 0 {
+                // Nothing reclaimable right now (all pages busy, or swap full): back off.
+                std::thread::sleep(Duration::from_millis(1));
+                break;
+            }
+        }
     }
 }

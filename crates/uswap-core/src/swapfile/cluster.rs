@@ -18,9 +18,7 @@ use std::sync::{
 };
 
 use super::SlotId;
-
-/// End-of-list marker of the intrusive cluster lists.
-const NIL: u32 = u32::MAX;
+use crate::list::{Link, Links, ListHead};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum ClusterState {
@@ -38,51 +36,15 @@ enum ClusterState {
 struct Cluster {
     used: u32,
     state: ClusterState,
-    prev: u32,
-    next: u32,
+    /// Links on the free or nonfull list (`crate::list`).
+    link: Link,
 }
 
-/// A doubly linked list threaded through the `prev`/`next` fields of the clusters, so a
-/// cluster leaves the middle of a list in O(1).
-struct ClusterList {
-    head: u32,
-    tail: u32,
-}
+struct Clusters(Vec<Cluster>);
 
-impl ClusterList {
-    const EMPTY: ClusterList = ClusterList {
-        head: NIL,
-        tail: NIL,
-    };
-
-    fn push_back(&mut self, clusters: &mut [Cluster], c: u32) {
-        clusters[c as usize].prev = self.tail;
-        clusters[c as usize].next = NIL;
-        match self.tail {
-            NIL => self.head = c,
-            tail => clusters[tail as usize].next = c,
-        }
-        self.tail = c;
-    }
-
-    fn pop_front(&mut self, clusters: &mut [Cluster]) -> Option<u32> {
-        let c = self.head;
-        (c != NIL).then(|| {
-            self.remove(clusters, c);
-            c
-        })
-    }
-
-    fn remove(&mut self, clusters: &mut [Cluster], c: u32) {
-        let Cluster { prev, next, .. } = clusters[c as usize];
-        match prev {
-            NIL => self.head = next,
-            p => clusters[p as usize].next = next,
-        }
-        match next {
-            NIL => self.tail = prev,
-            n => clusters[n as usize].prev = prev,
-        }
+impl Links for Clusters {
+    fn link(&mut self, i: u32) -> &mut Link {
+        &mut self.0[i as usize].link
     }
 }
 
@@ -92,9 +54,9 @@ struct Inner {
     slots: u64,
     /// One bit per slot, set while the slot is in use.
     bitmap: Vec<u64>,
-    clusters: Vec<Cluster>,
-    free: ClusterList,
-    nonfull: ClusterList,
+    clusters: Clusters,
+    free: ListHead,
+    nonfull: ListHead,
     current: Option<u32>,
     used: u64,
 }
@@ -111,7 +73,7 @@ impl Inner {
         self.bitmap[slot as usize / 64] |= 1 << (slot % 64);
         self.used += 1;
         let len = self.cluster_len(c);
-        let cluster = &mut self.clusters[c as usize];
+        let cluster = &mut self.clusters.0[c as usize];
         cluster.used += 1;
         if cluster.used == len {
             cluster.state = ClusterState::Full;
@@ -126,7 +88,7 @@ impl Inner {
             .nonfull
             .pop_front(&mut self.clusters)
             .or_else(|| self.free.pop_front(&mut self.clusters))?;
-        self.clusters[c as usize].state = ClusterState::Current;
+        self.clusters.0[c as usize].state = ClusterState::Current;
         self.current = Some(c);
         Some(c)
     }
@@ -139,7 +101,7 @@ impl Inner {
         self.bitmap[slot as usize / 64] &= !(1 << (slot % 64));
         self.used -= 1;
         let c = slot / self.cluster_size;
-        let cluster = &mut self.clusters[c as usize];
+        let cluster = &mut self.clusters.0[c as usize];
         cluster.used -= 1;
         match (cluster.state, cluster.used) {
             // The current cluster stays current, even when empty: allocation goes on there.
@@ -148,7 +110,7 @@ impl Inner {
                 if cluster.state == ClusterState::Nonfull {
                     self.nonfull.remove(&mut self.clusters, c);
                 }
-                self.clusters[c as usize].state = ClusterState::Free;
+                self.clusters.0[c as usize].state = ClusterState::Free;
                 self.free.push_back(&mut self.clusters, c);
             }
             (ClusterState::Full, _) => {
@@ -192,13 +154,12 @@ impl Inner {
     fn add_clusters(&mut self, n: u32) {
         let size = u64::from(self.cluster_size);
         assert_eq!(self.slots % size, 0, "cannot grow past a partial cluster");
-        let first = self.clusters.len() as u32;
+        let first = self.clusters.0.len() as u32;
         for c in first..first + n {
-            self.clusters.push(Cluster {
+            self.clusters.0.push(Cluster {
                 used: 0,
                 state: ClusterState::Free,
-                prev: NIL,
-                next: NIL,
+                link: Link::UNLINKED,
             });
             self.free.push_back(&mut self.clusters, c);
         }
@@ -234,9 +195,9 @@ impl ClusterAllocator {
             cluster_size,
             slots: 0,
             bitmap: Vec::new(),
-            clusters: Vec::new(),
-            free: ClusterList::EMPTY,
-            nonfull: ClusterList::EMPTY,
+            clusters: Clusters(Vec::new()),
+            free: ListHead::EMPTY,
+            nonfull: ListHead::EMPTY,
             current: None,
             used: 0,
         };
@@ -286,7 +247,7 @@ impl ClusterAllocator {
     }
 
     fn lock(&self) -> MutexGuard<'_, Inner> {
-        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+        crate::sync::lock(&self.inner)
     }
 }
 
@@ -304,35 +265,21 @@ mod tests {
     }
 
     fn state(a: &ClusterAllocator, c: u32) -> ClusterState {
-        a.lock().clusters[c as usize].state
-    }
-
-    fn list(inner: &Inner, list: &ClusterList) -> Vec<u32> {
-        let mut out = Vec::new();
-        let (mut c, mut prev) = (list.head, NIL);
-        while c != NIL {
-            assert_eq!(
-                inner.clusters[c as usize].prev, prev,
-                "broken back link at {c}"
-            );
-            out.push(c);
-            (prev, c) = (c, inner.clusters[c as usize].next);
-        }
-        assert_eq!(list.tail, prev);
-        out
+        a.lock().clusters.0[c as usize].state
     }
 
     /// Cross-checks counts, bitmap, states and list membership.
     fn check_invariants(a: &ClusterAllocator) {
-        let inner = a.lock();
-        let free = list(&inner, &inner.free);
-        let nonfull = list(&inner, &inner.nonfull);
+        let mut inner = a.lock();
+        let inner = &mut *inner;
+        let free = inner.free.walk(&mut inner.clusters).unwrap();
+        let nonfull = inner.nonfull.walk(&mut inner.clusters).unwrap();
         let mut total = 0;
-        for c in 0..inner.clusters.len() as u32 {
+        for c in 0..inner.clusters.0.len() as u32 {
             let len = inner.cluster_len(c);
             let start = c * inner.cluster_size;
             let used = (start..start + len).filter(|&s| inner.in_use(s)).count() as u32;
-            let cluster = inner.clusters[c as usize];
+            let cluster = inner.clusters.0[c as usize];
             assert_eq!(cluster.used, used, "cluster {c}");
             total += u64::from(used);
             assert_eq!(

@@ -1,0 +1,289 @@
+//! The memory of one region and what backs it (the kernel's `mm_struct` and its anonymous
+//! vma, reduced to what uswap needs): the mapping, its page table and LRU lists, the
+//! resident budget, the staging frames, the swap slots it holds, the userfaultfds, and the
+//! counters. The bottom layer: reclaim (`vmscan`) and the fault path (`fault`) are built on
+//! it, and it knows neither. Lock order: see `page.rs`.
+
+use crate::budget::Budget;
+use crate::config::FaultMode;
+use crate::error::{Error, Result};
+use crate::lru::Lru;
+use crate::mapping::Mapping;
+use crate::page::{Kind, PageTable};
+use crate::staging::Staging;
+use crate::stats::{FaultKind, FaultLatency, VmStat};
+use crate::swap_io::PageBuf;
+use crate::swapfile::SwapDevice;
+use crate::sync::lock_std;
+use crate::uffd::Uffd;
+use crate::PAGE_SIZE;
+use std::os::unix::fs::FileExt;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+/// What the kernel lets this region use beyond the required MISSING, MOVE and event support.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Caps {
+    /// Write-protect faults: a swapped-in page keeps its slot until written.
+    pub write_protect: bool,
+    /// UFFDIO_POISON: a page that cannot be served fails every access with SIGBUS.
+    pub poison: bool,
+}
+
+/// What the kernel's page tables say about one page.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct PagemapEntry {
+    pub present: bool,
+    /// The userfaultfd write-protect bit (`PM_UFFD_WP`).
+    pub write_protected: bool,
+}
+
+/// The pieces a region is made of, built by `Region::with_swap`.
+pub(crate) struct Parts {
+    pub map: Mapping,
+    pub staging: Staging,
+    pub zap_scratch: Mapping,
+    pub uffd: Uffd,
+    pub staging_uffd: Uffd,
+    pub swap: Arc<SwapDevice>,
+    pub caps: Caps,
+    pub limit: u64,
+    pub mode: FaultMode,
+    pub fault_around: usize,
+    pub bounce_buffers: usize,
+}
+
+pub(crate) struct Mm {
+    // Declared first so they close first: with the userfaultfds gone, unmapping the region
+    // raises no event that nobody would read.
+    uffd: Uffd,
+    staging_uffd: Uffd,
+    map: Mapping,
+    zeros: Mapping,
+    pages: PageTable,
+    lru: Lru,
+    budget: Budget,
+    staging: Staging,
+    swap: Arc<SwapDevice>,
+    caps: Caps,
+    mode: FaultMode,
+    vmstat: VmStat,
+    latency: FaultLatency,
+    /// Swap slots this region's pages hold.
+    slots_held: AtomicU64,
+    /// Page-sized buffers for swap-in, preallocated so the fault path allocates nothing.
+    bounce: Mutex<Vec<PageBuf>>,
+    /// Where `Reclaim::zap` moves pages to drop them; registered like staging.
+    zap_scratch: Mutex<Mapping>,
+    /// `/proc/self/pagemap`, to tell whether a page the table calls active is really mapped.
+    pagemap: Option<std::fs::File>,
+    shutdown: AtomicBool,
+}
+
+impl Mm {
+    pub fn new(p: Parts) -> Result<Mm> {
+        let pages = p.map.len() / PAGE_SIZE;
+        Ok(Mm {
+            zeros: Mapping::new(p.fault_around * PAGE_SIZE)?,
+            pages: PageTable::new(pages),
+            lru: Lru::new(pages),
+            budget: Budget::new(p.limit),
+            bounce: Mutex::new((0..p.bounce_buffers).map(|_| PageBuf::new()).collect()),
+            pagemap: std::fs::File::open("/proc/self/pagemap").ok(),
+            uffd: p.uffd,
+            staging_uffd: p.staging_uffd,
+            map: p.map,
+            staging: p.staging,
+            zap_scratch: Mutex::new(p.zap_scratch),
+            swap: p.swap,
+            caps: p.caps,
+            mode: p.mode,
+            vmstat: VmStat::default(),
+            latency: FaultLatency::default(),
+            slots_held: AtomicU64::new(0),
+            shutdown: AtomicBool::new(false),
+        })
+    }
+
+    pub fn pages(&self) -> &PageTable {
+        &self.pages
+    }
+
+    pub fn lru(&self) -> &Lru {
+        &self.lru
+    }
+
+    pub fn budget(&self) -> &Budget {
+        &self.budget
+    }
+
+    pub fn staging(&self) -> &Staging {
+        &self.staging
+    }
+
+    pub fn swap(&self) -> &Arc<SwapDevice> {
+        &self.swap
+    }
+
+    /// The region's userfaultfd: faults, events, and every fill of region pages.
+    pub fn uffd(&self) -> &Uffd {
+        &self.uffd
+    }
+
+    /// The staging area's userfaultfd (no events): moves into staging go through it.
+    pub fn staging_uffd(&self) -> &Uffd {
+        &self.staging_uffd
+    }
+
+    pub fn caps(&self) -> Caps {
+        self.caps
+    }
+
+    pub fn vmstat(&self) -> &VmStat {
+        &self.vmstat
+    }
+
+    pub fn latency(&self) -> &FaultLatency {
+        &self.latency
+    }
+
+    /// The zap scratch area, held while in use.
+    pub fn zap_scratch(&self) -> std::sync::MutexGuard<'_, Mapping> {
+        lock_std(&self.zap_scratch)
+    }
+
+    /// A source of zeros for first-touch fills (never written).
+    pub fn zeros(&self) -> usize {
+        self.zeros.addr()
+    }
+
+    pub fn start(&self) -> usize {
+        self.map.addr()
+    }
+
+    pub fn len(&self) -> usize {
+        self.map.len()
+    }
+
+    pub fn page_addr(&self, page: usize) -> usize {
+        self.map.addr() + page * PAGE_SIZE
+    }
+
+    /// The page containing `addr`, if it is inside the region.
+    pub fn page_of(&self, addr: usize) -> Option<usize> {
+        let off = addr.checked_sub(self.map.addr())?;
+        (off < self.map.len()).then_some(off / PAGE_SIZE)
+    }
+
+    /// Pages of the region overlapping `[start, end)`, clipped to it.
+    pub fn pages_in(&self, start: usize, end: usize) -> std::ops::Range<usize> {
+        let lo = start.max(self.start()).min(self.start() + self.len());
+        let hi = end.max(lo).min(self.start() + self.len());
+        (lo - self.start()) / PAGE_SIZE..(hi - self.start()).div_ceil(PAGE_SIZE)
+    }
+
+    pub fn shutting_down(&self) -> bool {
+        self.shutdown.load(Relaxed)
+    }
+
+    pub fn shut_down(&self) {
+        self.shutdown.store(true, Relaxed);
+    }
+
+    /// Wakes a thread waiting on `page` in thread mode (it retries the access).
+    pub fn wake(&self, page: usize) {
+        if self.mode == FaultMode::Thread {
+            let _ = self.uffd.wake(self.page_addr(page), PAGE_SIZE);
+        }
+    }
+
+    /// A slot a page of this region now holds (written out, or rehomed).
+    pub fn slots_taken(&self, n: u64) {
+        self.slots_held.fetch_add(n, Relaxed);
+    }
+
+    /// Frees a slot a page of this region held.
+    pub fn release_slot(&self, slot: u32) {
+        self.swap.free_slot(slot);
+        self.slots_held.fetch_sub(1, Relaxed);
+    }
+
+    pub fn slots_held(&self) -> u64 {
+        self.slots_held.load(Relaxed)
+    }
+
+    /// A bounce buffer from the pool, allocating only when the pool is empty and `may_alloc`.
+    pub fn take_bounce(&self, may_alloc: bool) -> Option<PageBuf> {
+        let pooled = match self.bounce.try_lock() {
+            Ok(mut pool) => pool.pop(),
+            Err(_) if may_alloc => lock_std(&self.bounce).pop(),
+            Err(_) => None,
+        };
+        pooled.or_else(|| may_alloc.then(PageBuf::new))
+    }
+
+    pub fn return_bounce(&self, buf: PageBuf) {
+        lock_std(&self.bounce).push(buf);
+    }
+
+    pub fn record(&self, kind: FaultKind, since: Instant) {
+        self.latency.record(kind, since.elapsed());
+    }
+
+    /// Whether `page` is mapped in the process's page tables right now, and write-protected
+    /// by uswap, from `/proc/self/pagemap`. `None` when pagemap cannot be read. Allocates
+    /// nothing (one pread).
+    pub fn pagemap_entry(&self, page: usize) -> Option<PagemapEntry> {
+        let file = self.pagemap.as_ref()?;
+        let mut entry = [0u8; 8];
+        let offset = (self.page_addr(page) / PAGE_SIZE * 8) as u64;
+        file.read_exact_at(&mut entry, offset).ok()?;
+        let bits = u64::from_ne_bytes(entry);
+        Some(PagemapEntry {
+            present: bits & (1 << 63) != 0,
+            write_protected: bits & (1 << 57) != 0,
+        })
+    }
+
+    /// Unregisters and unmaps what is still the region's: runs of pages the program did not
+    /// unmap or move away. A range the program unmapped may hold someone else's mapping
+    /// now, and is left alone.
+    fn unmap_owned(&self) {
+        let mut page = 0;
+        while page < self.pages.len() {
+            let owned = |p: usize| self.pages.peek(p).0.kind() != Kind::Unmapped;
+            if !owned(page) {
+                page += 1;
+                continue;
+            }
+            let start = page;
+            while page < self.pages.len() && owned(page) {
+                page += 1;
+            }
+            let (addr, len) = (self.page_addr(start), (page - start) * PAGE_SIZE);
+            let _ = self.uffd.unregister(addr, len);
+            // SAFETY: these pages are the region's own mapping, which nothing uses any more.
+            unsafe { libc::munmap(addr as *mut _, len) };
+        }
+        self.map.disown();
+    }
+}
+
+impl Drop for Mm {
+    fn drop(&mut self) {
+        self.unmap_owned();
+    }
+}
+
+/// Refuses to run where the kernel's page size is not the one uswap is built for.
+pub(crate) fn check_page_size() -> Result<()> {
+    // SAFETY: sysconf has no preconditions.
+    let kernel = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    if kernel != PAGE_SIZE as libc::c_long {
+        return Err(Error::UnsupportedPageSize {
+            kernel: kernel as usize,
+        });
+    }
+    Ok(())
+}

@@ -1,0 +1,97 @@
+//! Signal masks for uswap's own threads and for the public calls that take uswap's locks.
+//!
+//! uswap's threads (fault handlers, kswapd, the SIGBUS service) block every asynchronous
+//! signal, so a process-directed signal (a profiling timer, SIGURG, SIGCHLD, Ctrl-C) is
+//! delivered to one of the program's threads. Were it delivered to a handler thread whose
+//! signal handler touched region memory, the fault would wait for the very thread that
+//! took it. Public calls that take uswap locks block them too while they run, so a signal
+//! handler of the program never interrupts a thread that holds a uswap lock.
+
+/// The signals the kernel raises synchronously for the instruction a thread runs: blocking
+/// them would turn a fault into a kill, so they stay open.
+const SYNCHRONOUS: [libc::c_int; 5] = [
+    libc::SIGSEGV,
+    libc::SIGBUS,
+    libc::SIGFPE,
+    libc::SIGILL,
+    libc::SIGTRAP,
+];
+
+/// Every signal except the synchronous ones.
+pub(crate) fn asynchronous() -> libc::sigset_t {
+    // SAFETY: sigset_t is plain data; the calls only fill it.
+    unsafe {
+        let mut set: libc::sigset_t = std::mem::zeroed();
+        libc::sigfillset(&mut set);
+        for sig in SYNCHRONOUS {
+            libc::sigdelset(&mut set, sig);
+        }
+        set
+    }
+}
+
+/// While alive, the calling thread has every asynchronous signal blocked; the old mask comes
+/// back on drop.
+pub(crate) struct Quiet {
+    old: libc::sigset_t,
+}
+
+impl Quiet {
+    pub fn new() -> Quiet {
+        let set = asynchronous();
+        // SAFETY: plain data; pthread_sigmask changes only this thread's mask.
+        unsafe {
+            let mut old: libc::sigset_t = std::mem::zeroed();
+            libc::pthread_sigmask(libc::SIG_BLOCK, &set, &mut old);
+            Quiet { old }
+        }
+    }
+}
+
+impl Drop for Quiet {
+    fn drop(&mut self) {
+        // SAFETY: restoring the mask saved in `new`.
+        unsafe { libc::pthread_sigmask(libc::SIG_SETMASK, &self.old, std::ptr::null_mut()) };
+    }
+}
+
+/// Spawns a uswap thread with every asynchronous signal blocked from its first instruction
+/// (it inherits the mask, so no signal can slip in before it sets one).
+pub(crate) fn spawn_quiet<F>(name: &str, f: F) -> std::io::Result<std::thread::JoinHandle<()>>
+where
+    F: FnOnce() + Send + 'static,
+{
+    let _quiet = Quiet::new();
+    std::thread::Builder::new().name(name.into()).spawn(f)
+}
+
+/// Whether `sig` is blocked in the calling thread.
+pub(crate) fn is_blocked(sig: libc::c_int) -> bool {
+    // SAFETY: querying this thread's mask.
+    unsafe {
+        let mut cur: libc::sigset_t = std::mem::zeroed();
+        libc::pthread_sigmask(libc::SIG_BLOCK, std::ptr::null(), &mut cur);
+        libc::sigismember(&cur, sig) == 1
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn quiet_threads_block_async_signals_and_keep_synchronous_ones() {
+        let t = spawn_quiet("t", || {
+            assert!(is_blocked(libc::SIGPROF) && is_blocked(libc::SIGINT));
+            assert!(!is_blocked(libc::SIGSEGV) && !is_blocked(libc::SIGBUS));
+        })
+        .unwrap();
+        t.join().unwrap();
+        assert!(!is_blocked(libc::SIGPROF), "the spawner's mask is restored");
+        {
+            let _q = Quiet::new();
+            assert!(is_blocked(libc::SIGPROF));
+        }
+        assert!(!is_blocked(libc::SIGPROF));
+    }
+}

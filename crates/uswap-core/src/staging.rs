@@ -1,0 +1,114 @@
+//! Staging frames: a second anonymous mapping, registered with a userfaultfd of its own,
+//! where inactive pages are parked by UFFDIO_MOVE: unmapped from the region but still in
+//! memory. One frame per page of the memory limit, handed out from a free list.
+
+use crate::error::Result;
+use crate::mapping::Mapping;
+use crate::sync::lock_std;
+use crate::PAGE_SIZE;
+use std::sync::Mutex;
+
+pub struct Staging {
+    map: Mapping,
+    free: Mutex<Vec<u32>>,
+}
+
+impl Staging {
+    pub fn new(frames: u64) -> Result<Self> {
+        let map = Mapping::new(frames as usize * PAGE_SIZE)?;
+        Ok(Staging {
+            map,
+            free: Mutex::new((0..frames as u32).rev().collect()),
+        })
+    }
+
+    pub fn mapping(&self) -> &Mapping {
+        &self.map
+    }
+
+    pub fn addr(&self, frame: u32) -> usize {
+        self.map.addr() + frame as usize * PAGE_SIZE
+    }
+
+    /// Up to `n` frames; frames released together come back together and in order, so a
+    /// batch of pages can often be moved into them with one UFFDIO_MOVE.
+    pub fn alloc_many(&self, n: usize) -> Vec<u32> {
+        let mut free = self.free_list();
+        let take = n.min(free.len());
+        let at = free.len() - take;
+        let mut frames = free.split_off(at);
+        frames.reverse();
+        frames
+    }
+
+    /// Returns a frame whose page was moved away (nothing to free).
+    pub fn release_empty(&self, frame: u32) {
+        self.free_list().push(frame);
+    }
+
+    /// Returns a frame after freeing its memory, so the next MOVE finds it empty.
+    /// Allocates nothing (the SIGBUS handler uses it).
+    pub fn release(&self, frame: u32) {
+        self.map.discard(frame as usize, 1);
+        self.free_list().push(frame);
+    }
+
+    /// Frees the memory of many frames with one MADV_DONTNEED per run of adjacent frames
+    /// (each call is a TLB flush, an IPI to every CPU running the process), then returns
+    /// them to the free list.
+    pub fn release_all(&self, mut frames: Vec<u32>) {
+        frames.sort_unstable();
+        for run in frames.chunk_by(|a, b| a + 1 == *b) {
+            self.map.discard(run[0] as usize, run.len());
+        }
+        frames.reverse();
+        self.free_list().extend(frames);
+    }
+
+    /// The frames on the free list (for the invariant walker).
+    pub fn free_frames(&self) -> Vec<u32> {
+        self.free_list().clone()
+    }
+
+    /// All frames, free or holding a page.
+    pub fn frames(&self) -> usize {
+        self.map.len() / PAGE_SIZE
+    }
+
+    /// The free list never grows past the frame count, so pushing onto it never allocates:
+    /// it was created holding every frame.
+    fn free_list(&self) -> std::sync::MutexGuard<'_, Vec<u32>> {
+        lock_std(&self.free)
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn frames_released_together_come_back_in_order() {
+        let s = Staging::new(8).unwrap();
+        let all = s.alloc_many(8);
+        assert_eq!(all, (0..8).collect::<Vec<u32>>());
+        s.release_all(vec![6, 2, 3, 5, 4]);
+        assert_eq!(s.alloc_many(3), vec![2, 3, 4]);
+        assert_eq!(s.alloc_many(9), vec![5, 6]);
+        assert!(s.alloc_many(1).is_empty());
+    }
+
+    #[test]
+    fn staging_frames_are_unique_and_come_back_empty() {
+        let s = Staging::new(4).unwrap();
+        let frames = s.alloc_many(10);
+        assert_eq!(frames.len(), 4);
+        let f = frames[2];
+        // SAFETY: the frame is ours and mapped (not registered with any userfaultfd here).
+        unsafe { *(s.addr(f) as *mut u8) = 7 };
+        s.release(f);
+        assert_eq!(s.alloc_many(1), vec![f]);
+        // SAFETY: as above; MADV_DONTNEED made it read as zero.
+        assert_eq!(unsafe { *(s.addr(f) as *const u8) }, 0);
+        assert!(s.alloc_many(1).is_empty());
+    }
+}

@@ -1,0 +1,309 @@
+//! What the program does to the region's mapping, told by userfaultfd's non-cooperative
+//! events, given the kernel's meaning ([mm/madvise.c], [mm/mremap.c], [mm/mmap.c] through
+//! fs/userfaultfd.c's `userfaultfd_remove`, `mremap_userfaultfd_complete` and
+//! `userfaultfd_unmap_complete`):
+//!
+//! - `madvise(MADV_DONTNEED | MADV_FREE)`: the range reads as zeros afterwards; its budget,
+//!   staging frames and swap slots are released.
+//! - `munmap`: the pages are gone; the same resources come back; uswap never unmaps that
+//!   range again (someone else may map there).
+//! - `mremap` within the region: each page's state (mapped, inactive, swapped) follows the
+//!   data to its new address. Out of the region: the data follows too; pages not in memory
+//!   are brought back at the new address, and the range leaves uswap (ordinary memory, not
+//!   counted against the limit), said once on stderr.
+//!
+//! Events are handled one at a time, each before any message read after it (thread mode:
+//! by the handler that holds leadership; SIGBUS mode: by the service thread, with
+//! `FaultPath::events_begin` fencing off faults meanwhile). Page locks are taken blocking,
+//! in address order.
+
+use crate::fault::FaultPath;
+use crate::lru::LruList;
+use crate::page::{Kind, PageLock, PageState};
+use crate::uffd::Event;
+use crate::vmscan::ZAP_PAGES;
+use crate::PAGE_SIZE;
+use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
+use std::time::{Duration, Instant};
+
+/// Said once per process: region memory moved out of a region.
+static MOVED_OUT_SAID: AtomicBool = AtomicBool::new(false);
+
+impl FaultPath {
+    /// Handles one non-fault event.
+    pub fn handle_event(&self, event: Event) {
+        match event {
+            Event::Remove { start, end } => self.discard(start, end),
+            Event::Unmap { start, end } => self.unmap(start, end),
+            Event::Remap { from, to, len } => self.remap(from, to, len),
+            Event::Fault { .. } => unreachable!("faults are not vma events"),
+            Event::Other(code) => {
+                eprintln!("uswap: ignoring userfaultfd event {code:#x} it did not ask for");
+            }
+        }
+    }
+
+    /// MADV_DONTNEED/MADV_FREE: every page of the range reads as zeros from now on.
+    fn discard(&self, start: usize, end: usize) {
+        let mm = self.mm();
+        let range = mm.pages_in(start, end);
+        let mut first = range.start;
+        while first < range.end {
+            let chunk = first..(first + ZAP_PAGES).min(range.end);
+            let mut locks: Vec<PageLock<'_>> = chunk.clone().map(|p| mm.pages().lock(p)).collect();
+            let mapped = locks.iter().any(|l| l.kind() == Kind::Active);
+            for lock in &mut locks {
+                if lock.kind() == Kind::Unmapped {
+                    continue;
+                }
+                mm.lru().remove(lock.page());
+                let held = lock.discard();
+                self.release(held);
+            }
+            // A fault that raced the kernel's own zap may have mapped a page after it.
+            if mapped {
+                self.reclaim().zap(chunk.clone());
+            }
+            mm.vmstat().pgdiscard.fetch_add(chunk.len() as u64, Relaxed);
+            first = chunk.end;
+        }
+    }
+
+    /// munmap: nothing is mapped in the range any more.
+    fn unmap(&self, start: usize, end: usize) {
+        let mm = self.mm();
+        for page in mm.pages_in(start, end) {
+            let mut lock = mm.pages().lock(page);
+            if lock.kind() != Kind::Unmapped {
+                mm.lru().remove(page);
+                let held = lock.unmap();
+                self.release(held);
+                mm.vmstat().pgunmap.fetch_add(1, Relaxed);
+            }
+        }
+    }
+
+    /// mremap moved `len` bytes from `from` to `to`.
+    fn remap(&self, from: usize, to: usize, len: usize) {
+        let mm = self.mm();
+        let inside = |addr: usize| mm.page_of(addr);
+        let mut moved_out = 0usize;
+        for i in 0..len / PAGE_SIZE {
+            let (src, dst) = (from + i * PAGE_SIZE, to + i * PAGE_SIZE);
+            match (inside(src), inside(dst)) {
+                (Some(a), Some(b)) => self.move_page(a, b),
+                (Some(a), None) => {
+                    self.move_out(a, dst);
+                    moved_out += 1;
+                }
+                // Memory from outside the region moved in: it is not uswap's, and its range
+                // is not registered (only registered ranges raise this event, and uswap
+                // registers nothing outside its regions), so the kernel serves it.
+                (None, _) => {}
+            }
+        }
+        if moved_out > 0 {
+            self.release_foreign(to, to + len);
+            if !MOVED_OUT_SAID.swap(true, Relaxed) {
+                eprintln!(
+                    "uswap: mremap moved {moved_out} pages out of the region at {:#x} to {to:#x}; \
+                     they keep their data but are ordinary memory now, outside uswap's limit",
+                    mm.start()
+                );
+            }
+        }
+    }
+
+    /// The page at region page `a` now lives at region page `b`.
+    fn move_page(&self, a: usize, b: usize) {
+        let mm = self.mm();
+        let (first, second) = (mm.pages().lock(a.min(b)), mm.pages().lock(a.max(b)));
+        let (mut src, mut dst) = if a < b {
+            (first, second)
+        } else {
+            (second, first)
+        };
+        if !matches!(dst.kind(), Kind::Unmapped | Kind::None) {
+            // The kernel unmapped the target first; its event was handled before this one.
+            mm.lru().remove(b);
+            let held = dst.unmap();
+            self.release(held);
+        }
+        let list = mm.lru().list_of(a);
+        mm.lru().remove(a);
+        let moved = src.unmap();
+        dst.install(moved);
+        if let Some(list) = list {
+            mm.lru().add(list, [b]);
+        }
+        mm.vmstat().pgremap.fetch_add(1, Relaxed);
+    }
+
+    /// The page at region page `a` moved to `dst`, outside the region: put its data there
+    /// and forget it.
+    fn move_out(&self, a: usize, dst: usize) {
+        let mm = self.mm();
+        let mut lock = mm.pages().lock(a);
+        mm.lru().remove(a);
+        let held = lock.unmap();
+        match held.kind() {
+            Kind::Inactive => {
+                let frame = held.frame().expect("an inactive page has a frame");
+                self.place(dst, mm.staging().addr(frame) as *const u8);
+            }
+            Kind::Swapped => self.place_from_swap(dst, held),
+            Kind::Poisoned => {
+                let _ = mm.uffd().poison(dst, PAGE_SIZE);
+            }
+            // Active: the kernel moved the data itself. None/Unmapped: nothing to move.
+            _ => {}
+        }
+        self.release(held);
+    }
+
+    fn place_from_swap(&self, dst: usize, held: PageState) {
+        let mm = self.mm();
+        let slot = held.slot().expect("a swapped page has a slot");
+        let mut buf = mm.take_bounce(true).expect("may allocate");
+        // SAFETY: the buffer is one aligned page we own.
+        match unsafe { mm.swap().read_page(slot, buf.as_mut_ptr()) } {
+            Ok(()) => self.place(dst, buf.as_ptr()),
+            Err(e) => {
+                eprintln!(
+                    "uswap: page moved by mremap to {dst:#x} could not be read back from slot \
+                     {slot}: {e}; it is poisoned"
+                );
+                mm.vmstat().failed_faults.fetch_add(1, Relaxed);
+                let _ = mm.uffd().poison(dst, PAGE_SIZE);
+            }
+        }
+        mm.return_bounce(buf);
+    }
+
+    /// Copies one page to `dst` (registered, unmapped), retrying while the kernel still
+    /// counts the event as in progress.
+    fn place(&self, dst: usize, src: *const u8) {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        loop {
+            match self.mm().uffd().copy(dst, src, PAGE_SIZE, false) {
+                Ok(()) => return,
+                Err(p) if p.busy() && Instant::now() < deadline => {
+                    std::thread::sleep(Duration::from_micros(100))
+                }
+                Err(p) => {
+                    eprintln!("uswap: cannot place a page moved by mremap at {dst:#x}: {p}");
+                    return;
+                }
+            }
+        }
+    }
+
+    /// Unregisters the parts of the mapping around `[start, end)` that lie outside the
+    /// region: the kernel serves them from now on (a grown tail included).
+    pub fn release_foreign(&self, start: usize, end: usize) {
+        let mm = self.mm();
+        let (lo, hi) = vma_around(start).unwrap_or((start, end));
+        let (rs, re) = (mm.start(), mm.start() + mm.len());
+        for (a, b) in [(lo, hi.min(rs)), (lo.max(re), hi)] {
+            if a < b {
+                let _ = mm.uffd().unregister(a, b - a);
+            }
+        }
+    }
+
+    /// A fault outside the region on memory registered with its userfaultfd (mremap grew
+    /// the region's mapping in place past its end): hands the range to the kernel and lets
+    /// the thread retry.
+    pub fn foreign_fault(&self, addr: usize) {
+        let page = addr & !(PAGE_SIZE - 1);
+        self.release_foreign(page, page + PAGE_SIZE);
+        self.mm().vmstat().foreign_faults.fetch_add(1, Relaxed);
+        let _ = self.mm().uffd().wake(page, PAGE_SIZE);
+    }
+
+    /// Walks the region and checks that page states, LRU lists, budget, staging frames and
+    /// swap slots agree. For tests and debugging: it locks every page, so it waits for
+    /// faults and reclaim in progress and stops them while it runs.
+    pub fn check_invariants(&self) -> Result<(), String> {
+        let mm = self.mm();
+        let locks: Vec<PageLock<'_>> = (0..mm.pages().len()).map(|p| mm.pages().lock(p)).collect();
+        let mut errors = Vec::new();
+        let mut resident = 0u64;
+        let mut slots = 0u64;
+        let mut frames = std::collections::HashSet::new();
+        for l in &locks {
+            let st = l.state();
+            if !st.is_well_formed() {
+                errors.push(format!("page {}: malformed state {st:?}", l.page()));
+            }
+            let want = match st.kind() {
+                Kind::Active => Some(LruList::Active),
+                Kind::Inactive => Some(LruList::Inactive),
+                _ => None,
+            };
+            if mm.lru().list_of(l.page()) != want {
+                errors.push(format!(
+                    "page {} is {st:?} but on list {:?}",
+                    l.page(),
+                    mm.lru().list_of(l.page())
+                ));
+            }
+            resident += st.is_resident() as u64;
+            slots += st.slot().is_some() as u64;
+            if let Some(f) = st.frame() {
+                if !frames.insert(f) {
+                    errors.push(format!("frame {f} is held by two pages"));
+                }
+            }
+        }
+        for list in [LruList::Active, LruList::Inactive] {
+            if let Err(e) = mm.lru().members(list) {
+                errors.push(format!("{list:?} list: {e}"));
+            }
+        }
+        if resident != mm.budget().resident() {
+            errors.push(format!(
+                "{resident} pages are resident but the budget counts {}",
+                mm.budget().resident()
+            ));
+        }
+        if slots != mm.slots_held() {
+            errors.push(format!(
+                "pages hold {slots} slots but the region counts {}",
+                mm.slots_held()
+            ));
+        }
+        let free = mm.staging().free_frames();
+        if let Some(f) = free.iter().find(|f| frames.contains(f)) {
+            errors.push(format!("frame {f} is free and held by a page"));
+        }
+        if free.len() + frames.len() != mm.staging().frames() {
+            errors.push(format!(
+                "{} free + {} held staging frames != {}",
+                free.len(),
+                frames.len(),
+                mm.staging().frames()
+            ));
+        }
+        drop(locks);
+        if errors.is_empty() {
+            Ok(())
+        } else {
+            Err(errors.join("\n"))
+        }
+    }
+}
+
+/// The bounds of the mapping that contains `addr`, from /proc/self/maps.
+fn vma_around(addr: usize) -> Option<(usize, usize)> {
+    let maps = std::fs::read_to_string("/proc/self/maps").ok()?;
+    maps.lines().find_map(|line| {
+        let range = line.split_whitespace().next()?;
+        let (a, b) = range.split_once('-')?;
+        let (a, b) = (
+            usize::from_str_radix(a, 16).ok()?,
+            usize::from_str_radix(b, 16).ok()?,
+        );
+        (a <= addr && addr < b).then_some((a, b))
+    })
+}
