@@ -15,7 +15,7 @@ use crate::stats::FaultKind;
 use crate::swap_io::PageBuf;
 use crate::vmscan::Reclaim;
 use crate::PAGE_SIZE;
-use std::sync::atomic::{AtomicU32, Ordering::Relaxed, Ordering::SeqCst};
+use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering::Relaxed, Ordering::SeqCst};
 use std::time::Instant;
 
 /// How a fault ended.
@@ -38,6 +38,11 @@ pub(crate) struct FaultPath {
     /// Non-zero while a vma event is being read or handled by a thread other than the one
     /// that reads faults (SIGBUS mode): page states may be about to change under a fault.
     events_in_flight: AtomicU32,
+    /// Pages mremap moved out of the region, to be put in place (`vma.rs`).
+    pub(crate) placements: std::sync::Mutex<crate::vma::Placements>,
+    /// Bounds of the addresses those pages go to, for the SIGBUS handler.
+    pub(crate) pending_lo: AtomicUsize,
+    pub(crate) pending_hi: AtomicUsize,
 }
 
 impl FaultPath {
@@ -46,6 +51,9 @@ impl FaultPath {
             reclaim,
             fault_around,
             events_in_flight: AtomicU32::new(0),
+            placements: Default::default(),
+            pending_lo: AtomicUsize::new(usize::MAX),
+            pending_hi: AtomicUsize::new(0),
         }
     }
 
@@ -66,7 +74,7 @@ impl FaultPath {
         self.events_in_flight.fetch_sub(1, SeqCst);
     }
 
-    fn events_pending(&self) -> bool {
+    pub(crate) fn events_pending(&self) -> bool {
         self.events_in_flight.load(SeqCst) != 0
     }
 

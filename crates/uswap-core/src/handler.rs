@@ -92,7 +92,7 @@ fn serve(fault: &FaultPath, stop: i32, shared: &Shared) {
         let has_event = msgs[..n]
             .iter()
             .any(|m| !matches!(m.decode(), Event::Fault { .. }));
-        let _leader = if has_event {
+        let _leader = if has_event || fault.has_pending() {
             Some(leader)
         } else {
             drop(leader);
@@ -101,6 +101,9 @@ fn serve(fault: &FaultPath, stop: i32, shared: &Shared) {
         let _busy = Busy::enter(&shared.busy);
         for m in &msgs[..n] {
             handle_message(fault, m.decode());
+        }
+        if fault.has_pending() {
+            fault.place_pending();
         }
     }
 }
@@ -184,14 +187,21 @@ fn next_messages(fault: &FaultPath, stop: i32, msgs: &mut [Msg], shared: &Shared
             std::hint::spin_loop();
             continue;
         }
-        if !wait_readable(mm.uffd().raw(), stop) {
+        // While pages moved out of the region wait to be put in place, look again soon:
+        // the kernel refuses the fills until it has counted the last event as read.
+        let timeout = if fault.has_pending() { 1 } else { -1 };
+        if !wait_readable(mm.uffd().raw(), stop, timeout) {
             return None;
+        }
+        if fault.has_pending() {
+            fault.place_pending();
         }
     }
 }
 
-/// Sleeps until `fd` is readable (true) or `stop` is (false).
-fn wait_readable(fd: i32, stop: i32) -> bool {
+/// Sleeps until `fd` is readable or `timeout_ms` passed (true), or `stop` is readable
+/// (false).
+fn wait_readable(fd: i32, stop: i32, timeout_ms: i32) -> bool {
     let mut fds = [
         libc::pollfd {
             fd,
@@ -205,7 +215,7 @@ fn wait_readable(fd: i32, stop: i32) -> bool {
         },
     ];
     // SAFETY: valid pollfd array.
-    let ready = unsafe { libc::poll(fds.as_mut_ptr(), 2, -1) };
+    let ready = unsafe { libc::poll(fds.as_mut_ptr(), 2, timeout_ms) };
     if ready < 0 && std::io::Error::last_os_error().kind() != std::io::ErrorKind::Interrupted {
         return false;
     }

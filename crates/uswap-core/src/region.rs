@@ -339,6 +339,7 @@ impl Drop for Region {
             Some(Source::Sigbus(s)) => s.stop(),
             None => {}
         }
+        self.fault.drain_events();
         self.fault.reclaim().stop_kswapd();
         if let Some(k) = self.kswapd.take() {
             let _ = k.join();

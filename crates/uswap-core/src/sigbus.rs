@@ -176,8 +176,9 @@ fn serve(s: &Served) {
                 events: libc::POLLIN,
                 revents: 0,
             });
+        let timeout = if s.fault.has_pending() { 1 } else { 1000 };
         // SAFETY: valid pollfd array.
-        unsafe { libc::poll(fds.as_mut_ptr(), 3, 1000) };
+        unsafe { libc::poll(fds.as_mut_ptr(), 3, timeout) };
         if fds[2].revents != 0 {
             return;
         }
@@ -198,6 +199,9 @@ fn serve(s: &Served) {
                 Err(e) => eprintln!("uswap: reading userfaultfd events failed: {e}"),
             }
             s.fault.events_end();
+        }
+        if s.fault.has_pending() {
+            s.fault.place_pending();
         }
         if fds[1].revents != 0 {
             let mut count = 0u64;
@@ -359,7 +363,29 @@ fn dispatch(sig: libc::c_int, info: *mut libc::siginfo_t, ctx: *mut libc::c_void
             Some(_) => return,
         }
     }
+    if uffd_fault && moving_out(addr) {
+        // A page mremap moved out of a region, not in place yet: retry until it is.
+        // SAFETY: async-signal-safe.
+        unsafe { libc::sched_yield() };
+        return;
+    }
     forward(sig, info, ctx);
+}
+
+/// Whether `addr` is where a region's service thread is about to put a page that mremap
+/// moved out of the region.
+fn moving_out(addr: usize) -> bool {
+    REGIONS.iter().enumerate().any(|(i, entry)| {
+        if entry.load(Relaxed).is_null() {
+            return false;
+        }
+        IN_FLIGHT[i].fetch_add(1, SeqCst);
+        // SAFETY: as in dispatch.
+        let pending =
+            unsafe { entry.load(SeqCst).as_ref() }.is_some_and(|s| s.fault.is_pending(addr));
+        IN_FLIGHT[i].fetch_sub(1, SeqCst);
+        pending
+    })
 }
 
 /// Resolves a fault in the handler when it can, else hands it to the service thread and

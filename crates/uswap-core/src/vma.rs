@@ -24,10 +24,17 @@ use crate::uffd::Event;
 use crate::vmscan::ZAP_PAGES;
 use crate::PAGE_SIZE;
 use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
-use std::time::{Duration, Instant};
 
 /// Said once per process: region memory moved out of a region.
 static MOVED_OUT_SAID: AtomicBool = AtomicBool::new(false);
+
+/// Pages mremap moved out of the region whose data uswap still has to put in place, and
+/// the ranges to hand to the kernel once they are.
+#[derive(Default)]
+pub(crate) struct Placements {
+    pages: Vec<(usize, PageState)>,
+    ranges: Vec<(usize, usize)>,
+}
 
 impl FaultPath {
     /// Handles one non-fault event.
@@ -41,6 +48,23 @@ impl FaultPath {
                 eprintln!("uswap: ignoring userfaultfd event {code:#x} it did not ask for");
             }
         }
+    }
+
+    /// Handles the events still queued once the fault sources have stopped (a region being
+    /// dropped): an munmap read late must still keep uswap off the range it freed.
+    pub fn drain_events(&self) {
+        let mut msgs = [crate::uffd::Msg::default(); 16];
+        while let Ok(n @ 1..) = self.mm().uffd().read_events(&mut msgs) {
+            for m in &msgs[..n] {
+                match m.decode() {
+                    Event::Fault { address, .. } => {
+                        let _ = self.mm().uffd().wake(address & !(PAGE_SIZE - 1), PAGE_SIZE);
+                    }
+                    event => self.handle_event(event),
+                }
+            }
+        }
+        self.place_pending();
     }
 
     /// MADV_DONTNEED/MADV_FREE: every page of the range reads as zeros from now on.
@@ -103,7 +127,11 @@ impl FaultPath {
             }
         }
         if moved_out > 0 {
-            self.release_foreign(to, to + len);
+            // Until the pages are in place and the range is the kernel's, faults there wait
+            // (the mapping may have grown past `len`: cover all of it).
+            let (lo, hi) = vma_around(to).unwrap_or((to, to + len));
+            self.pending_range(lo, hi);
+            self.placements().ranges.push((lo, hi));
             if !MOVED_OUT_SAID.swap(true, Relaxed) {
                 eprintln!(
                     "uswap: mremap moved {moved_out} pages out of the region at {:#x} to {to:#x}; \
@@ -139,62 +167,108 @@ impl FaultPath {
         mm.vmstat().pgremap.fetch_add(1, Relaxed);
     }
 
-    /// The page at region page `a` moved to `dst`, outside the region: put its data there
-    /// and forget it.
+    /// The page at region page `a` moved to `dst`, outside the region. A mapped page moved
+    /// with the kernel's page tables; one that is not in memory is put there by
+    /// [`FaultPath::place_pending`], since the kernel refuses fills until the events of the
+    /// same mremap that follow this one are read.
     fn move_out(&self, a: usize, dst: usize) {
         let mm = self.mm();
         let mut lock = mm.pages().lock(a);
         mm.lru().remove(a);
         let held = lock.unmap();
         match held.kind() {
+            Kind::Inactive | Kind::Swapped | Kind::Poisoned => {
+                self.placements().pages.push((dst, held));
+            }
+            _ => self.release(held),
+        }
+    }
+
+    fn placements(&self) -> std::sync::MutexGuard<'_, Placements> {
+        crate::sync::lock_std(&self.placements)
+    }
+
+    /// Widens the range where faults wait for placements to cover `[lo, hi)`.
+    fn pending_range(&self, lo: usize, hi: usize) {
+        self.pending_lo.fetch_min(lo, Relaxed);
+        self.pending_hi.fetch_max(hi, Relaxed);
+    }
+
+    /// Whether pages that left the region wait to be put in place.
+    pub fn has_pending(&self) -> bool {
+        self.pending_hi.load(Relaxed) != 0
+    }
+
+    /// Whether a fault at `addr`, outside the region, must wait: pages that left the
+    /// region are still to be put there, or an event is being read or handled.
+    pub fn is_pending(&self, addr: usize) -> bool {
+        self.events_pending()
+            || (addr >= self.pending_lo.load(Relaxed) && addr < self.pending_hi.load(Relaxed))
+    }
+
+    /// Puts the pages that mremap moved out of the region in place, then hands their ranges
+    /// to the kernel. False while the kernel still refuses fills (more events to read).
+    pub fn place_pending(&self) -> bool {
+        let mut p = self.placements();
+        while let Some(&(dst, held)) = p.pages.last() {
+            match self.place(dst, held) {
+                Err(()) => return false,
+                Ok(()) => {
+                    p.pages.pop();
+                    self.release(held);
+                }
+            }
+        }
+        for (start, end) in std::mem::take(&mut p.ranges) {
+            self.release_foreign(start, end);
+        }
+        self.pending_hi.store(0, Relaxed);
+        self.pending_lo.store(usize::MAX, Relaxed);
+        true
+    }
+
+    /// Fills `dst` with the data `held` describes. `Err` when the kernel says to retry.
+    fn place(&self, dst: usize, held: PageState) -> Result<(), ()> {
+        let mm = self.mm();
+        let copy = |src: *const u8| match mm.uffd().copy(dst, src, PAGE_SIZE, false) {
+            Err(p) if p.busy() => Err(()),
+            Err(p) if !p.vanished() => {
+                eprintln!("uswap: cannot place a page moved by mremap at {dst:#x}: {p}");
+                Ok(())
+            }
+            _ => Ok(()),
+        };
+        match held.kind() {
             Kind::Inactive => {
                 let frame = held.frame().expect("an inactive page has a frame");
-                self.place(dst, mm.staging().addr(frame) as *const u8);
+                copy(mm.staging().addr(frame) as *const u8)
             }
-            Kind::Swapped => self.place_from_swap(dst, held),
-            Kind::Poisoned => {
-                let _ = mm.uffd().poison(dst, PAGE_SIZE);
+            Kind::Swapped => {
+                let slot = held.slot().expect("a swapped page has a slot");
+                let mut buf = mm.take_bounce(true).expect("may allocate");
+                // SAFETY: the buffer is one aligned page we own.
+                let placed = match unsafe { mm.swap().read_page(slot, buf.as_mut_ptr()) } {
+                    Ok(()) => copy(buf.as_ptr()),
+                    Err(e) => {
+                        eprintln!(
+                            "uswap: page moved by mremap to {dst:#x} could not be read back \
+                             from slot {slot}: {e}; it is poisoned"
+                        );
+                        mm.vmstat().failed_faults.fetch_add(1, Relaxed);
+                        self.poison_at(dst)
+                    }
+                };
+                mm.return_bounce(buf);
+                placed
             }
-            // Active: the kernel moved the data itself. None/Unmapped: nothing to move.
-            _ => {}
+            _ => self.poison_at(dst),
         }
-        self.release(held);
     }
 
-    fn place_from_swap(&self, dst: usize, held: PageState) {
-        let mm = self.mm();
-        let slot = held.slot().expect("a swapped page has a slot");
-        let mut buf = mm.take_bounce(true).expect("may allocate");
-        // SAFETY: the buffer is one aligned page we own.
-        match unsafe { mm.swap().read_page(slot, buf.as_mut_ptr()) } {
-            Ok(()) => self.place(dst, buf.as_ptr()),
-            Err(e) => {
-                eprintln!(
-                    "uswap: page moved by mremap to {dst:#x} could not be read back from slot \
-                     {slot}: {e}; it is poisoned"
-                );
-                mm.vmstat().failed_faults.fetch_add(1, Relaxed);
-                let _ = mm.uffd().poison(dst, PAGE_SIZE);
-            }
-        }
-        mm.return_bounce(buf);
-    }
-
-    /// Copies one page to `dst` (registered, unmapped), retrying while the kernel still
-    /// counts the event as in progress.
-    fn place(&self, dst: usize, src: *const u8) {
-        let deadline = Instant::now() + Duration::from_secs(5);
-        loop {
-            match self.mm().uffd().copy(dst, src, PAGE_SIZE, false) {
-                Ok(()) => return,
-                Err(p) if p.busy() && Instant::now() < deadline => {
-                    std::thread::sleep(Duration::from_micros(100))
-                }
-                Err(p) => {
-                    eprintln!("uswap: cannot place a page moved by mremap at {dst:#x}: {p}");
-                    return;
-                }
-            }
+    fn poison_at(&self, dst: usize) -> Result<(), ()> {
+        match self.mm().uffd().poison(dst, PAGE_SIZE) {
+            Err(e) if e.raw_os_error() == Some(libc::EAGAIN) => Err(()),
+            _ => Ok(()),
         }
     }
 
@@ -216,6 +290,11 @@ impl FaultPath {
     /// the thread retry.
     pub fn foreign_fault(&self, addr: usize) {
         let page = addr & !(PAGE_SIZE - 1);
+        // Pages that left the region go in place before any range is handed back.
+        if self.has_pending() && !self.place_pending() {
+            let _ = self.mm().uffd().wake(page, PAGE_SIZE);
+            return;
+        }
         self.release_foreign(page, page + PAGE_SIZE);
         self.mm().vmstat().foreign_faults.fetch_add(1, Relaxed);
         let _ = self.mm().uffd().wake(page, PAGE_SIZE);

@@ -1,0 +1,297 @@
+//! What programs do to their memory, done to region memory: madvise, munmap, mremap,
+//! mprotect. Each must keep the kernel's meaning (never stale data, never silent zeros),
+//! give back what it frees, and leave the region's bookkeeping consistent.
+
+mod common;
+
+use common::{check, fill};
+use uswap_core::{Advice, Config, FaultMode, Region, PAGE_SIZE};
+
+const MIB: u64 = 1 << 20;
+
+fn region(size: u64, limit: u64, mode: FaultMode) -> Region {
+    let mut cfg = Config::new(limit);
+    cfg.fault_mode = mode;
+    Region::new(size, cfg).unwrap()
+}
+
+/// Waits (up to 5 s) for `done`: the bookkeeping of a vma event follows the program's
+/// system call, which returns as soon as uswap has read the event.
+fn eventually(what: &str, done: impl Fn() -> bool) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    while !done() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "never happened: {what}"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+}
+
+fn page_ptr(r: &Region, page: usize) -> *mut u8 {
+    unsafe { r.as_ptr().add(page * PAGE_SIZE) }
+}
+
+fn is_zero(r: &Region, page: usize) -> bool {
+    let p = page_ptr(r, page) as *const u64;
+    (0..PAGE_SIZE / 8).all(|i| unsafe { p.add(i).read_volatile() } == 0)
+}
+
+/// Fills every page, then leaves pages 0..64 swapped out, 64..96 inactive (in memory,
+/// unmapped) and the rest of the first 128 mapped.
+fn mixed_states(r: &Region) {
+    for p in 0..r.len() / PAGE_SIZE {
+        unsafe { fill(r.as_ptr(), p, 1) };
+    }
+    for p in 64..128 {
+        unsafe { check(r.as_ptr(), p, 1) }.unwrap();
+    }
+    r.advise(0, 64 * PAGE_SIZE, Advice::PageOut).unwrap();
+    r.advise(64 * PAGE_SIZE, 32 * PAGE_SIZE, Advice::Cold)
+        .unwrap();
+}
+
+fn dontneed_reads_zeros(mode: FaultMode, advice: libc::c_int) {
+    let r = region(8 * MIB, 2 * MIB, mode);
+    mixed_states(&r);
+    let before = r.stats();
+    let rc = unsafe { libc::madvise(r.as_ptr().cast(), 128 * PAGE_SIZE, advice) };
+    assert_eq!(rc, 0, "{}", std::io::Error::last_os_error());
+    for p in 0..128 {
+        assert!(is_zero(&r, p), "page {p} kept its old data after madvise");
+    }
+    eventually("128 pages discarded", || {
+        r.stats().vmstat.pgdiscard - before.vmstat.pgdiscard == 128
+    });
+    let after = r.stats();
+    assert!(
+        after.swap_used_pages + 64 <= before.swap_used_pages,
+        "the discarded pages' slots are freed: {} -> {}",
+        before.swap_used_pages,
+        after.swap_used_pages
+    );
+    for p in 128..r.len() / PAGE_SIZE {
+        unsafe { check(r.as_ptr(), p, 1) }.unwrap();
+    }
+    r.check_invariants().unwrap();
+    // The discarded range is ordinary memory again: written, swapped and read back.
+    for p in 0..128 {
+        unsafe { fill(r.as_ptr(), p, 2) };
+    }
+    r.advise(0, r.len(), Advice::PageOut).unwrap();
+    for p in 0..128 {
+        unsafe { check(r.as_ptr(), p, 2) }.unwrap();
+    }
+    r.check_invariants().unwrap();
+}
+
+#[test]
+fn dontneed_over_swapped_inactive_and_mapped_pages_reads_zeros_thread_mode() {
+    dontneed_reads_zeros(FaultMode::Thread, libc::MADV_DONTNEED);
+}
+
+#[test]
+fn dontneed_over_swapped_inactive_and_mapped_pages_reads_zeros_sigbus_mode() {
+    dontneed_reads_zeros(FaultMode::Sigbus, libc::MADV_DONTNEED);
+}
+
+#[test]
+fn madv_free_frees_and_reads_zeros() {
+    dontneed_reads_zeros(FaultMode::Thread, libc::MADV_FREE);
+}
+
+fn mremap_within(mode: FaultMode) {
+    let r = region(8 * MIB, 2 * MIB, mode);
+    mixed_states(&r);
+    // Move pages 0..128 (swapped, inactive, mapped) onto pages 1024..1152 of the region.
+    let to = page_ptr(&r, 1024);
+    let got = unsafe {
+        libc::mremap(
+            r.as_ptr().cast(),
+            128 * PAGE_SIZE,
+            128 * PAGE_SIZE,
+            libc::MREMAP_MAYMOVE | libc::MREMAP_FIXED,
+            to,
+        )
+    };
+    assert_eq!(got, to.cast(), "{}", std::io::Error::last_os_error());
+    for i in 0..128 {
+        let p = unsafe { to.add(i * PAGE_SIZE) } as *const u64;
+        let first = unsafe { p.read_volatile() };
+        assert_eq!(first, common::word(i, 1, 0), "moved page {i} lost its data");
+    }
+    eventually("128 pages remapped", || r.stats().vmstat.pgremap == 128);
+    r.check_invariants().unwrap();
+    // Pages not moved are untouched, and the moved ones keep swapping.
+    r.advise(0, r.len(), Advice::PageOut).unwrap();
+    for i in 0..128 {
+        let p = unsafe { to.add(i * PAGE_SIZE) } as *const u64;
+        assert_eq!(unsafe { p.read_volatile() }, common::word(i, 1, 0));
+    }
+    for p in (128..1024).chain(1152..r.len() / PAGE_SIZE) {
+        unsafe { check(r.as_ptr(), p, 1) }.unwrap();
+    }
+    r.check_invariants().unwrap();
+}
+
+#[test]
+fn mremap_within_the_region_moves_swapped_and_inactive_pages_with_their_data_thread_mode() {
+    mremap_within(FaultMode::Thread);
+}
+
+#[test]
+fn mremap_within_the_region_moves_swapped_and_inactive_pages_with_their_data_sigbus_mode() {
+    mremap_within(FaultMode::Sigbus);
+}
+
+fn mremap_out(mode: FaultMode) {
+    let r = region(8 * MIB, 2 * MIB, mode);
+    mixed_states(&r);
+    let slots = r.stats().swap_used_pages;
+    // Grow and move: the kernel picks a new address outside the region.
+    let got = unsafe {
+        libc::mremap(
+            r.as_ptr().cast(),
+            128 * PAGE_SIZE,
+            256 * PAGE_SIZE,
+            libc::MREMAP_MAYMOVE,
+        )
+    };
+    assert_ne!(got, libc::MAP_FAILED, "{}", std::io::Error::last_os_error());
+    let out = got as *mut u8;
+    assert!(
+        (out as usize) < r.as_ptr() as usize || out as usize >= r.as_ptr() as usize + r.len(),
+        "the kernel moved it out of the region"
+    );
+    for i in 0..128 {
+        let p = unsafe { out.add(i * PAGE_SIZE) } as *const u64;
+        assert_eq!(
+            unsafe { p.read_volatile() },
+            common::word(i, 1, 0),
+            "page {i}"
+        );
+    }
+    for i in 128..256 {
+        let p = unsafe { out.add(i * PAGE_SIZE) } as *const u64;
+        assert_eq!(
+            unsafe { p.read_volatile() },
+            0,
+            "grown page {i} reads as zero"
+        );
+        unsafe { (p as *mut u64).write_volatile(i as u64) };
+    }
+    eventually("moved-out pages free their slots", || {
+        r.stats().swap_used_pages + 64 <= slots
+    });
+    r.check_invariants().unwrap();
+    for p in 128..r.len() / PAGE_SIZE {
+        unsafe { check(r.as_ptr(), p, 1) }.unwrap();
+    }
+    unsafe { libc::munmap(out.cast(), 256 * PAGE_SIZE) };
+}
+
+#[test]
+fn mremap_out_of_the_region_keeps_every_page_thread_mode() {
+    mremap_out(FaultMode::Thread);
+}
+
+#[test]
+fn mremap_out_of_the_region_keeps_every_page_sigbus_mode() {
+    mremap_out(FaultMode::Sigbus);
+}
+
+#[test]
+fn mremap_shrink_then_grow_in_place_reads_zeros_in_the_regrown_part() {
+    let r = region(4 * MIB, MIB, FaultMode::Thread);
+    mixed_states(&r);
+    let base = r.as_ptr();
+    // Shrink pages 0..128 to 0..32: 32..128 are unmapped.
+    let got = unsafe { libc::mremap(base.cast(), 128 * PAGE_SIZE, 32 * PAGE_SIZE, 0) };
+    assert_eq!(got, base.cast(), "{}", std::io::Error::last_os_error());
+    eventually("96 pages unmapped", || r.stats().vmstat.pgunmap == 96);
+    r.check_invariants().unwrap();
+    // Grow back in place over the hole.
+    let got = unsafe { libc::mremap(base.cast(), 32 * PAGE_SIZE, 128 * PAGE_SIZE, 0) };
+    assert_eq!(got, base.cast(), "{}", std::io::Error::last_os_error());
+    for p in 0..32 {
+        unsafe { check(base, p, 1) }.unwrap();
+    }
+    for p in 32..128 {
+        assert!(is_zero(&r, p), "regrown page {p} must read as zero");
+        unsafe { fill(base, p, 3) };
+    }
+    r.advise(0, r.len(), Advice::PageOut).unwrap();
+    for p in 32..128 {
+        unsafe { check(base, p, 3) }.unwrap();
+    }
+    r.check_invariants().unwrap();
+}
+
+#[test]
+fn munmap_gives_back_and_drop_leaves_a_later_mapping_alone() {
+    let r = region(4 * MIB, MIB, FaultMode::Thread);
+    mixed_states(&r);
+    let slots = r.stats().swap_used_pages;
+    let hole = page_ptr(&r, 0);
+    assert_eq!(unsafe { libc::munmap(hole.cast(), 128 * PAGE_SIZE) }, 0);
+    eventually("128 pages unmapped", || r.stats().vmstat.pgunmap == 128);
+    assert!(r.stats().swap_used_pages + 64 <= slots);
+    r.check_invariants().unwrap();
+    // Someone else maps the hole.
+    let other = unsafe {
+        libc::mmap(
+            hole.cast(),
+            128 * PAGE_SIZE,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_FIXED_NOREPLACE,
+            -1,
+            0,
+        )
+    };
+    assert_eq!(other, hole.cast(), "{}", std::io::Error::last_os_error());
+    unsafe { (other as *mut u64).write_volatile(0xfeed) };
+    for p in 128..r.len() / PAGE_SIZE {
+        unsafe { check(r.as_ptr(), p, 1) }.unwrap();
+    }
+    drop(r);
+    assert_eq!(
+        unsafe { (other as *const u64).read_volatile() },
+        0xfeed,
+        "dropping the region must not unmap what was mapped in its hole"
+    );
+    unsafe { libc::munmap(other, 128 * PAGE_SIZE) };
+}
+
+fn mprotected(mode: FaultMode) {
+    let r = region(8 * MIB, 2 * MIB, mode);
+    let pages = r.len() / PAGE_SIZE;
+    for p in 0..pages {
+        unsafe { fill(r.as_ptr(), p, 1) };
+    }
+    // Pages 0..64 are read-only now: reclaim cannot move them, but may not stop either.
+    let rc = unsafe { libc::mprotect(r.as_ptr().cast(), 64 * PAGE_SIZE, libc::PROT_READ) };
+    assert_eq!(rc, 0);
+    for round in 0..3 {
+        for p in 0..pages {
+            unsafe { check(r.as_ptr(), p, 1) }.unwrap_or_else(|e| panic!("round {round}: {e}"));
+        }
+    }
+    let s = r.stats().vmstat;
+    assert!(s.pswpout > 0 && s.pswpin > 0, "reclaim went on: {s:?}");
+    assert!(
+        s.pgskip_unmovable > 0,
+        "the read-only pages were skipped: {s:?}"
+    );
+    r.check_invariants().unwrap();
+    assert_eq!(s.failed_faults, 0);
+}
+
+#[test]
+fn mprotected_pages_are_skipped_and_reclaim_goes_on_thread_mode() {
+    mprotected(FaultMode::Thread);
+}
+
+#[test]
+fn mprotected_pages_are_skipped_and_reclaim_goes_on_sigbus_mode() {
+    mprotected(FaultMode::Sigbus);
+}
