@@ -43,6 +43,8 @@ pub(crate) struct FaultPath {
     /// Bounds of the addresses those pages go to, for the SIGBUS handler.
     pub(crate) pending_lo: AtomicUsize,
     pub(crate) pending_hi: AtomicUsize,
+    /// Test hook: the next full fault resolution panics (see `Region::inject_handler_panic`).
+    inject_panic: std::sync::atomic::AtomicBool,
 }
 
 impl FaultPath {
@@ -54,6 +56,7 @@ impl FaultPath {
             placements: Default::default(),
             pending_lo: AtomicUsize::new(usize::MAX),
             pending_hi: AtomicUsize::new(0),
+            inject_panic: Default::default(),
         }
     }
 
@@ -63,6 +66,12 @@ impl FaultPath {
 
     pub fn mm(&self) -> &Mm {
         self.reclaim.mm()
+    }
+
+    /// Makes the next full fault resolution panic, to test that a dying handler fails the
+    /// fault it held loudly.
+    pub fn inject_panic(&self) {
+        self.inject_panic.store(true, Relaxed);
     }
 
     /// Marks the start and end of reading and handling a vma event (see `vma.rs`).
@@ -87,6 +96,9 @@ impl FaultPath {
         mm.vmstat().pgfault.fetch_add(1, Relaxed);
         let start = Instant::now();
         let lock = mm.pages().lock(page);
+        if self.inject_panic.load(Relaxed) && self.inject_panic.swap(false, Relaxed) {
+            panic!("injected fault-handler panic (test hook)");
+        }
         match lock.kind() {
             Kind::Active => self.fault_on_active(lock, write_protect),
             Kind::None => self
@@ -180,17 +192,20 @@ impl FaultPath {
     /// freed and the page becomes writable (dirty).
     fn write_fault(&self, mut lock: PageLock<'_>) -> Outcome {
         let mm = self.mm();
-        let addr = mm.page_addr(lock.page());
-        if let Err(e) = mm.uffd().write_protect(addr, PAGE_SIZE, false) {
-            if matches!(e.raw_os_error(), Some(libc::ENOENT | libc::EAGAIN)) {
-                return Outcome::Retry;
-            }
-            return self.fail(lock, "cannot make the page writable", false);
-        }
+        // The slot goes first: clearing the protection wakes the thread, which must find the
+        // page dirty by then. A page whose protection then stays is made writable by its
+        // next write fault.
         if let Some(slot) = lock.dirty() {
             mm.release_slot(slot);
         }
-        Outcome::Resolved
+        let addr = mm.page_addr(lock.page());
+        match mm.uffd().write_protect(addr, PAGE_SIZE, false) {
+            Ok(()) => Outcome::Resolved,
+            Err(e) if matches!(e.raw_os_error(), Some(libc::ENOENT | libc::EAGAIN)) => {
+                Outcome::Retry
+            }
+            Err(_) => self.fail(lock, "cannot make the page writable", false),
+        }
     }
 
     /// Zero-fills the faulting page and its untouched neighbours in its fault-around window

@@ -130,7 +130,12 @@ fn handle_message(fault: &FaultPath, event: Event) {
     match outcome {
         Ok(Outcome::Resolved) => {}
         Ok(Outcome::Retry) => fault.mm().wake(page),
-        Ok(Outcome::Fatal) => kill_faulting_thread(tid),
+        Ok(Outcome::Fatal) => {
+            kill_faulting_thread(tid);
+            // A kernel access (GUP: mlock, read(2) into the page) may wait uninterruptibly:
+            // woken, it sees the fatal signal and gives up instead of waiting forever.
+            fault.mm().wake(page);
+        }
         Err(_) => {
             // The page lock was released as the panic unwound; the fault it held fails
             // loudly instead of hanging, and the handler goes on serving.
@@ -140,6 +145,7 @@ fn handle_message(fault: &FaultPath, event: Event) {
                  fails with SIGBUS"
             );
             kill_faulting_thread(tid);
+            fault.mm().wake(page);
         }
     }
 }

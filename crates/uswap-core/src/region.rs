@@ -259,6 +259,14 @@ impl Region {
         self.fault.check_invariants()
     }
 
+    /// Test hook: the next fault that needs the full path (swap-in, reclaim) panics inside
+    /// uswap, as a bug would. The fault it held must fail loudly (SIGBUS for the faulting
+    /// thread, counted in `handler_panics`), never hang.
+    #[doc(hidden)]
+    pub fn inject_handler_panic(&self) {
+        self.fault.inject_panic();
+    }
+
     /// Applies `advice` to the pages overlapping `[offset, offset + len)`.
     pub fn advise(&self, offset: usize, len: usize, advice: Advice) -> Result<()> {
         let end = offset

@@ -116,12 +116,54 @@ fn unprivileged() {
     }
 }
 
+/// A bug inside uswap (a panic while resolving a fault) fails that access loudly.
+fn handler_panics(mode: FaultMode) {
+    let mut cfg = Config::new(1 << 20);
+    cfg.fault_mode = mode;
+    let region = Region::new(2 << 20, cfg).unwrap();
+    for p in 0..region.len() / PAGE_SIZE {
+        unsafe { common::fill(region.as_ptr(), p, 1) };
+    }
+    region.advise(0, region.len(), Advice::PageOut).unwrap();
+    region.inject_handler_panic();
+    println!("armed");
+    std::io::stdout().flush().unwrap();
+    let word = unsafe { (region.as_ptr().add(3 * PAGE_SIZE) as *const u64).read_volatile() };
+    println!("read {word:#x} through a panicking handler");
+}
+
+/// The program makes every page it has read-only, then needs more: nothing can be
+/// reclaimed (reclaim cannot move pages out of a read-only range), and the failure says why.
+fn unmovable() {
+    let mut cfg = Config::new(1 << 20);
+    cfg.fault_around = 1;
+    let region = Region::new(4 << 20, cfg).unwrap();
+    for p in 0..240 {
+        unsafe { common::fill(region.as_ptr(), p, 1) };
+    }
+    let rc = unsafe { libc::mprotect(region.as_ptr().cast(), region.len(), libc::PROT_READ) };
+    assert_eq!(rc, 0, "mprotect: {}", std::io::Error::last_os_error());
+    println!("protected");
+    std::io::stdout().flush().unwrap();
+    let mut sum = 0u64;
+    for p in 240..region.len() / PAGE_SIZE {
+        sum += unsafe { (region.as_ptr().add(p * PAGE_SIZE) as *const u64).read_volatile() };
+    }
+    println!("read {} pages ({sum})", region.len() / PAGE_SIZE);
+}
+
 fn child(name: &str, arg: Option<&String>) {
+    // As in a C program: no SIGBUS handler. (Rust's own, for stack overflows, swallows the
+    // first SIGBUS a thread is sent and lets the access retry.)
+    unsafe { libc::signal(libc::SIGBUS, libc::SIG_DFL) };
     match name {
         "corrupt-thread" => corrupt_then_touch(FaultMode::Thread),
         "corrupt-sigbus" => corrupt_then_touch(FaultMode::Sigbus),
         "disk-fills-up" => disk_fills_up(arg.expect("a directory")),
         "unprivileged" => unprivileged(),
+        "panic-thread" => handler_panics(FaultMode::Thread),
+        "panic-sigbus" => handler_panics(FaultMode::Sigbus),
+        "unmovable" => unmovable(),
         _ => panic!("unknown scenario {name}"),
     }
 }
@@ -188,6 +230,8 @@ fn main() {
     let filter = args.iter().skip(1).find(|a| !a.starts_with('-'));
     let corrupt: &[&str] = &["fails with SIGBUS", "checksum"];
     let full: &[&str] = &["fails with SIGBUS", "out of memory", "swap"];
+    let panicked: &[&str] = &["panicked", "injected fault-handler panic"];
+    let locked: &[&str] = &["fails with SIGBUS", "out of memory", "mprotected"];
     let scenarios = [
         (
             "corrupted_page_kills_the_user_access_thread_mode",
@@ -206,6 +250,24 @@ fn main() {
             "disk-fills-up",
             "verified",
             full,
+        ),
+        (
+            "a_panicking_handler_fails_its_fault_loudly_thread_mode",
+            "panic-thread",
+            "armed",
+            panicked,
+        ),
+        (
+            "a_panicking_handler_fails_its_fault_loudly_sigbus_mode",
+            "panic-sigbus",
+            "armed",
+            panicked,
+        ),
+        (
+            "nothing_reclaimable_fails_loudly_and_says_why",
+            "unmovable",
+            "protected",
+            locked,
         ),
     ];
     let mut failed = 0;
