@@ -93,6 +93,7 @@ fn stress(io: IoMode) {
         location: SwapLocation::TempIn(dir.path().into()),
         size: Some(2 << 20),
         io,
+        faults: None,
     };
     let dev = SwapDevice::open(&cfg).unwrap();
     let owners: Arc<Vec<AtomicBool>> = Arc::new(

@@ -2,7 +2,9 @@
 //! written slot (mm/swapfile.c).
 //!
 //! Checksums are kept in memory only, so a page read back is verified against what was
-//! written in this process: bad data never reaches the region silently.
+//! written in this process: bad data never reaches the region silently. A page whose
+//! checksum does not match is read again a few times before it is given up: the first read
+//! may have gone bad in transit.
 
 mod backing;
 mod cluster;
@@ -52,12 +54,47 @@ pub enum ReadError {
     NeverWritten { slot: SlotId },
 }
 
+/// Reads of a page whose checksum does not match before it is given up: the first and
+/// three re-reads.
+pub const READ_TRIES: u32 = 4;
+
+/// The swap device's I/O counters at one moment.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub struct IoStats {
+    /// Transfers tried again after a transient error (EAGAIN, EINTR, ENOMEM, EBUSY, EIO on
+    /// a read) or a short transfer.
+    pub io_retries: u64,
+    /// Pages read again because their checksum did not match.
+    pub rereads: u64,
+    /// Reads whose checksum mismatch a re-read cured.
+    pub reread_healed: u64,
+    /// Faults injected by the configured [`crate::config::FaultPlan`].
+    pub injected_faults: u64,
+    /// Page reads that failed with an I/O error after every retry.
+    pub read_errors: u64,
+    /// Page reads whose checksum still did not match after every re-read.
+    pub checksum_errors: u64,
+    /// Page writes that failed after every retry.
+    pub write_errors: u64,
+}
+
+/// The device's own counters (the I/O engine keeps the rest).
+#[derive(Default)]
+struct Counters {
+    rereads: AtomicU64,
+    reread_healed: AtomicU64,
+    read_errors: AtomicU64,
+    checksum_errors: AtomicU64,
+    write_errors: AtomicU64,
+}
+
 /// A swap file and its slots. Shared through `Arc` by every thread of a region.
 pub struct SwapDevice {
     file: File,
     io: IoEngine,
     direct: bool,
     backing: Backing,
+    counters: Counters,
     slots: ClusterAllocator,
     /// Slots the device may ever have (a growing file is not that long yet).
     capacity: u64,
@@ -76,6 +113,9 @@ impl SwapDevice {
     /// Creates the swap file as `cfg` says. A fixed size is allocated at once; without one
     /// the file grows in 64 MiB steps, up to the free space of its file system now.
     pub fn open(cfg: &SwapConfig) -> Result<Arc<SwapDevice>, Error> {
+        if let Some(plan) = &cfg.faults {
+            plan.validate()?;
+        }
         let dir = location_dir(&cfg.location);
         let file = open_file(&cfg.location)?;
         let backing = Backing::of_file(&file).unwrap_or(Backing::Other { fs_type: 0 });
@@ -99,11 +139,17 @@ impl SwapDevice {
             ),
         };
         let initial = if grown.is_some() { 0 } else { capacity };
+        let align = if direct {
+            direct_io_alignment(&file)
+        } else {
+            1
+        };
         Ok(Arc::new(SwapDevice {
             file,
-            io: IoEngine::new(cfg.io),
+            io: IoEngine::new(cfg.io, cfg.faults, align),
             direct,
             backing,
+            counters: Counters::default(),
             slots: ClusterAllocator::new(SWAPFILE_CLUSTER, initial),
             capacity,
             checksums: ChecksumTable::new(capacity),
@@ -187,15 +233,19 @@ impl SwapDevice {
             .collect();
         let results = self.io.run(&self.file, &ops);
         for (&(slot, src), result) in batch.iter().zip(&results) {
-            if result.is_ok() {
-                self.checksums.record(slot, page_checksum(src));
+            match result {
+                Ok(()) => self.checksums.record(slot, page_checksum(src)),
+                Err(_) => {
+                    self.counters.write_errors.fetch_add(1, Relaxed);
+                }
             }
         }
         results
     }
 
     /// Reads a slot into `dst` and verifies it against the checksum recorded when it was
-    /// written. On an error `dst` holds no usable data.
+    /// written; a mismatch is read again, up to [`READ_TRIES`] reads in all. On an error
+    /// `dst` holds no usable data.
     ///
     /// # Safety
     /// `dst` must be valid for writing 4096 bytes until this returns, and page-aligned.
@@ -205,21 +255,47 @@ impl SwapDevice {
             .checksums
             .get(slot)
             .ok_or(ReadError::NeverWritten { slot })?;
-        let op = PageOp::Read {
-            offset: slot_offset(slot),
-            dst,
-        };
-        let mut results = self.io.run(&self.file, &[op]);
-        results.pop().expect("one result per op")?;
-        let found = page_checksum(dst);
-        if found != expected {
-            return Err(ReadError::Checksum {
-                slot,
-                expected,
-                found,
-            });
+        let mut found = expected;
+        for read in 0..READ_TRIES {
+            let reread_follows = read + 1 < READ_TRIES;
+            if let Err(e) = self
+                .io
+                .read(&self.file, slot_offset(slot), dst, reread_follows)
+            {
+                self.counters.read_errors.fetch_add(1, Relaxed);
+                return Err(ReadError::Io(e));
+            }
+            found = page_checksum(dst);
+            if found == expected {
+                if read > 0 {
+                    self.counters.reread_healed.fetch_add(1, Relaxed);
+                }
+                return Ok(());
+            }
+            if reread_follows {
+                self.counters.rereads.fetch_add(1, Relaxed);
+            }
         }
-        Ok(())
+        self.counters.checksum_errors.fetch_add(1, Relaxed);
+        Err(ReadError::Checksum {
+            slot,
+            expected,
+            found,
+        })
+    }
+
+    /// The I/O counters: retries, re-reads, injected faults, errors.
+    pub fn io_stats(&self) -> IoStats {
+        let c = &self.counters;
+        IoStats {
+            io_retries: self.io.retries(),
+            rereads: c.rereads.load(Relaxed),
+            reread_healed: c.reread_healed.load(Relaxed),
+            injected_faults: self.io.injected(),
+            read_errors: c.read_errors.load(Relaxed),
+            checksum_errors: c.checksum_errors.load(Relaxed),
+            write_errors: c.write_errors.load(Relaxed),
+        }
     }
 
     /// What the swap file is stored on; [`Backing::in_memory`] when swapping to it saves no
@@ -340,6 +416,30 @@ fn enable_direct_io(file: &File) -> io::Result<bool> {
     match err.raw_os_error() {
         Some(libc::EINVAL) => Ok(false),
         _ => Err(err),
+    }
+}
+
+/// The file offset alignment direct I/O needs (statx `STATX_DIOALIGN`), or a page where
+/// the kernel does not say.
+fn direct_io_alignment(file: &File) -> usize {
+    let mut st = std::mem::MaybeUninit::<libc::statx>::zeroed();
+    // SAFETY: statx fills `st` on an empty path with AT_EMPTY_PATH.
+    let rc = unsafe {
+        libc::statx(
+            file.as_raw_fd(),
+            c"".as_ptr(),
+            libc::AT_EMPTY_PATH,
+            libc::STATX_DIOALIGN,
+            st.as_mut_ptr(),
+        )
+    };
+    // SAFETY: zeroed, and filled when rc is 0.
+    let st = unsafe { st.assume_init() };
+    let align = st.stx_dio_offset_align as usize;
+    if rc == 0 && st.stx_mask & libc::STATX_DIOALIGN != 0 && align.is_power_of_two() {
+        align.min(PAGE_SIZE)
+    } else {
+        PAGE_SIZE
     }
 }
 
@@ -466,12 +566,28 @@ impl ChecksumTable {
 #[cfg(all(test, not(loom)))]
 mod tests {
     use super::*;
+    use crate::config::FaultPlan;
     use crate::swap_io::tests::uring_allowed;
     use crate::swap_io::PageBuf;
     use std::os::unix::fs::{FileExt, MetadataExt, PermissionsExt};
 
     fn config(location: SwapLocation, size: Option<u64>, io: IoMode) -> SwapConfig {
-        SwapConfig { location, size, io }
+        SwapConfig {
+            location,
+            size,
+            io,
+            faults: None,
+        }
+    }
+
+    /// A 1 MiB device in a fresh temp dir that injects `faults`.
+    fn faulty_device(io: IoMode, faults: FaultPlan) -> (tempfile::TempDir, Arc<SwapDevice>) {
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = SwapConfig {
+            faults: Some(faults),
+            ..config(SwapLocation::TempIn(dir.path().into()), Some(1 << 20), io)
+        };
+        (dir, SwapDevice::open(&cfg).unwrap())
     }
 
     /// The device's file opened again (through /proc, as it has no name), without
@@ -594,6 +710,9 @@ mod tests {
             }
             other => panic!("expected a checksum error, got {:?}", other.map(|_| ())),
         }
+        let stats = dev.io_stats();
+        assert_eq!(stats.rereads, u64::from(READ_TRIES - 1));
+        assert_eq!((stats.checksum_errors, stats.reread_healed), (1, 0));
         assert_eq!(
             read(&dev, slots[3]).unwrap().as_slice(),
             pages[3].as_slice()
@@ -769,6 +888,128 @@ mod tests {
         }
         assert_eq!(std::fs::read(&file).unwrap(), b"precious");
         assert!(!target.exists(), "nothing created through the link");
+    }
+
+    #[test]
+    fn a_read_corrupted_in_transit_is_healed_by_a_reread() {
+        for io in [IoMode::Uring, IoMode::Pread] {
+            // Every read that a re-read follows comes back with a bit flipped.
+            let faults = FaultPlan {
+                read_flip: 1.0,
+                ..FaultPlan::default()
+            };
+            let (_dir, dev) = faulty_device(io, faults);
+            let slot = dev.alloc_slot().unwrap();
+            write(&dev, &[(slot, &page(21))]);
+            assert_eq!(read(&dev, slot).unwrap().as_slice(), page(21).as_slice());
+            let stats = dev.io_stats();
+            assert_eq!(stats.rereads, u64::from(READ_TRIES - 1), "{io:?}");
+            assert_eq!(stats.reread_healed, 1, "{io:?}");
+            assert_eq!(stats.injected_faults, u64::from(READ_TRIES - 1), "{io:?}");
+            assert_eq!(stats.checksum_errors, 0, "{io:?}");
+        }
+    }
+
+    #[test]
+    fn a_page_corrupted_on_its_way_to_the_device_fails_its_checksum() {
+        for io in [IoMode::Uring, IoMode::Pread] {
+            let faults = FaultPlan {
+                write_flip: 1.0,
+                ..FaultPlan::default()
+            };
+            let (_dir, dev) = faulty_device(io, faults);
+            let slot = dev.alloc_slot().unwrap();
+            write(&dev, &[(slot, &page(22))]);
+            assert!(
+                matches!(read(&dev, slot), Err(ReadError::Checksum { .. })),
+                "{io:?}"
+            );
+            let stats = dev.io_stats();
+            assert_eq!((stats.checksum_errors, stats.reread_healed), (1, 0));
+            assert_eq!(stats.rereads, u64::from(READ_TRIES - 1));
+        }
+    }
+
+    #[test]
+    fn io_errors_are_counted_after_their_retries() {
+        for io in [IoMode::Uring, IoMode::Pread] {
+            let faults = FaultPlan {
+                read_eio_persistent: 1.0,
+                write_enospc: 0.5,
+                seed: 3,
+                ..FaultPlan::default()
+            };
+            let (_dir, dev) = faulty_device(io, faults);
+            let slots: Vec<SlotId> = (0..40).map(|_| dev.alloc_slot().unwrap()).collect();
+            let pages: Vec<PageBuf> = (0..40).map(page).collect();
+            let batch: Vec<(SlotId, *const u8)> = slots
+                .iter()
+                .zip(&pages)
+                .map(|(&s, p)| (s, p.as_ptr()))
+                .collect();
+            let results = unsafe { dev.write_pages(&batch) };
+            let failed = results.iter().filter(|r| r.is_err()).count() as u64;
+            assert!(failed > 5 && failed < 35, "{io:?}: {failed}");
+            let written = slots
+                .iter()
+                .zip(&results)
+                .find(|(_, r)| r.is_ok())
+                .unwrap()
+                .0;
+            let err = read(&dev, *written).err().expect("a read error");
+            assert!(matches!(&err, ReadError::Io(e) if e.raw_os_error() == Some(libc::EIO)));
+            let stats = dev.io_stats();
+            assert_eq!(stats.write_errors, failed, "{io:?}");
+            assert_eq!(stats.read_errors, 1, "{io:?}");
+            assert_eq!(
+                stats.io_retries,
+                u64::from(crate::swap_io::READ_EIO_TRIES - 1)
+            );
+            assert_eq!(stats.injected_faults, failed + 1, "{io:?}");
+        }
+    }
+
+    #[test]
+    fn transient_faults_never_reach_the_caller() {
+        for io in [IoMode::Uring, IoMode::Pread] {
+            let (_dir, dev) = faulty_device(io, FaultPlan::transient(7, 0.15));
+            let slots: Vec<SlotId> = (0..200).map(|_| dev.alloc_slot().unwrap()).collect();
+            let pages: Vec<PageBuf> = slots.iter().map(|&s| page(u64::from(s) + 50)).collect();
+            let batch: Vec<(SlotId, &PageBuf)> = slots.iter().copied().zip(&pages).collect();
+            write(&dev, &batch);
+            for _ in 0..3 {
+                for (slot, expected) in &batch {
+                    assert!(
+                        read(&dev, *slot).unwrap().as_slice() == expected.as_slice(),
+                        "{io:?} slot {slot}"
+                    );
+                }
+            }
+            let stats = dev.io_stats();
+            assert!(stats.io_retries > 50, "{io:?}: {stats:?}");
+            assert!(stats.reread_healed > 10, "{io:?}: {stats:?}");
+            assert_eq!(
+                stats.read_errors + stats.write_errors + stats.checksum_errors,
+                0
+            );
+        }
+    }
+
+    #[test]
+    fn a_bad_fault_plan_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = SwapConfig {
+            faults: Some(FaultPlan {
+                eagain: -1.0,
+                ..FaultPlan::default()
+            }),
+            ..config(SwapLocation::TempIn(dir.path().into()), None, IoMode::Pread)
+        };
+        let msg = SwapDevice::open(&cfg).err().expect("an error").to_string();
+        assert!(
+            msg.contains("fault plan") && msg.contains("eagain"),
+            "{msg}"
+        );
     }
 
     #[test]
