@@ -13,7 +13,7 @@
 //!   must never see a wrong page.
 //!
 //! `USWAP_SOAK_ACCESSES` sets the verified accesses per scenario (default 25000) for a
-//! long run.
+//! long run; `USWAP_SOAK_SEED` varies the injected faults (default 0).
 
 mod common;
 
@@ -33,11 +33,15 @@ const DEFAULT_ACCESSES: u64 = 25_000;
 /// Exit status of a child that saw a wrong page.
 const WRONG_PAGE: i32 = 3;
 
-fn accesses() -> u64 {
-    std::env::var("USWAP_SOAK_ACCESSES")
+fn env_number(name: &str, default: u64) -> u64 {
+    std::env::var(name)
         .ok()
-        .map(|v| v.parse().expect("USWAP_SOAK_ACCESSES: a number"))
-        .unwrap_or(DEFAULT_ACCESSES)
+        .map(|v| v.parse().unwrap_or_else(|_| panic!("{name}: a number")))
+        .unwrap_or(default)
+}
+
+fn accesses() -> u64 {
+    env_number("USWAP_SOAK_ACCESSES", DEFAULT_ACCESSES)
 }
 
 /// Faults that clear before the retries run out: nothing may be lost.
@@ -53,11 +57,14 @@ fn transient(seed: u64) -> FaultPlan {
     }
 }
 
-/// Transient faults plus bits flipped on the device and bad sectors.
-fn permanent(seed: u64) -> FaultPlan {
+/// Transient faults plus bits flipped on the device and bad sectors, at rates that put
+/// the first lost page somewhere in the run (or none), so that many accesses are checked
+/// on either side of it.
+fn permanent(seed: u64, accesses: u64) -> FaultPlan {
+    let per_run = 1.0 / accesses.max(1) as f64;
     FaultPlan {
-        write_flip: 0.0002,
-        read_eio_persistent: 0.0001,
+        write_flip: 2.0 * per_run,
+        read_eio_persistent: per_run,
         ..transient(seed)
     }
 }
@@ -123,10 +130,11 @@ fn worker(region: &Region, base: Base, thread: usize, accesses: u64) -> u64 {
 
 /// The child: runs the workload under `faults` and prints what happened.
 fn child(kind: &str, mode: FaultMode, io: IoMode) {
-    let seed = 0x5eed ^ ((mode as u64) << 8) ^ ((io as u64) << 4);
+    let seed =
+        env_number("USWAP_SOAK_SEED", 0) ^ 0x5eed ^ ((mode as u64) << 8) ^ ((io as u64) << 4);
     let faults = match kind {
         "transient" => transient(seed),
-        "permanent" => permanent(seed),
+        "permanent" => permanent(seed, accesses()),
         _ => panic!("unknown fault kind {kind}"),
     };
     let mut cfg = Config::new(MEMORY as u64);
