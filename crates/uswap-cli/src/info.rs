@@ -1,13 +1,148 @@
-//! `uswap info`: what this kernel offers uswap.
+//! `uswap info`: what this kernel offers uswap, and what the default swap directory is.
 
 use anyhow::{Context, Result};
+use serde::Serialize;
+use std::path::PathBuf;
+use uswap_core::swapfile::{Backing, SwapDevice};
+use uswap_core::{IoMode, SwapConfig, SwapLocation, PAGE_SIZE};
+
+/// The default swap directory ($TMPDIR), as a swap device opened there sees it.
+#[derive(Serialize)]
+struct SwapDir {
+    path: PathBuf,
+    /// The file system, or `None` when no swap file could be created there.
+    backing: Option<Backing>,
+    /// Whether swap there lives in RAM (tmpfs, ramfs).
+    in_memory: Option<bool>,
+    direct_io: Option<bool>,
+    io_mode: Option<IoMode>,
+    free_bytes: Option<u64>,
+    /// Why no swap file could be created there.
+    error: Option<String>,
+}
+
+impl SwapDir {
+    fn probe(path: PathBuf) -> SwapDir {
+        let cfg = SwapConfig {
+            location: SwapLocation::TempIn(path.clone()),
+            ..SwapConfig::default()
+        };
+        match SwapDevice::open(&cfg) {
+            Ok(dev) => SwapDir {
+                path,
+                backing: Some(dev.backing()),
+                in_memory: Some(dev.backing().in_memory()),
+                direct_io: Some(dev.direct_io()),
+                io_mode: Some(dev.io_mode()),
+                free_bytes: Some(dev.capacity_pages() * PAGE_SIZE as u64),
+                error: None,
+            },
+            Err(e) => SwapDir {
+                path,
+                backing: None,
+                in_memory: None,
+                direct_io: None,
+                io_mode: None,
+                free_bytes: None,
+                error: Some(e.to_string()),
+            },
+        }
+    }
+}
+
+impl std::fmt::Display for SwapDir {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "swap directory: {}", self.path.display())?;
+        if let Some(e) = &self.error {
+            return write!(f, " (unusable: {e})");
+        }
+        if let (Some(backing), Some(direct), Some(io), Some(free)) =
+            (self.backing, self.direct_io, self.io_mode, self.free_bytes)
+        {
+            let io = match io {
+                IoMode::Uring => "io_uring",
+                IoMode::Pread => "pread",
+            };
+            write!(
+                f,
+                "\n  file system: {backing}\n  direct I/O: {}, I/O: {io}, free: {}",
+                if direct { "yes" } else { "no (buffered)" },
+                crate::report::size(free)
+            )?;
+            if backing.in_memory() {
+                write!(
+                    f,
+                    "\n  warning: swapping here saves no memory; point --swap-dir (or TMPDIR) \
+                     at a disk"
+                )?;
+            }
+        }
+        Ok(())
+    }
+}
+
+#[derive(Serialize)]
+struct Info {
+    #[serde(flatten)]
+    probe: uswap_core::Probe,
+    swap_dir: SwapDir,
+}
 
 pub fn run(json: bool) -> Result<()> {
     let probe = uswap_core::probe().context("probing the kernel for userfaultfd support")?;
+    let swap_dir = SwapDir::probe(std::env::temp_dir());
     if json {
-        crate::report::json(&probe)
+        crate::report::json(&Info { probe, swap_dir })
     } else {
         println!("{probe}");
+        println!("{swap_dir}");
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_swap_dir_in_ram_is_flagged() {
+        let shm = PathBuf::from("/dev/shm");
+        if Backing::of_path(&shm).ok() != Some(Backing::Tmpfs) {
+            eprintln!("skipped: /dev/shm is not tmpfs here");
+            return;
+        }
+        let dir = SwapDir::probe(shm);
+        assert_eq!(dir.in_memory, Some(true));
+        let text = dir.to_string();
+        assert!(
+            text.contains("tmpfs (swap in RAM counts against the same memory)")
+                && text.contains("warning: swapping here saves no memory"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn a_swap_dir_on_disk_shows_its_file_system_and_space() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = SwapDir::probe(tmp.path().into());
+        let backing = dir.backing.expect("a usable directory");
+        let text = dir.to_string();
+        assert!(
+            text.contains(&format!("file system: {backing}")) && text.contains("free: "),
+            "{text}"
+        );
+        assert_eq!(text.contains("warning"), backing.in_memory(), "{text}");
+        assert_eq!(std::fs::read_dir(tmp.path()).unwrap().count(), 0);
+    }
+
+    #[test]
+    fn an_unusable_swap_dir_is_reported_not_fatal() {
+        let dir = SwapDir::probe("/nonexistent/uswap-dir".into());
+        assert!(dir.backing.is_none());
+        let text = dir.to_string();
+        assert!(
+            text.contains("/nonexistent/uswap-dir") && text.contains("unusable"),
+            "{text}"
+        );
     }
 }

@@ -101,7 +101,9 @@ impl FromStr for IoMode {
 pub enum SwapLocation {
     /// An unlinked `O_TMPFILE` (mode 0600) in this directory: nothing is left behind.
     TempIn(PathBuf),
-    /// A named file, created (mode 0600) or truncated; removed when the device is dropped.
+    /// A new file at this path (mode 0600), unlinked as soon as it is open, so nothing is
+    /// left behind even on a crash. An existing path (or a symbolic link) is refused, never
+    /// overwritten.
     File(PathBuf),
 }
 
@@ -119,6 +121,9 @@ pub struct SwapConfig {
     /// its file system, checked when a region is created).
     pub size: Option<u64>,
     pub io: IoMode,
+    /// Faults to inject into the device's I/O, for tests. `None` (the default) costs
+    /// nothing.
+    pub faults: Option<FaultPlan>,
 }
 
 impl Default for SwapConfig {
@@ -127,7 +132,102 @@ impl Default for SwapConfig {
             location: SwapLocation::default(),
             size: None,
             io: IoMode::Uring,
+            faults: None,
         }
+    }
+}
+
+/// I/O faults to inject, each as a probability per I/O attempt (0.0 to 1.0), applied inside
+/// the swap device's I/O engine in both I/O modes, so everything above it sees them as it
+/// would see a failing disk.
+///
+/// Transient faults (`eagain`, `short_read`, `short_write`, `read_eio`, `read_flip`) model
+/// trouble that clears before the retry budget does: they never strike an operation's last
+/// allowed try, so with only these a correct stack loses nothing. Permanent faults
+/// (`read_eio_persistent`, `write_flip`) and write failures (`write_eio`, `write_enospc`,
+/// not retried) may lose or refuse data.
+///
+/// Decisions come from a splitmix64 stream seeded with `seed`: the same sequence of
+/// operations meets the same faults.
+#[derive(Clone, Copy, Debug, Default, PartialEq, serde::Serialize)]
+pub struct FaultPlan {
+    pub seed: u64,
+    /// A read fails with EIO (transient: a later try succeeds).
+    pub read_eio: f64,
+    /// A read fails with EIO on every try (a bad sector).
+    pub read_eio_persistent: f64,
+    /// A write fails with EIO.
+    pub write_eio: f64,
+    /// A write fails with ENOSPC.
+    pub write_enospc: f64,
+    /// A read transfers less than asked; the bytes beyond are garbage.
+    pub short_read: f64,
+    /// A write transfers less than asked; the bytes beyond are garbage on the device.
+    pub short_write: f64,
+    /// Any transfer fails with EAGAIN.
+    pub eagain: f64,
+    /// A read returns a page with one bit flipped (in transit: a re-read gets good data).
+    pub read_flip: f64,
+    /// A write puts a page with one bit flipped on the device (permanent corruption).
+    pub write_flip: f64,
+}
+
+impl FaultPlan {
+    /// Every transient fault at `rate`, no permanent ones.
+    pub fn transient(seed: u64, rate: f64) -> FaultPlan {
+        FaultPlan {
+            seed,
+            read_eio: rate,
+            short_read: rate,
+            short_write: rate,
+            eagain: rate,
+            read_flip: rate,
+            ..FaultPlan::default()
+        }
+    }
+
+    /// The rates by name, for messages and validation.
+    pub fn rates(&self) -> [(&'static str, f64); 9] {
+        [
+            ("read_eio", self.read_eio),
+            ("read_eio_persistent", self.read_eio_persistent),
+            ("write_eio", self.write_eio),
+            ("write_enospc", self.write_enospc),
+            ("short_read", self.short_read),
+            ("short_write", self.short_write),
+            ("eagain", self.eagain),
+            ("read_flip", self.read_flip),
+            ("write_flip", self.write_flip),
+        ]
+    }
+
+    /// Checks that every rate is a probability and that the rates of one kind of
+    /// operation add up to at most 1.
+    pub fn validate(&self) -> Result<()> {
+        for (name, rate) in self.rates() {
+            if !(0.0..=1.0).contains(&rate) {
+                return Err(Error::invalid(
+                    "fault plan",
+                    format!("{name} = {rate}: a rate is a probability from 0.0 to 1.0"),
+                ));
+            }
+        }
+        let reads = self.read_eio
+            + self.read_eio_persistent
+            + self.short_read
+            + self.eagain
+            + self.read_flip;
+        let writes =
+            self.write_eio + self.write_enospc + self.short_write + self.eagain + self.write_flip;
+        for (kind, sum) in [("read", reads), ("write", writes)] {
+            if sum > 1.0 {
+                return Err(Error::invalid(
+                    "fault plan",
+                    format!("the {kind} fault rates add up to {sum}, more than 1.0"),
+                ));
+            }
+        }
+        Ok(())
     }
 }
 
@@ -360,6 +460,28 @@ mod tests {
         let mut c = Config::new(1 << 20);
         c.swap.size = Some(0);
         assert!(msg(c).contains("swap size"));
+    }
+
+    #[test]
+    fn fault_plans_must_hold_probabilities() {
+        FaultPlan::default().validate().unwrap();
+        FaultPlan::transient(1, 0.2).validate().unwrap();
+        let bad = FaultPlan {
+            write_flip: 1.5,
+            ..FaultPlan::default()
+        };
+        let msg = bad.validate().unwrap_err().to_string();
+        assert!(msg.contains("write_flip") && msg.contains("1.5"), "{msg}");
+        let bad = FaultPlan {
+            read_eio: f64::NAN,
+            ..FaultPlan::default()
+        };
+        assert!(bad.validate().is_err());
+        let msg = FaultPlan::transient(1, 0.3)
+            .validate()
+            .unwrap_err()
+            .to_string();
+        assert!(msg.contains("read fault rates"), "{msg}");
     }
 
     #[test]

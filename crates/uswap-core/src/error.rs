@@ -39,6 +39,13 @@ pub enum Error {
     },
 
     #[error(
+        "the swap file {path} already exists (or is a symbolic link): uswap creates its swap \
+         file itself and never writes over one. Remove {path} if it is a leftover nothing \
+         uses, or name a path that does not exist (or give a swap directory instead)"
+    )]
+    SwapFileExists { path: PathBuf },
+
+    #[error(
         "region of {region} bytes does not fit: memory limit {memory} + swap space {swap} \
          bytes is smaller. Raise the memory limit or the swap size, or use a smaller region"
     )]

@@ -1,9 +1,10 @@
 //! Many threads allocate slots, write distinct pages, read them back and free them, on one
 //! shared swap device. Every page must come back bit-identical, no slot may have two owners,
-//! and the device must end empty.
+//! and the device must end empty; also with transient I/O faults injected under it.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
+use uswap_core::config::FaultPlan;
 use uswap_core::swap_io::PageBuf;
 use uswap_core::swapfile::{SlotId, SwapDevice};
 use uswap_core::{IoMode, SwapConfig, SwapLocation};
@@ -87,12 +88,13 @@ fn worker(dev: &SwapDevice, owners: &[AtomicBool], thread: u64) {
     held.into_iter().for_each(|h| release(dev, owners, h));
 }
 
-fn stress(io: IoMode) {
+fn stress(io: IoMode, faults: Option<FaultPlan>) {
     let dir = tempfile::tempdir().unwrap();
     let cfg = SwapConfig {
         location: SwapLocation::TempIn(dir.path().into()),
         size: Some(2 << 20),
         io,
+        faults,
     };
     let dev = SwapDevice::open(&cfg).unwrap();
     let owners: Arc<Vec<AtomicBool>> = Arc::new(
@@ -110,6 +112,19 @@ fn stress(io: IoMode) {
         t.join().expect("a worker failed");
     }
     assert_eq!(dev.used_pages(), 0);
+    let stats = dev.io_stats();
+    assert_eq!(
+        stats.read_errors + stats.write_errors + stats.checksum_errors,
+        0,
+        "{stats:?}"
+    );
+    if faults.is_some() {
+        assert!(
+            stats.injected_faults > 0 && stats.io_retries > 0,
+            "{stats:?}"
+        );
+        assert!(stats.reread_healed > 0, "{stats:?}");
+    }
     assert!(owners.iter().all(|o| !o.load(Ordering::SeqCst)));
     drop(dev);
     assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
@@ -117,10 +132,20 @@ fn stress(io: IoMode) {
 
 #[test]
 fn eight_threads_roundtrip_pages_through_io_uring() {
-    stress(IoMode::Uring);
+    stress(IoMode::Uring, None);
 }
 
 #[test]
 fn eight_threads_roundtrip_pages_through_pread() {
-    stress(IoMode::Pread);
+    stress(IoMode::Pread, None);
+}
+
+#[test]
+fn eight_threads_roundtrip_pages_through_io_uring_under_transient_faults() {
+    stress(IoMode::Uring, Some(FaultPlan::transient(41, 0.05)));
+}
+
+#[test]
+fn eight_threads_roundtrip_pages_through_pread_under_transient_faults() {
+    stress(IoMode::Pread, Some(FaultPlan::transient(42, 0.05)));
 }

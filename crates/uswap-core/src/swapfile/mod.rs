@@ -2,9 +2,14 @@
 //! written slot (mm/swapfile.c).
 //!
 //! Checksums are kept in memory only, so a page read back is verified against what was
-//! written in this process: bad data never reaches the region silently.
+//! written in this process: bad data never reaches the region silently. A page whose
+//! checksum does not match is read again a few times before it is given up: the first read
+//! may have gone bad in transit.
 
+mod backing;
 mod cluster;
+
+pub use backing::Backing;
 
 use crate::swap_io::{IoEngine, PageOp};
 use crate::{Error, IoMode, SwapConfig, SwapLocation, PAGE_SIZE};
@@ -13,7 +18,7 @@ use std::fs::File;
 use std::io;
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::OpenOptionsExt;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering, Ordering::Relaxed};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
@@ -49,11 +54,47 @@ pub enum ReadError {
     NeverWritten { slot: SlotId },
 }
 
+/// Reads of a page whose checksum does not match before it is given up: the first and
+/// three re-reads.
+pub const READ_TRIES: u32 = 4;
+
+/// The swap device's I/O counters at one moment.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub struct IoStats {
+    /// Transfers tried again after a transient error (EAGAIN, EINTR, ENOMEM, EBUSY, EIO on
+    /// a read) or a short transfer.
+    pub io_retries: u64,
+    /// Pages read again because their checksum did not match.
+    pub rereads: u64,
+    /// Reads whose checksum mismatch a re-read cured.
+    pub reread_healed: u64,
+    /// Faults injected by the configured [`crate::config::FaultPlan`].
+    pub injected_faults: u64,
+    /// Page reads that failed with an I/O error after every retry.
+    pub read_errors: u64,
+    /// Page reads whose checksum still did not match after every re-read.
+    pub checksum_errors: u64,
+    /// Page writes that failed after every retry.
+    pub write_errors: u64,
+}
+
+/// The device's own counters (the I/O engine keeps the rest).
+#[derive(Default)]
+struct Counters {
+    rereads: AtomicU64,
+    reread_healed: AtomicU64,
+    read_errors: AtomicU64,
+    checksum_errors: AtomicU64,
+    write_errors: AtomicU64,
+}
+
 /// A swap file and its slots. Shared through `Arc` by every thread of a region.
 pub struct SwapDevice {
-    file: SwapFile,
+    file: File,
     io: IoEngine,
     direct: bool,
+    backing: Backing,
+    counters: Counters,
     slots: ClusterAllocator,
     /// Slots the device may ever have (a growing file is not that long yet).
     capacity: u64,
@@ -72,28 +113,43 @@ impl SwapDevice {
     /// Creates the swap file as `cfg` says. A fixed size is allocated at once; without one
     /// the file grows in 64 MiB steps, up to the free space of its file system now.
     pub fn open(cfg: &SwapConfig) -> Result<Arc<SwapDevice>, Error> {
+        if let Some(plan) = &cfg.faults {
+            plan.validate()?;
+        }
         let dir = location_dir(&cfg.location);
-        let create_error = |source| Error::SwapCreate {
+        let file = open_file(&cfg.location)?;
+        let backing = Backing::of_file(&file).unwrap_or(Backing::Other { fs_type: 0 });
+        let create_error = |source: io::Error| Error::SwapCreate {
             dir: dir.to_path_buf(),
-            source,
+            source: match backing.in_memory() {
+                true => io::Error::new(source.kind(), format!("{source} (on {backing})")),
+                false => source,
+            },
         };
-        let (file, direct) = SwapFile::open(&cfg.location).map_err(create_error)?;
+        let direct = enable_direct_io(&file).map_err(create_error)?;
         let (capacity, grown) = match cfg.size {
             Some(bytes) => {
                 let slots = fixed_slots(bytes)?;
-                reserve(&file.file, 0, slots * PAGE_SIZE as u64).map_err(create_error)?;
+                reserve(&file, 0, slots * PAGE_SIZE as u64).map_err(create_error)?;
                 (slots, None)
             }
             None => (
-                free_space_slots(&file.file).map_err(create_error)?,
+                free_space_slots(&file).map_err(create_error)?,
                 Some(Mutex::new(Growth::default())),
             ),
         };
         let initial = if grown.is_some() { 0 } else { capacity };
+        let align = if direct {
+            direct_io_alignment(&file)
+        } else {
+            1
+        };
         Ok(Arc::new(SwapDevice {
             file,
-            io: IoEngine::new(cfg.io),
+            io: IoEngine::new(cfg.io, cfg.faults, align),
             direct,
+            backing,
+            counters: Counters::default(),
             slots: ClusterAllocator::new(SWAPFILE_CLUSTER, initial),
             capacity,
             checksums: ChecksumTable::new(capacity),
@@ -175,17 +231,21 @@ impl SwapDevice {
                 src,
             })
             .collect();
-        let results = self.io.run(&self.file.file, &ops);
+        let results = self.io.run(&self.file, &ops);
         for (&(slot, src), result) in batch.iter().zip(&results) {
-            if result.is_ok() {
-                self.checksums.record(slot, page_checksum(src));
+            match result {
+                Ok(()) => self.checksums.record(slot, page_checksum(src)),
+                Err(_) => {
+                    self.counters.write_errors.fetch_add(1, Relaxed);
+                }
             }
         }
         results
     }
 
     /// Reads a slot into `dst` and verifies it against the checksum recorded when it was
-    /// written. On an error `dst` holds no usable data.
+    /// written; a mismatch is read again, up to [`READ_TRIES`] reads in all. On an error
+    /// `dst` holds no usable data.
     ///
     /// # Safety
     /// `dst` must be valid for writing 4096 bytes until this returns, and page-aligned.
@@ -195,21 +255,53 @@ impl SwapDevice {
             .checksums
             .get(slot)
             .ok_or(ReadError::NeverWritten { slot })?;
-        let op = PageOp::Read {
-            offset: slot_offset(slot),
-            dst,
-        };
-        let mut results = self.io.run(&self.file.file, &[op]);
-        results.pop().expect("one result per op")?;
-        let found = page_checksum(dst);
-        if found != expected {
-            return Err(ReadError::Checksum {
-                slot,
-                expected,
-                found,
-            });
+        let mut found = expected;
+        for read in 0..READ_TRIES {
+            let reread_follows = read + 1 < READ_TRIES;
+            if let Err(e) = self
+                .io
+                .read(&self.file, slot_offset(slot), dst, reread_follows)
+            {
+                self.counters.read_errors.fetch_add(1, Relaxed);
+                return Err(ReadError::Io(e));
+            }
+            found = page_checksum(dst);
+            if found == expected {
+                if read > 0 {
+                    self.counters.reread_healed.fetch_add(1, Relaxed);
+                }
+                return Ok(());
+            }
+            if reread_follows {
+                self.counters.rereads.fetch_add(1, Relaxed);
+            }
         }
-        Ok(())
+        self.counters.checksum_errors.fetch_add(1, Relaxed);
+        Err(ReadError::Checksum {
+            slot,
+            expected,
+            found,
+        })
+    }
+
+    /// The I/O counters: retries, re-reads, injected faults, errors.
+    pub fn io_stats(&self) -> IoStats {
+        let c = &self.counters;
+        IoStats {
+            io_retries: self.io.retries(),
+            rereads: c.rereads.load(Relaxed),
+            reread_healed: c.reread_healed.load(Relaxed),
+            injected_faults: self.io.injected(),
+            read_errors: c.read_errors.load(Relaxed),
+            checksum_errors: c.checksum_errors.load(Relaxed),
+            write_errors: c.write_errors.load(Relaxed),
+        }
+    }
+
+    /// What the swap file is stored on; [`Backing::in_memory`] when swapping to it saves no
+    /// memory.
+    pub fn backing(&self) -> Backing {
+        self.backing
     }
 
     /// The I/O mode in effect (pread when io_uring was asked for but refused).
@@ -250,7 +342,7 @@ impl SwapDevice {
         if step == 0 {
             return false;
         }
-        if reserve(&self.file.file, growth.bytes, step).is_err() {
+        if reserve(&self.file, growth.bytes, step).is_err() {
             growth.failed_at = Some(Instant::now());
             self.growth_failed.store(true, Relaxed);
             return false;
@@ -273,48 +365,81 @@ struct Growth {
 /// How long a growing file waits after a failed growth before it tries again.
 const GROW_RETRY: Duration = Duration::from_secs(1);
 
-/// The open swap file; a named one is removed when this is dropped.
-struct SwapFile {
-    file: File,
-    unlink: Option<PathBuf>,
+/// Creates the swap file, mode 0600, without `O_DIRECT` (see [`enable_direct_io`]). A
+/// named file must not exist yet (`O_EXCL`, `O_NOFOLLOW`: an existing file or a symbolic
+/// link is refused, never written over) and is unlinked at once, so no crash leaves it
+/// behind.
+fn open_file(location: &SwapLocation) -> Result<File, Error> {
+    let mut options = File::options();
+    options.read(true).write(true).mode(0o600);
+    let path = match location {
+        SwapLocation::TempIn(dir) => {
+            options.custom_flags(libc::O_TMPFILE);
+            dir
+        }
+        SwapLocation::File(path) => {
+            options.create_new(true).custom_flags(libc::O_NOFOLLOW);
+            path
+        }
+    };
+    let create_error = |source| Error::SwapCreate {
+        dir: location_dir(location).to_path_buf(),
+        source,
+    };
+    let file = options.open(path).map_err(|e| match location {
+        SwapLocation::File(path) if e.raw_os_error() == Some(libc::EEXIST) => {
+            Error::SwapFileExists { path: path.clone() }
+        }
+        _ => create_error(e),
+    })?;
+    if let SwapLocation::File(path) = location {
+        std::fs::remove_file(path).map_err(create_error)?;
+    }
+    Ok(file)
 }
 
-impl SwapFile {
-    /// Opens with `O_DIRECT`, or without it where the file system refuses it. Returns the
-    /// file and whether `O_DIRECT` is on.
-    fn open(location: &SwapLocation) -> io::Result<(SwapFile, bool)> {
-        let (path, unlink) = match location {
-            SwapLocation::TempIn(dir) => (dir, None),
-            SwapLocation::File(path) => (path, Some(path.clone())),
-        };
-        let open = |direct: bool| {
-            let mut options = File::options();
-            options.read(true).write(true).mode(0o600);
-            let direct_flag = if direct { libc::O_DIRECT } else { 0 };
-            match location {
-                SwapLocation::TempIn(_) => options.custom_flags(libc::O_TMPFILE | direct_flag),
-                SwapLocation::File(_) => options
-                    .create(true)
-                    .truncate(true)
-                    .custom_flags(direct_flag),
-            };
-            options.open(path)
-        };
-        let (file, direct) = match open(true) {
-            Ok(file) => (file, true),
-            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => (open(false)?, false),
-            Err(e) => return Err(e),
-        };
-        Ok((SwapFile { file, unlink }, direct))
+/// Turns `O_DIRECT` on where the file system allows it; false (buffered I/O) where it
+/// refuses (EINVAL: ramfs, some FUSE and network file systems). tmpfs accepts it since
+/// Linux 6.6.
+fn enable_direct_io(file: &File) -> io::Result<bool> {
+    let fd = file.as_raw_fd();
+    // SAFETY: plain fcntl calls on a descriptor we own.
+    let flags = unsafe { libc::fcntl(fd, libc::F_GETFL) };
+    if flags < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: as above.
+    if unsafe { libc::fcntl(fd, libc::F_SETFL, flags | libc::O_DIRECT) } == 0 {
+        return Ok(true);
+    }
+    let err = io::Error::last_os_error();
+    match err.raw_os_error() {
+        Some(libc::EINVAL) => Ok(false),
+        _ => Err(err),
     }
 }
 
-impl Drop for SwapFile {
-    fn drop(&mut self) {
-        if let Some(path) = &self.unlink {
-            // Nothing to do about a failure here; the file is ours and only leaks space.
-            let _ = std::fs::remove_file(path);
-        }
+/// The file offset alignment direct I/O needs (statx `STATX_DIOALIGN`), or a page where
+/// the kernel does not say.
+fn direct_io_alignment(file: &File) -> usize {
+    let mut st = std::mem::MaybeUninit::<libc::statx>::zeroed();
+    // SAFETY: statx fills `st` on an empty path with AT_EMPTY_PATH.
+    let rc = unsafe {
+        libc::statx(
+            file.as_raw_fd(),
+            c"".as_ptr(),
+            libc::AT_EMPTY_PATH,
+            libc::STATX_DIOALIGN,
+            st.as_mut_ptr(),
+        )
+    };
+    // SAFETY: zeroed, and filled when rc is 0.
+    let st = unsafe { st.assume_init() };
+    let align = st.stx_dio_offset_align as usize;
+    if rc == 0 && st.stx_mask & libc::STATX_DIOALIGN != 0 && align.is_power_of_two() {
+        align.min(PAGE_SIZE)
+    } else {
+        PAGE_SIZE
     }
 }
 
@@ -441,15 +566,40 @@ impl ChecksumTable {
 #[cfg(all(test, not(loom)))]
 mod tests {
     use super::*;
+    use crate::config::FaultPlan;
     use crate::swap_io::tests::uring_allowed;
     use crate::swap_io::PageBuf;
-    use std::os::unix::fs::{FileExt, PermissionsExt};
+    use std::os::unix::fs::{FileExt, MetadataExt, PermissionsExt};
 
     fn config(location: SwapLocation, size: Option<u64>, io: IoMode) -> SwapConfig {
-        SwapConfig { location, size, io }
+        SwapConfig {
+            location,
+            size,
+            io,
+            faults: None,
+        }
     }
 
-    /// A page whose every byte depends on `seed`.
+    /// A 1 MiB device in a fresh temp dir that injects `faults`.
+    fn faulty_device(io: IoMode, faults: FaultPlan) -> (tempfile::TempDir, Arc<SwapDevice>) {
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = SwapConfig {
+            faults: Some(faults),
+            ..config(SwapLocation::TempIn(dir.path().into()), Some(1 << 20), io)
+        };
+        (dir, SwapDevice::open(&cfg).unwrap())
+    }
+
+    /// The device's file opened again (through /proc, as it has no name), without
+    /// `O_DIRECT`, to change it behind the device's back.
+    fn reopen(dev: &SwapDevice) -> File {
+        File::options()
+            .read(true)
+            .write(true)
+            .open(format!("/proc/self/fd/{}", dev.file.as_raw_fd()))
+            .unwrap()
+    }
+
     /// A device on an unlinked file in a fresh temp dir (returned to keep it alive).
     fn temp_device(size: Option<u64>, io: IoMode) -> (tempfile::TempDir, Arc<SwapDevice>) {
         let dir = tempfile::tempdir().unwrap();
@@ -458,6 +608,7 @@ mod tests {
         (dir, dev)
     }
 
+    /// A page whose every byte depends on `seed`.
     fn page(seed: u64) -> PageBuf {
         let mut p = PageBuf::new();
         for (i, chunk) in p.as_mut_slice().chunks_mut(8).enumerate() {
@@ -542,7 +693,7 @@ mod tests {
         let slots: Vec<SlotId> = (0..4).map(|_| dev.alloc_slot().unwrap()).collect();
         let pages: Vec<PageBuf> = (0..4).map(page).collect();
         write(&dev, &[(slots[2], &pages[2]), (slots[3], &pages[3])]);
-        let other = File::options().write(true).open(&path).unwrap();
+        let other = reopen(&dev);
         other
             .write_all_at(b"corrupt", slot_offset(slots[2]) + 100)
             .unwrap();
@@ -559,6 +710,9 @@ mod tests {
             }
             other => panic!("expected a checksum error, got {:?}", other.map(|_| ())),
         }
+        let stats = dev.io_stats();
+        assert_eq!(stats.rereads, u64::from(READ_TRIES - 1));
+        assert_eq!((stats.checksum_errors, stats.reread_healed), (1, 0));
         assert_eq!(
             read(&dev, slots[3]).unwrap().as_slice(),
             pages[3].as_slice()
@@ -685,7 +839,7 @@ mod tests {
     }
 
     #[test]
-    fn a_named_file_is_private_and_removed_on_drop() {
+    fn a_named_file_is_private_and_unlinked_while_open() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("swap");
         let dev = SwapDevice::open(&config(
@@ -694,11 +848,168 @@ mod tests {
             IoMode::Uring,
         ))
         .unwrap();
-        let meta = std::fs::metadata(&path).unwrap();
+        assert!(!path.exists(), "unlinked as soon as it is open");
+        let meta = dev.file.metadata().unwrap();
         assert_eq!(meta.permissions().mode() & 0o777, 0o600);
+        assert_eq!(meta.nlink(), 0);
         assert_eq!(meta.len(), 1 << 20, "preallocated");
+        let slot = dev.alloc_slot().unwrap();
+        write(&dev, &[(slot, &page(5))]);
+        assert_eq!(read(&dev, slot).unwrap().as_slice(), page(5).as_slice());
         drop(dev);
-        assert!(!path.exists());
+        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
+    }
+
+    #[test]
+    fn an_existing_file_or_link_is_refused_and_left_alone() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("data");
+        std::fs::write(&file, b"precious").unwrap();
+        let link = dir.path().join("link");
+        let target = dir.path().join("target");
+        std::os::unix::fs::symlink(&target, &link).unwrap();
+        for path in [&file, &link] {
+            let err = SwapDevice::open(&config(
+                SwapLocation::File(path.clone()),
+                Some(1 << 20),
+                IoMode::Pread,
+            ))
+            .err()
+            .expect("an error");
+            assert!(
+                matches!(&err, Error::SwapFileExists { path: p } if p == path),
+                "{err:?}"
+            );
+            let msg = err.to_string();
+            assert!(
+                msg.contains(path.to_str().unwrap()) && msg.contains("Remove"),
+                "{msg}"
+            );
+        }
+        assert_eq!(std::fs::read(&file).unwrap(), b"precious");
+        assert!(!target.exists(), "nothing created through the link");
+    }
+
+    #[test]
+    fn a_read_corrupted_in_transit_is_healed_by_a_reread() {
+        for io in [IoMode::Uring, IoMode::Pread] {
+            // Every read that a re-read follows comes back with a bit flipped.
+            let faults = FaultPlan {
+                read_flip: 1.0,
+                ..FaultPlan::default()
+            };
+            let (_dir, dev) = faulty_device(io, faults);
+            let slot = dev.alloc_slot().unwrap();
+            write(&dev, &[(slot, &page(21))]);
+            assert_eq!(read(&dev, slot).unwrap().as_slice(), page(21).as_slice());
+            let stats = dev.io_stats();
+            assert_eq!(stats.rereads, u64::from(READ_TRIES - 1), "{io:?}");
+            assert_eq!(stats.reread_healed, 1, "{io:?}");
+            assert_eq!(stats.injected_faults, u64::from(READ_TRIES - 1), "{io:?}");
+            assert_eq!(stats.checksum_errors, 0, "{io:?}");
+        }
+    }
+
+    #[test]
+    fn a_page_corrupted_on_its_way_to_the_device_fails_its_checksum() {
+        for io in [IoMode::Uring, IoMode::Pread] {
+            let faults = FaultPlan {
+                write_flip: 1.0,
+                ..FaultPlan::default()
+            };
+            let (_dir, dev) = faulty_device(io, faults);
+            let slot = dev.alloc_slot().unwrap();
+            write(&dev, &[(slot, &page(22))]);
+            assert!(
+                matches!(read(&dev, slot), Err(ReadError::Checksum { .. })),
+                "{io:?}"
+            );
+            let stats = dev.io_stats();
+            assert_eq!((stats.checksum_errors, stats.reread_healed), (1, 0));
+            assert_eq!(stats.rereads, u64::from(READ_TRIES - 1));
+        }
+    }
+
+    #[test]
+    fn io_errors_are_counted_after_their_retries() {
+        for io in [IoMode::Uring, IoMode::Pread] {
+            let faults = FaultPlan {
+                read_eio_persistent: 1.0,
+                write_enospc: 0.5,
+                seed: 3,
+                ..FaultPlan::default()
+            };
+            let (_dir, dev) = faulty_device(io, faults);
+            let slots: Vec<SlotId> = (0..40).map(|_| dev.alloc_slot().unwrap()).collect();
+            let pages: Vec<PageBuf> = (0..40).map(page).collect();
+            let batch: Vec<(SlotId, *const u8)> = slots
+                .iter()
+                .zip(&pages)
+                .map(|(&s, p)| (s, p.as_ptr()))
+                .collect();
+            let results = unsafe { dev.write_pages(&batch) };
+            let failed = results.iter().filter(|r| r.is_err()).count() as u64;
+            assert!(failed > 5 && failed < 35, "{io:?}: {failed}");
+            let written = slots
+                .iter()
+                .zip(&results)
+                .find(|(_, r)| r.is_ok())
+                .unwrap()
+                .0;
+            let err = read(&dev, *written).err().expect("a read error");
+            assert!(matches!(&err, ReadError::Io(e) if e.raw_os_error() == Some(libc::EIO)));
+            let stats = dev.io_stats();
+            assert_eq!(stats.write_errors, failed, "{io:?}");
+            assert_eq!(stats.read_errors, 1, "{io:?}");
+            assert_eq!(
+                stats.io_retries,
+                u64::from(crate::swap_io::READ_EIO_TRIES - 1)
+            );
+            assert_eq!(stats.injected_faults, failed + 1, "{io:?}");
+        }
+    }
+
+    #[test]
+    fn transient_faults_never_reach_the_caller() {
+        for io in [IoMode::Uring, IoMode::Pread] {
+            let (_dir, dev) = faulty_device(io, FaultPlan::transient(7, 0.15));
+            let slots: Vec<SlotId> = (0..200).map(|_| dev.alloc_slot().unwrap()).collect();
+            let pages: Vec<PageBuf> = slots.iter().map(|&s| page(u64::from(s) + 50)).collect();
+            let batch: Vec<(SlotId, &PageBuf)> = slots.iter().copied().zip(&pages).collect();
+            write(&dev, &batch);
+            for _ in 0..3 {
+                for (slot, expected) in &batch {
+                    assert!(
+                        read(&dev, *slot).unwrap().as_slice() == expected.as_slice(),
+                        "{io:?} slot {slot}"
+                    );
+                }
+            }
+            let stats = dev.io_stats();
+            assert!(stats.io_retries > 50, "{io:?}: {stats:?}");
+            assert!(stats.reread_healed > 10, "{io:?}: {stats:?}");
+            assert_eq!(
+                stats.read_errors + stats.write_errors + stats.checksum_errors,
+                0
+            );
+        }
+    }
+
+    #[test]
+    fn a_bad_fault_plan_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = SwapConfig {
+            faults: Some(FaultPlan {
+                eagain: -1.0,
+                ..FaultPlan::default()
+            }),
+            ..config(SwapLocation::TempIn(dir.path().into()), None, IoMode::Pread)
+        };
+        let msg = SwapDevice::open(&cfg).err().expect("an error").to_string();
+        assert!(
+            msg.contains("fault plan") && msg.contains("eagain"),
+            "{msg}"
+        );
     }
 
     #[test]
@@ -709,7 +1020,7 @@ mod tests {
             "needs 128 MiB free in the temp dir"
         );
         assert_eq!(dev.capacity_pages() % u64::from(SWAPFILE_CLUSTER), 0);
-        let len = || dev.file.file.metadata().unwrap().len();
+        let len = || dev.file.metadata().unwrap().len();
         assert_eq!(len(), 0);
         let per_step = GROW_CHUNK / PAGE_SIZE as u64;
         for _ in 0..per_step {
@@ -721,5 +1032,88 @@ mod tests {
         assert_eq!(len(), 2 * GROW_CHUNK);
         write(&dev, &[(last, &page(9))]);
         assert_eq!(read(&dev, last).unwrap().as_slice(), page(9).as_slice());
+    }
+
+    /// A fresh file system of type `fs` mounted on a temp dir, unmounted on drop. `None`
+    /// where this process may not mount (not root).
+    struct Mounted(tempfile::TempDir);
+
+    impl Mounted {
+        fn new(fs: &str) -> Option<Mounted> {
+            let dir = tempfile::tempdir().unwrap();
+            let c = |s: &str| std::ffi::CString::new(s).unwrap();
+            let target = c(dir.path().to_str().unwrap());
+            // SAFETY: valid C strings.
+            let rc = unsafe {
+                libc::mount(
+                    c(fs).as_ptr(),
+                    target.as_ptr(),
+                    c(fs).as_ptr(),
+                    0,
+                    std::ptr::null(),
+                )
+            };
+            (rc == 0).then_some(Mounted(dir))
+        }
+    }
+
+    impl Drop for Mounted {
+        fn drop(&mut self) {
+            let target = std::ffi::CString::new(self.0.path().to_str().unwrap()).unwrap();
+            // SAFETY: a valid C string.
+            unsafe { libc::umount2(target.as_ptr(), libc::MNT_DETACH) };
+        }
+    }
+
+    #[test]
+    fn swap_in_ram_is_detected_and_still_works() {
+        for (fs, expected) in [("tmpfs", Backing::Tmpfs), ("ramfs", Backing::Ramfs)] {
+            let Some(mounted) = Mounted::new(fs) else {
+                eprintln!("skipped: cannot mount {fs} (not root)");
+                return;
+            };
+            let dir = mounted.0.path();
+            assert_eq!(Backing::of_path(dir).unwrap(), expected);
+            for location in [
+                SwapLocation::TempIn(dir.into()),
+                SwapLocation::File(dir.join("swap")),
+            ] {
+                for io in [IoMode::Uring, IoMode::Pread] {
+                    let dev = SwapDevice::open(&config(location.clone(), Some(1 << 20), io))
+                        .unwrap_or_else(|e| panic!("{fs} {location:?}: {e}"));
+                    assert_eq!(dev.backing(), expected);
+                    assert!(dev.backing().in_memory());
+                    let text = dev.backing().to_string();
+                    assert!(
+                        text.starts_with(fs) && text.contains("swap in RAM counts against"),
+                        "{text}"
+                    );
+                    // ramfs refuses O_DIRECT; the device falls back to buffered I/O.
+                    if expected == Backing::Ramfs {
+                        assert!(!dev.direct_io());
+                    }
+                    let slots: Vec<SlotId> = (0..8).map(|_| dev.alloc_slot().unwrap()).collect();
+                    let pages: Vec<PageBuf> = (0..8).map(|i| page(i + 30)).collect();
+                    let batch: Vec<(SlotId, &PageBuf)> =
+                        slots.iter().copied().zip(&pages).collect();
+                    write(&dev, &batch);
+                    for (slot, expected) in batch {
+                        assert_eq!(read(&dev, slot).unwrap().as_slice(), expected.as_slice());
+                    }
+                    drop(dev);
+                    assert_eq!(std::fs::read_dir(dir).unwrap().count(), 0, "{fs}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn the_device_reports_the_file_system_of_its_directory() {
+        let dir = tempfile::tempdir().unwrap();
+        let location = SwapLocation::TempIn(dir.path().into());
+        let dev = SwapDevice::open(&config(location, Some(1 << 20), IoMode::Pread)).unwrap();
+        let backing = Backing::of_path(dir.path()).unwrap();
+        assert_eq!(dev.backing(), backing);
+        assert_eq!(backing.to_string().contains("RAM"), backing.in_memory());
     }
 }

@@ -1,0 +1,83 @@
+//! What a swap file is stored on. Swap on tmpfs or ramfs is swap in RAM: every page swapped
+//! out still takes memory, from the same machine or cgroup the region was limiting.
+
+use std::fs::File;
+use std::io;
+use std::os::fd::AsRawFd;
+use std::path::Path;
+
+const TMPFS_MAGIC: i64 = 0x0102_1994;
+const RAMFS_MAGIC: i64 = 0x8584_58f6;
+
+/// The kind of file system behind a swap file or directory (from `statfs` `f_type`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Backing {
+    /// tmpfs: memory (which may itself be swapped by the kernel, if it has swap).
+    Tmpfs,
+    /// ramfs: memory that is never reclaimed.
+    Ramfs,
+    /// Any other file system, by its magic number.
+    Other { fs_type: i64 },
+}
+
+impl Backing {
+    /// The file system of a directory (or file).
+    pub fn of_path(path: &Path) -> io::Result<Backing> {
+        File::open(path).and_then(|f| Backing::of_file(&f))
+    }
+
+    /// The file system of an open file.
+    pub fn of_file(file: &File) -> io::Result<Backing> {
+        let mut st = std::mem::MaybeUninit::<libc::statfs>::uninit();
+        // SAFETY: fstatfs fills `st` when it returns 0.
+        if unsafe { libc::fstatfs(file.as_raw_fd(), st.as_mut_ptr()) } != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: initialised by the successful call above.
+        #[allow(clippy::unnecessary_cast)] // f_type is narrower on some targets
+        let fs_type = unsafe { st.assume_init() }.f_type as i64 & 0xffff_ffff;
+        Ok(match fs_type {
+            TMPFS_MAGIC => Backing::Tmpfs,
+            RAMFS_MAGIC => Backing::Ramfs,
+            fs_type => Backing::Other { fs_type },
+        })
+    }
+
+    /// Whether the swap file would live in RAM, so swapping to it saves no memory.
+    pub fn in_memory(&self) -> bool {
+        matches!(self, Backing::Tmpfs | Backing::Ramfs)
+    }
+
+    /// The file system's name where uswap knows it.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Backing::Tmpfs => "tmpfs",
+            Backing::Ramfs => "ramfs",
+            Backing::Other { fs_type } => match fs_type {
+                0xef53 => "ext4",
+                0x5846_5342 => "xfs",
+                0x9123_683e => "btrfs",
+                0xf2f5_2010 => "f2fs",
+                0x2fc1_2fc1 => "zfs",
+                0x794c_7630 => "overlayfs",
+                0x6969 => "nfs",
+                0x6573_5546 => "fuse",
+                _ => "unknown file system",
+            },
+        }
+    }
+}
+
+impl std::fmt::Display for Backing {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Backing::Tmpfs | Backing::Ramfs => write!(
+                f,
+                "{} (swap in RAM counts against the same memory)",
+                self.name()
+            ),
+            Backing::Other { fs_type } => write!(f, "{} (type {fs_type:#x})", self.name()),
+        }
+    }
+}
