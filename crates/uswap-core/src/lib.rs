@@ -25,10 +25,13 @@ pub mod uffd;
 mod vma;
 mod vmscan;
 
-pub use config::{parse_size, Config, FaultMode, IoMode, SwapConfig, SwapLocation, Watermarks};
+pub use config::{
+    parse_size, Config, FaultMode, FaultPlan, IoMode, SwapConfig, SwapLocation, Watermarks,
+};
 pub use error::{Error, Result};
 pub use region::{metadata_bytes, Advice, Region};
 pub use stats::{Latency, Stats, VmStatSnapshot};
+pub use swapfile::{Backing, IoStats};
 pub use uffd::{probe, Probe};
 
 /// The page size uswap is built for, and the one place it is written down. Regions check

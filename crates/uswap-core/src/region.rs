@@ -248,6 +248,7 @@ impl Region {
             resident_pages: mm.budget().resident(),
             swap_used_pages: mm.slots_held(),
             metadata_bytes: metadata_bytes(mm.pages().len() as u64),
+            io: mm.swap().io_stats(),
         }
     }
 

@@ -186,6 +186,9 @@ pub struct Stats {
     pub swap_used_pages: u64,
     /// Memory uswap keeps for the region outside its limit (page table, LRU links).
     pub metadata_bytes: u64,
+    /// The swap device's I/O counters (retries, re-reads, errors; shared by the regions on
+    /// the device).
+    pub io: crate::swapfile::IoStats,
 }
 
 #[cfg(test)]

@@ -79,6 +79,7 @@ fn random_threads(mode: FaultMode) {
         s.vmstat.verify_errors + s.vmstat.io_errors + s.vmstat.failed_faults,
         0
     );
+    region.check_invariants().unwrap();
 }
 
 #[test]

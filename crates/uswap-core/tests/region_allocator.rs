@@ -164,7 +164,7 @@ fn run(mode: FaultMode) {
                         x ^= x >> 7;
                         x ^= x << 17;
                         rounds += 1;
-                        if live.len() < 500 && x % 3 != 0 {
+                        if live.len() < 500 && !x.is_multiple_of(3) {
                             let len = (x >> 8) as usize % 3000 + 1;
                             let tag = x >> 20;
                             live.push((0..len as u64).map(|i| tag ^ i).collect());

@@ -121,7 +121,7 @@ fn storm(mode: FaultMode) {
                         x ^= x >> 7;
                         x ^= x << 17;
                         let k = x as usize % mine.len();
-                        if x % 3 == 0 {
+                        if x.is_multiple_of(3) {
                             version[k] += 1;
                             unsafe { common::fill(base, mine[k], version[k]) };
                         } else {

@@ -153,8 +153,9 @@ fn child(kind: &str, mode: FaultMode, io: IoMode) {
             .collect();
         workers.into_iter().map(|w| w.join().unwrap()).sum()
     });
+    region.check_invariants().unwrap();
     let vm = region.stats().vmstat;
-    let io_stats = region.swap_device().io_stats();
+    let io_stats = region.stats().io;
     println!(
         "checked {checked} accesses: pswpin {} pswpout {} failed_faults {} verify_errors {} \
          io_errors {}; {io_stats:?}",
