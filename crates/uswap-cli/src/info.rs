@@ -81,21 +81,59 @@ impl std::fmt::Display for SwapDir {
     }
 }
 
+/// Memory uswap keeps outside a region's memory limit, per GiB.
+#[derive(Serialize)]
+struct Metadata {
+    /// Per GiB of region: the page table word and LRU links of each page.
+    per_gib_of_region: u64,
+    /// Per GiB of swap written: the checksum of each slot.
+    per_gib_of_swap: u64,
+}
+
+impl Metadata {
+    fn estimate() -> Metadata {
+        let pages_per_gib = (1u64 << 30) / PAGE_SIZE as u64;
+        Metadata {
+            per_gib_of_region: uswap_core::metadata_bytes(pages_per_gib),
+            per_gib_of_swap: pages_per_gib * 8,
+        }
+    }
+}
+
+impl std::fmt::Display for Metadata {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "memory outside the limit: {} per GiB of region (page table, LRU), {} per GiB of \
+             swap written (checksums)",
+            crate::report::size(self.per_gib_of_region),
+            crate::report::size(self.per_gib_of_swap)
+        )
+    }
+}
+
 #[derive(Serialize)]
 struct Info {
     #[serde(flatten)]
     probe: uswap_core::Probe,
     swap_dir: SwapDir,
+    metadata: Metadata,
 }
 
 pub fn run(json: bool) -> Result<()> {
     let probe = uswap_core::probe().context("probing the kernel for userfaultfd support")?;
     let swap_dir = SwapDir::probe(std::env::temp_dir());
+    let metadata = Metadata::estimate();
     if json {
-        crate::report::json(&Info { probe, swap_dir })
+        crate::report::json(&Info {
+            probe,
+            swap_dir,
+            metadata,
+        })
     } else {
         println!("{probe}");
         println!("{swap_dir}");
+        println!("{metadata}");
         Ok(())
     }
 }
@@ -103,6 +141,14 @@ pub fn run(json: bool) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn metadata_estimate_counts_page_words_lru_links_and_checksums() {
+        let m = Metadata::estimate();
+        assert_eq!(m.per_gib_of_region, 262_144 * 20);
+        assert_eq!(m.per_gib_of_swap, 2 << 20);
+        assert!(m.to_string().contains("5 MiB per GiB of region"), "{m}");
+    }
 
     #[test]
     fn a_swap_dir_in_ram_is_flagged() {

@@ -12,7 +12,6 @@ use crate::lru::LruList;
 use crate::mm::Mm;
 use crate::page::{Kind, PageLock};
 use crate::stats::FaultKind;
-use crate::swap_io::PageBuf;
 use crate::vmscan::Reclaim;
 use crate::PAGE_SIZE;
 use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering::Relaxed, Ordering::SeqCst};
@@ -354,9 +353,9 @@ impl FaultPath {
         Some(Outcome::Resolved)
     }
 
-    /// Reads the page from its slot, verifies it and maps it. The read goes to a bounce
-    /// buffer outside the budget, so when swap is short the slot can be freed before the
-    /// page is charged: the reclaim that makes room may need exactly that slot.
+    /// Reads the page from its slot, verifies it and maps it. The page keeps its slot until
+    /// it is mapped: a swap-in that cannot be charged (memory and swap both spent) or
+    /// mapped leaves the page swapped, its data intact, and fails or retries the access.
     fn swap_in(&self, mut lock: PageLock<'_>, start: Instant) -> Outcome {
         let mm = self.mm();
         let slot = lock.state().slot().expect("a swapped page has a slot");
@@ -375,66 +374,34 @@ impl FaultPath {
             return self.fail(lock, &why, false);
         }
         mm.vmstat().pswpin.fetch_add(1, Relaxed);
-        // Keep the swap copy (and write-protect to learn of the first write) unless swap
-        // space is getting short, as the kernel frees the slot when vm_swap_full().
-        let keep = mm.caps().write_protect && !mm.swap().nearly_full();
-        if !keep {
-            mm.release_slot(slot);
-        }
         if self.reclaim.charge(1).is_none() {
-            let lock = self.put_back(lock, &buf, keep);
             mm.return_bounce(buf);
             return self.fail(lock, OOM, true);
         }
+        // Keep the swap copy (and write-protect to learn of the first write) unless swap
+        // space is getting short, as the kernel frees the slot when vm_swap_full().
+        let keep = mm.caps().write_protect && !mm.swap().nearly_full();
         mm.vmstat().pgmajfault.fetch_add(1, Relaxed);
         let mapped = mm
             .uffd()
             .copy(mm.page_addr(lock.page()), buf.as_ptr(), PAGE_SIZE, keep);
+        mm.return_bounce(buf);
         if let Err(p) = mapped {
             mm.vmstat().pgmajfault.fetch_sub(1, Relaxed);
             mm.budget().uncharge(1);
-            let lock = self.put_back(lock, &buf, keep);
-            mm.return_bounce(buf);
             if p.vanished() || p.busy() {
                 return Outcome::Retry;
             }
             return self.fail(lock, &format!("cannot map the swapped-in page: {p}"), false);
         }
-        mm.return_bounce(buf);
+        if !keep {
+            mm.release_slot(slot);
+        }
         mm.lru().add(LruList::Active, [lock.page()]);
         lock.swap_in(keep.then_some(slot));
         drop(lock);
         mm.record(FaultKind::Major, start);
         Outcome::Resolved
-    }
-
-    /// After a swap-in that could not be mapped: when its slot was already freed, writes the
-    /// page back to a new slot so its data survives, or marks it poisoned if that fails too.
-    fn put_back<'a>(&self, mut lock: PageLock<'a>, buf: &PageBuf, slot_kept: bool) -> PageLock<'a> {
-        if slot_kept {
-            return lock;
-        }
-        let mm = self.mm();
-        let written = mm.swap().alloc_slot().filter(|&slot| {
-            // SAFETY: the buffer is one aligned page we own.
-            let ok = unsafe { mm.swap().write_pages(&[(slot, buf.as_ptr())]) }
-                .remove(0)
-                .is_ok();
-            if !ok {
-                mm.swap().free_slot(slot);
-            }
-            ok
-        });
-        match written {
-            Some(slot) => {
-                mm.slots_taken(1);
-                lock.rehome(slot);
-            }
-            None => {
-                lock.poison();
-            }
-        }
-        lock
     }
 
     /// Fails the access loudly. Lost data (`oom` false) poisons the page so every later

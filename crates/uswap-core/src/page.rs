@@ -301,13 +301,6 @@ impl PageLock<'_> {
         self.become_(Kind::Active, None, slot);
     }
 
-    /// A swapped page whose data moved to a new slot (its old slot was given up early and
-    /// the page could not be mapped after all).
-    pub fn rehome(&mut self, slot: u32) {
-        self.expect(&[Kind::Swapped], "rehome");
-        self.become_(Kind::Swapped, None, Some(slot));
-    }
-
     /// The first write to a clean page: its swap copy is stale. Returns the slot to free.
     pub fn dirty(&mut self) -> Option<u32> {
         self.expect(&[Kind::Active], "dirty");

@@ -268,6 +268,17 @@ impl Region {
         self.fault.inject_panic();
     }
 
+    /// Test hook: takes the page at `offset` out of the region's page tables without telling
+    /// uswap, as a hardware error or a bug would. The next access must fail loudly (counted
+    /// in `unexplained_faults`), never loop.
+    #[doc(hidden)]
+    pub fn simulate_lost_page(&self, offset: usize) {
+        let _quiet = Quiet::new();
+        let page = offset / PAGE_SIZE;
+        let _lock = self.fault.mm().pages().lock(page);
+        self.fault.reclaim().zap(page..page + 1);
+    }
+
     /// Applies `advice` to the pages overlapping `[offset, offset + len)`.
     pub fn advise(&self, offset: usize, len: usize, advice: Advice) -> Result<()> {
         let end = offset

@@ -168,6 +168,37 @@ fn unmovable() {
     println!("read {} pages ({sum})", region.len() / PAGE_SIZE);
 }
 
+/// A mapped page vanishes without uswap being told: the access fails loudly.
+fn lost_page(mode: FaultMode) {
+    let mut cfg = Config::new(1 << 20);
+    cfg.fault_mode = mode;
+    let region = Region::new(1 << 20, cfg).unwrap();
+    unsafe { common::fill(region.as_ptr(), 5, 1) };
+    region.simulate_lost_page(5 * PAGE_SIZE);
+    println!("lost");
+    std::io::stdout().flush().unwrap();
+    let word = unsafe { (region.as_ptr().add(5 * PAGE_SIZE) as *const u64).read_volatile() };
+    println!("read {word:#x} from a lost page");
+}
+
+/// Another library replaces uswap's SIGBUS handler: uswap says so, takes it back, and the
+/// region goes on working.
+fn sigbus_replaced() {
+    extern "C" fn other(_: libc::c_int) {}
+    let mut cfg = Config::new(1 << 20);
+    cfg.fault_mode = FaultMode::Sigbus;
+    let region = Region::new(4 << 20, cfg).unwrap();
+    unsafe { libc::signal(libc::SIGBUS, other as *const () as libc::sighandler_t) };
+    std::thread::sleep(std::time::Duration::from_millis(1500));
+    for p in 0..region.len() / PAGE_SIZE {
+        unsafe { common::fill(region.as_ptr(), p, 1) };
+    }
+    for p in 0..region.len() / PAGE_SIZE {
+        unsafe { common::check(region.as_ptr(), p, 1) }.unwrap();
+    }
+    println!("verified");
+}
+
 fn child(name: &str, arg: Option<&String>) {
     // As in a C program: no SIGBUS handler. (Rust's own, for stack overflows, swallows the
     // first SIGBUS a thread is sent and lets the access retry.)
@@ -180,6 +211,9 @@ fn child(name: &str, arg: Option<&String>) {
         "panic-thread" => handler_panics(FaultMode::Thread),
         "panic-sigbus" => handler_panics(FaultMode::Sigbus),
         "unmovable" => unmovable(),
+        "lost-thread" => lost_page(FaultMode::Thread),
+        "lost-sigbus" => lost_page(FaultMode::Sigbus),
+        "sigbus-replaced" => sigbus_replaced(),
         _ => panic!("unknown scenario {name}"),
     }
 }
@@ -211,6 +245,24 @@ fn expect_sigbus(name: &str, stdout_has: &str, stderr_has: &[&str]) -> Result<()
         }
     }
     Ok(())
+}
+
+fn expect_success(name: &str, stdout_has: &str, stderr_has: &str) -> Result<(), String> {
+    let out = Command::new(std::env::current_exe().unwrap())
+        .args(["child", name])
+        .output()
+        .map_err(|e| e.to_string())?;
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    if out.status.success() && stdout.contains(stdout_has) && stderr.contains(stderr_has) {
+        return Ok(());
+    }
+    Err(format!(
+        "{name}: status {:?}\nstdout: {stdout}\nstderr: {stderr}",
+        out.status
+    ))
 }
 
 fn expect_permission_error() -> Result<(), String> {
@@ -247,6 +299,7 @@ fn main() {
     let corrupt: &[&str] = &["fails with SIGBUS", "checksum"];
     let full: &[&str] = &["fails with SIGBUS", "out of memory", "swap"];
     let panicked: &[&str] = &["panicked", "injected fault-handler panic"];
+    let lost: &[&str] = &["fails with SIGBUS", "is gone"];
     let locked: &[&str] = &["fails with SIGBUS", "out of memory", "mprotected"];
     let scenarios = [
         (
@@ -280,6 +333,18 @@ fn main() {
             panicked,
         ),
         (
+            "a_page_lost_behind_uswaps_back_fails_loudly_thread_mode",
+            "lost-thread",
+            "lost",
+            lost,
+        ),
+        (
+            "a_page_lost_behind_uswaps_back_fails_loudly_sigbus_mode",
+            "lost-sigbus",
+            "lost",
+            lost,
+        ),
+        (
             "nothing_reclaimable_fails_loudly_and_says_why",
             "unmovable",
             "protected",
@@ -293,6 +358,16 @@ fn main() {
             Ok(()) => println!("test userfaultfd_not_permitted_names_cause_and_fixes ... ok"),
             Err(e) => {
                 println!("test userfaultfd_not_permitted_names_cause_and_fixes ... FAILED\n{e}");
+                failed += 1;
+            }
+        }
+    }
+    let test = "a_replaced_sigbus_handler_is_reported_and_taken_back";
+    if filter.is_none_or(|f| test.contains(f.as_str())) {
+        match expect_success("sigbus-replaced", "verified", "replaced uswap's") {
+            Ok(()) => println!("test {test} ... ok"),
+            Err(e) => {
+                println!("test {test} ... FAILED\n{e}");
                 failed += 1;
             }
         }

@@ -278,3 +278,25 @@ fn a_forked_child_faults_loudly_instead_of_reading_zeros() {
     );
     unsafe { check(region.as_ptr(), 0, 5) }.unwrap();
 }
+
+#[test]
+fn sigbus_mode_is_refused_on_a_thread_that_blocks_sigbus() {
+    let err = std::thread::spawn(|| {
+        unsafe {
+            let mut set: libc::sigset_t = std::mem::zeroed();
+            libc::sigemptyset(&mut set);
+            libc::sigaddset(&mut set, libc::SIGBUS);
+            libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
+        }
+        let mut cfg = Config::new(MIB);
+        cfg.fault_mode = FaultMode::Sigbus;
+        Region::new(MIB, cfg).err().map(|e| e.to_string())
+    })
+    .join()
+    .unwrap()
+    .expect("refused");
+    assert!(
+        err.contains("SIGBUS is blocked") && err.contains("thread mode"),
+        "{err}"
+    );
+}
