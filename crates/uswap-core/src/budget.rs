@@ -36,6 +36,12 @@ impl Budget {
         }
     }
 
+    /// Charges pages past the limit: for data that has nowhere else to go (see
+    /// `FaultPath::swap_in`). Reclaim brings the budget back under the limit.
+    pub fn overdraw(&self, pages: u64) {
+        self.resident.fetch_add(pages, Relaxed);
+    }
+
     pub fn uncharge(&self, pages: u64) {
         let before = self.resident.fetch_sub(pages, Relaxed);
         debug_assert!(before >= pages, "uncharging more pages than are resident");
@@ -45,6 +51,7 @@ impl Budget {
         self.resident.load(Relaxed)
     }
 
+    /// Free pages under the limit (0 while overdrawn).
     pub fn free(&self) -> u64 {
         self.limit.saturating_sub(self.resident())
     }

@@ -353,9 +353,11 @@ impl FaultPath {
         Some(Outcome::Resolved)
     }
 
-    /// Reads the page from its slot, verifies it and maps it. The page keeps its slot until
-    /// it is mapped: a swap-in that cannot be charged (memory and swap both spent) or
-    /// mapped leaves the page swapped, its data intact, and fails or retries the access.
+    /// Reads the page from its slot, verifies it and maps it. The read goes to a bounce
+    /// buffer outside the budget, so when swap is short the slot can be freed before the
+    /// page is charged: the reclaim that makes room may need exactly that slot. Data that
+    /// is read is never lost: a page that cannot be charged goes back to a slot (and the
+    /// access fails loudly), or, with no slot either, is mapped over the limit.
     fn swap_in(&self, mut lock: PageLock<'_>, start: Instant) -> Outcome {
         let mm = self.mm();
         let slot = lock.state().slot().expect("a swapped page has a slot");
@@ -374,34 +376,67 @@ impl FaultPath {
             return self.fail(lock, &why, false);
         }
         mm.vmstat().pswpin.fetch_add(1, Relaxed);
-        if self.reclaim.charge(1).is_none() {
-            mm.return_bounce(buf);
-            return self.fail(lock, OOM, true);
-        }
         // Keep the swap copy (and write-protect to learn of the first write) unless swap
         // space is getting short, as the kernel frees the slot when vm_swap_full().
         let keep = mm.caps().write_protect && !mm.swap().nearly_full();
+        if !keep {
+            mm.release_slot(slot);
+        }
+        if self.reclaim.charge(1).is_none() {
+            if keep || self.write_back(&mut lock, &buf) {
+                mm.return_bounce(buf);
+                return self.fail(lock, OOM, true);
+            }
+            mm.budget().overdraw(1);
+            mm.vmstat().overdraft.fetch_add(1, Relaxed);
+        }
         mm.vmstat().pgmajfault.fetch_add(1, Relaxed);
-        let mapped = mm
-            .uffd()
-            .copy(mm.page_addr(lock.page()), buf.as_ptr(), PAGE_SIZE, keep);
-        mm.return_bounce(buf);
+        let addr = mm.page_addr(lock.page());
+        let mapped = mm.uffd().copy(addr, buf.as_ptr(), PAGE_SIZE, keep);
         if let Err(p) = mapped {
             mm.vmstat().pgmajfault.fetch_sub(1, Relaxed);
             mm.budget().uncharge(1);
+            let written = keep || self.write_back(&mut lock, &buf);
+            mm.return_bounce(buf);
+            if !written {
+                lock.poison();
+                return self.fail(
+                    lock,
+                    &format!("cannot map the swapped-in page ({p}) nor write it back"),
+                    false,
+                );
+            }
             if p.vanished() || p.busy() {
                 return Outcome::Retry;
             }
             return self.fail(lock, &format!("cannot map the swapped-in page: {p}"), false);
         }
-        if !keep {
-            mm.release_slot(slot);
-        }
+        mm.return_bounce(buf);
         mm.lru().add(LruList::Active, [lock.page()]);
         lock.swap_in(keep.then_some(slot));
         drop(lock);
         mm.record(FaultKind::Major, start);
         Outcome::Resolved
+    }
+
+    /// Writes a page whose slot was given up early to a new slot; false when no slot can
+    /// be had or the write fails.
+    fn write_back(&self, lock: &mut PageLock<'_>, buf: &crate::swap_io::PageBuf) -> bool {
+        let mm = self.mm();
+        let Some(slot) = mm.swap().alloc_slot() else {
+            return false;
+        };
+        // SAFETY: the buffer is one aligned page we own.
+        let written = unsafe { mm.swap().write_pages(&[(slot, buf.as_ptr())]) }
+            .remove(0)
+            .is_ok();
+        if !written {
+            mm.swap().free_slot(slot);
+            return false;
+        }
+        mm.slots_taken(1);
+        lock.rehome(slot);
+        true
     }
 
     /// Fails the access loudly. Lost data (`oom` false) poisons the page so every later

@@ -301,6 +301,13 @@ impl PageLock<'_> {
         self.become_(Kind::Active, None, slot);
     }
 
+    /// A swapped page whose slot was given up early (swap nearly full) was written back to
+    /// a new slot, because it could not be charged after all.
+    pub fn rehome(&mut self, slot: u32) {
+        self.expect(&[Kind::Swapped], "rehome");
+        self.become_(Kind::Swapped, None, Some(slot));
+    }
+
     /// The first write to a clean page: its swap copy is stale. Returns the slot to free.
     pub fn dirty(&mut self) -> Option<u32> {
         self.expect(&[Kind::Active], "dirty");

@@ -86,6 +86,9 @@ vmstat! {
     foreign_faults,
     /// Faults or events whose handling panicked (each failed loudly).
     handler_panics,
+    /// Swapped-in pages mapped over the memory limit because neither memory nor a swap
+    /// slot could be had for them (their data has nowhere else to go).
+    overdraft,
 }
 
 /// What a handled fault was, for the service-time histograms.
