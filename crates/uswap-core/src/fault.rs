@@ -114,9 +114,13 @@ impl FaultPath {
     }
 
     /// The part of fault resolution a signal handler may run: it allocates nothing, takes
-    /// no lock a program thread could hold, never reclaims and does no I/O. `None` means
-    /// the fault needs the full path (on a thread that may block).
+    /// no lock a program thread could hold, and never reclaims; its only I/O is one `pread`
+    /// for a swap-in. `None` means the fault needs the full path (on a thread that may
+    /// block).
     pub fn resolve_in_signal(&self, page: usize) -> Option<Outcome> {
+        if self.inject_panic.load(Relaxed) {
+            return None; // the test hook panics on the full path
+        }
         let mm = self.mm();
         let start = Instant::now();
         let lock = mm.pages().lock(page);
@@ -126,7 +130,14 @@ impl FaultPath {
         let outcome = match lock.kind() {
             Kind::None => self.first_touch(lock, start, false)?,
             Kind::Inactive => self.activate(lock, start, false)?,
-            Kind::Active => self.fault_on_active(lock, None),
+            Kind::Swapped => self.swap_in_in_signal(lock, start)?,
+            // Only what can be told and done without a report: a missing page needs the
+            // full path's loud failure.
+            Kind::Active => match mm.pagemap_entry(page) {
+                Some(e) if e.present && e.write_protected => self.write_fault(lock, false)?,
+                Some(e) if e.present => Outcome::Resolved,
+                _ => return None,
+            },
             _ => return None,
         };
         mm.vmstat().pgfault.fetch_add(1, Relaxed);
@@ -140,7 +151,7 @@ impl FaultPath {
         let mm = self.mm();
         let page = lock.page();
         match write_protect {
-            Some(true) => return self.write_fault(lock),
+            Some(true) => return self.write_fault_reported(lock),
             Some(false) => {
                 // Usually fault-around or a racing fault mapped it first.
                 if mm.pagemap_entry(page).is_none_or(|e| e.present) {
@@ -150,10 +161,12 @@ impl FaultPath {
                 }
             }
             _ => match mm.pagemap_entry(page) {
-                Some(e) if e.present && e.write_protected => return self.write_fault(lock),
+                Some(e) if e.present && e.write_protected => {
+                    return self.write_fault_reported(lock)
+                }
                 Some(e) if e.present => return Outcome::Resolved,
                 // Without pagemap, a clean page's fault is taken for its first write.
-                None if lock.state().slot().is_some() => return self.write_fault(lock),
+                None if lock.state().slot().is_some() => return self.write_fault_reported(lock),
                 None => return Outcome::Resolved,
                 Some(_) => {}
             },
@@ -189,7 +202,12 @@ impl FaultPath {
 
     /// First write to a page whose swap copy is valid: the copy goes stale, so the slot is
     /// freed and the page becomes writable (dirty).
-    fn write_fault(&self, mut lock: PageLock<'_>) -> Outcome {
+    fn write_fault_reported(&self, lock: PageLock<'_>) -> Outcome {
+        self.write_fault(lock, true).expect("reported")
+    }
+
+    /// `None` when it failed and `report` is off (as in [`FaultPath::activate`]).
+    fn write_fault(&self, mut lock: PageLock<'_>, report: bool) -> Option<Outcome> {
         let mm = self.mm();
         // The slot goes first: clearing the protection wakes the thread, which must find the
         // page dirty by then. A page whose protection then stays is made writable by its
@@ -199,11 +217,11 @@ impl FaultPath {
         }
         let addr = mm.page_addr(lock.page());
         match mm.uffd().write_protect(addr, PAGE_SIZE, false) {
-            Ok(()) => Outcome::Resolved,
+            Ok(()) => Some(Outcome::Resolved),
             Err(e) if matches!(e.raw_os_error(), Some(libc::ENOENT | libc::EAGAIN)) => {
-                Outcome::Retry
+                Some(Outcome::Retry)
             }
-            Err(_) => self.fail(lock, "cannot make the page writable", false),
+            Err(_) => report.then(|| self.fail(lock, "cannot make the page writable", false)),
         }
     }
 
@@ -417,6 +435,43 @@ impl FaultPath {
         drop(lock);
         mm.record(FaultKind::Major, start);
         Outcome::Resolved
+    }
+
+    /// The common case of [`FaultPath::swap_in`], allocating nothing: read with `pread`
+    /// into a pooled buffer, verified, charged without reclaim, mapped. `None` for anything
+    /// else (no buffer free, an I/O error, a bad checksum, direct reclaim needed): the full
+    /// path then does it and reports what goes wrong.
+    fn swap_in_in_signal(&self, mut lock: PageLock<'_>, start: Instant) -> Option<Outcome> {
+        let mm = self.mm();
+        let slot = lock.state().slot().expect("a swapped page has a slot");
+        let mut buf = mm.take_bounce(false)?;
+        // SAFETY: the buffer is one aligned page we own.
+        let read = unsafe { mm.swap().read_page_in_place(slot, buf.as_mut_ptr()) };
+        if !read || self.reclaim.charge_without_reclaim(1).is_none() {
+            mm.return_bounce(buf);
+            return None;
+        }
+        let keep = mm.caps().write_protect && !mm.swap().nearly_full();
+        mm.vmstat().pswpin.fetch_add(1, Relaxed);
+        mm.vmstat().pgmajfault.fetch_add(1, Relaxed);
+        let mapped = mm
+            .uffd()
+            .copy(mm.page_addr(lock.page()), buf.as_ptr(), PAGE_SIZE, keep);
+        mm.return_bounce(buf);
+        if let Err(p) = mapped {
+            mm.vmstat().pswpin.fetch_sub(1, Relaxed);
+            mm.vmstat().pgmajfault.fetch_sub(1, Relaxed);
+            mm.budget().uncharge(1);
+            return (p.vanished() || p.busy()).then_some(Outcome::Retry);
+        }
+        if !keep {
+            mm.release_slot(slot);
+        }
+        mm.lru().add(LruList::Active, [lock.page()]);
+        lock.swap_in(keep.then_some(slot));
+        drop(lock);
+        mm.record(FaultKind::Major, start);
+        Some(Outcome::Resolved)
     }
 
     /// Writes a page whose slot was given up early to a new slot; false when no slot can

@@ -55,16 +55,19 @@ pub(crate) struct Parts {
 }
 
 pub(crate) struct Mm {
-    // Declared first so they close first: with the userfaultfds gone, unmapping the region
-    // raises no event that nobody would read.
-    uffd: Uffd,
-    staging_uffd: Uffd,
+    // Fields drop in this order: the mappings go while still registered (cheap: closing a
+    // userfaultfd first would walk every page of them to clear write protection), then the
+    // userfaultfds. The region itself is unmapped by `Drop for Mm`, before all of these.
     map: Mapping,
     zeros: Mapping,
+    staging: Staging,
+    /// Where `Reclaim::zap` moves pages to drop them; registered like staging.
+    zap_scratch: Mutex<Mapping>,
+    uffd: Uffd,
+    staging_uffd: Uffd,
     pages: PageTable,
     lru: Lru,
     budget: Budget,
-    staging: Staging,
     swap: Arc<SwapDevice>,
     caps: Caps,
     mode: FaultMode,
@@ -74,8 +77,6 @@ pub(crate) struct Mm {
     slots_held: AtomicU64,
     /// Page-sized buffers for swap-in, preallocated so the fault path allocates nothing.
     bounce: Mutex<Vec<PageBuf>>,
-    /// Where `Reclaim::zap` moves pages to drop them; registered like staging.
-    zap_scratch: Mutex<Mapping>,
     /// `/proc/self/pagemap`, to tell whether a page the table calls active is really mapped.
     pagemap: Option<std::fs::File>,
     shutdown: AtomicBool,
@@ -246,10 +247,12 @@ impl Mm {
         })
     }
 
-    /// Unregisters and unmaps what is still the region's: runs of pages the program did not
-    /// unmap or move away. A range the program unmapped may hold someone else's mapping
-    /// now, and is left alone.
+    /// Unmaps what is still the region's: runs of pages the program did not unmap or move
+    /// away. A range the program unmapped may hold someone else's mapping now, and is left
+    /// alone. The region is still registered, so each munmap raises an event the kernel
+    /// waits to see read: a short-lived thread reads them (the fault sources have stopped).
     fn unmap_owned(&self) {
+        let reader = EventSink::start(self.uffd.raw());
         let mut page = 0;
         while page < self.pages.len() {
             let owned = |p: usize| self.pages.peek(p).0.kind() != Kind::Unmapped;
@@ -262,11 +265,68 @@ impl Mm {
                 page += 1;
             }
             let (addr, len) = (self.page_addr(start), (page - start) * PAGE_SIZE);
-            let _ = self.uffd.unregister(addr, len);
+            if reader.is_none() {
+                // Without a reader, unregister first (slower: it walks the range).
+                let _ = self.uffd.unregister(addr, len);
+            }
             // SAFETY: these pages are the region's own mapping, which nothing uses any more.
             unsafe { libc::munmap(addr as *mut _, len) };
         }
         self.map.disown();
+    }
+}
+
+/// A thread that reads and drops a userfaultfd's messages until it is stopped.
+struct EventSink {
+    stop: std::os::fd::OwnedFd,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl EventSink {
+    fn start(fd: i32) -> Option<EventSink> {
+        use std::os::fd::{AsRawFd, FromRawFd};
+        // SAFETY: plain system call; we own the new descriptor.
+        let stop = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC) };
+        if stop < 0 {
+            return None;
+        }
+        // SAFETY: the descriptor is new and ours.
+        let stop = unsafe { std::os::fd::OwnedFd::from_raw_fd(stop) };
+        let stop_fd = stop.as_raw_fd();
+        let thread = crate::signals::spawn_quiet("uswap-unmap", move || {
+            let mut msgs = [crate::uffd::Msg::default(); 16];
+            loop {
+                let mut fds = [fd, stop_fd].map(|fd| libc::pollfd {
+                    fd,
+                    events: libc::POLLIN,
+                    revents: 0,
+                });
+                // SAFETY: valid pollfd array.
+                unsafe { libc::poll(fds.as_mut_ptr(), 2, -1) };
+                if fds[1].revents != 0 {
+                    return;
+                }
+                // SAFETY: reading into a buffer of plain messages.
+                unsafe { libc::read(fd, msgs.as_mut_ptr().cast(), std::mem::size_of_val(&msgs)) };
+            }
+        })
+        .ok()?;
+        Some(EventSink {
+            stop,
+            thread: Some(thread),
+        })
+    }
+}
+
+impl Drop for EventSink {
+    fn drop(&mut self) {
+        use std::os::fd::AsRawFd;
+        let one: u64 = 1;
+        // SAFETY: writing 8 bytes to our eventfd.
+        unsafe { libc::write(self.stop.as_raw_fd(), (&one as *const u64).cast(), 8) };
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
     }
 }
 

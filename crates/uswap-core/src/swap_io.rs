@@ -159,6 +159,29 @@ impl IoEngine {
         results.pop().expect("one result per op")
     }
 
+    /// One read with `pread`, its transient errors retried, allocating nothing: for the
+    /// SIGBUS handler. `None` under a fault plan (the injector may allocate): use
+    /// [`IoEngine::read`].
+    ///
+    /// # Safety
+    /// As [`IoEngine::run`].
+    pub(crate) unsafe fn read_in_place(
+        &self,
+        file: &File,
+        offset: u64,
+        dst: *mut u8,
+    ) -> Option<io::Result<()>> {
+        if self.faults.is_some() {
+            return None;
+        }
+        let ctx = Ctx {
+            engine: self,
+            may_flip: false,
+        };
+        let mut t = Transfer::new(PageOp::Read { offset, dst });
+        Some(run_sync(file.as_raw_fd(), &mut t, &ctx))
+    }
+
     /// # Safety
     /// As [`IoEngine::run`].
     unsafe fn run_with(&self, file: &File, ops: &[PageOp], may_flip: bool) -> Vec<io::Result<()>> {

@@ -284,6 +284,23 @@ impl SwapDevice {
         })
     }
 
+    /// [`SwapDevice::read_page`] for the SIGBUS handler: one `pread`, allocating nothing.
+    /// True when the page was read and verified; false when it was not (an error, a
+    /// checksum mismatch, or a fault plan in force): then `read_page` reads it again and
+    /// reports what goes wrong.
+    ///
+    /// # Safety
+    /// As [`SwapDevice::read_page`].
+    pub unsafe fn read_page_in_place(&self, slot: SlotId, dst: *mut u8) -> bool {
+        let Some(expected) = self.checksums.get(slot) else {
+            return false;
+        };
+        matches!(
+            self.io.read_in_place(&self.file, slot_offset(slot), dst),
+            Some(Ok(()))
+        ) && page_checksum(dst) == expected
+    }
+
     /// The I/O counters: retries, re-reads, injected faults, errors.
     pub fn io_stats(&self) -> IoStats {
         let c = &self.counters;
