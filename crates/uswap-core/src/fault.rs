@@ -100,7 +100,7 @@ impl FaultPath {
         }
         match lock.kind() {
             Kind::Active => self.fault_on_active(lock, write_protect),
-            Kind::None => self
+            Kind::None | Kind::Discarded => self
                 .first_touch(lock, start, true)
                 .unwrap_or(Outcome::Retry),
             Kind::Inactive => self.activate(lock, start, true).unwrap_or(Outcome::Retry),
@@ -128,7 +128,7 @@ impl FaultPath {
             return Some(Outcome::Retry);
         }
         let outcome = match lock.kind() {
-            Kind::None => self.first_touch(lock, start, false)?,
+            Kind::None | Kind::Discarded => self.first_touch(lock, start, false)?,
             Kind::Inactive => self.activate(lock, start, false)?,
             Kind::Swapped => self.swap_in_in_signal(lock, start)?,
             // Only what can be told and done without a report: a missing page needs the
@@ -236,7 +236,10 @@ impl FaultPath {
     ) -> Option<Outcome> {
         let mm = self.mm();
         let page = lock.page();
-        let window = self.fault_around;
+        let window = match lock.kind() {
+            Kind::Discarded => 1,
+            _ => self.fault_around,
+        };
         let lo_bound = page - page % window;
         let hi_bound = (lo_bound + window).min(mm.pages().len());
         let want = (hi_bound - lo_bound) as u64;
@@ -266,11 +269,13 @@ impl FaultPath {
             false,
         );
         // A partial fill maps a prefix of the window: those pages are active, the rest go
-        // back to untouched.
+        // back to untouched. They join the active list while still claimed, so a vma event
+        // waiting for one finds it on its list.
         let done = match &filled {
             Ok(()) => hi - lo,
             Err(p) => p.done / PAGE_SIZE,
         };
+        mm.lru().add(LruList::Active, lo..lo + done);
         for p in (lo..hi).filter(|&p| p != page) {
             if p < lo + done {
                 mm.pages().publish_active(p);
@@ -282,7 +287,6 @@ impl FaultPath {
         mm.vmstat()
             .pgzerofill
             .fetch_sub((hi - lo - done) as u64, Relaxed);
-        mm.lru().add(LruList::Active, lo..lo + done);
         let mut lock = lock;
         if page < lo + done {
             lock.map_new();
@@ -356,8 +360,13 @@ impl FaultPath {
                 return Some(Outcome::Retry);
             }
             // The data is still in its staging frame; only this access fails.
-            let why = format!("cannot map the inactive page back: {p}");
-            return report.then(|| self.fail(lock, &why, false));
+            return report.then(|| {
+                self.fail(
+                    lock,
+                    &format!("cannot map the inactive page back: {p}"),
+                    false,
+                )
+            });
         }
         mm.lru().add(LruList::Active, [lock.page()]);
         lock.activate();
@@ -382,7 +391,7 @@ impl FaultPath {
         let mut buf = mm.take_bounce(true).expect("may allocate");
         // SAFETY: the buffer is one aligned page we own.
         if let Err(e) = unsafe { mm.swap().read_page(slot, buf.as_mut_ptr()) } {
-            mm.return_bounce(buf);
+            drop(buf);
             let counter = match e {
                 crate::swapfile::ReadError::Checksum { .. } => &mm.vmstat().verify_errors,
                 _ => &mm.vmstat().io_errors,
@@ -401,8 +410,8 @@ impl FaultPath {
             mm.release_slot(slot);
         }
         if self.reclaim.charge(1).is_none() {
-            if keep || self.write_back(&mut lock, &buf) {
-                mm.return_bounce(buf);
+            if keep || self.write_back(&mut lock, buf.as_ptr()) {
+                drop(buf);
                 return self.fail(lock, OOM, true);
             }
             mm.budget().overdraw(1);
@@ -414,8 +423,8 @@ impl FaultPath {
         if let Err(p) = mapped {
             mm.vmstat().pgmajfault.fetch_sub(1, Relaxed);
             mm.budget().uncharge(1);
-            let written = keep || self.write_back(&mut lock, &buf);
-            mm.return_bounce(buf);
+            let written = keep || self.write_back(&mut lock, buf.as_ptr());
+            drop(buf);
             if !written {
                 lock.poison();
                 return self.fail(
@@ -429,7 +438,7 @@ impl FaultPath {
             }
             return self.fail(lock, &format!("cannot map the swapped-in page: {p}"), false);
         }
-        mm.return_bounce(buf);
+        drop(buf);
         mm.lru().add(LruList::Active, [lock.page()]);
         lock.swap_in(keep.then_some(slot));
         drop(lock);
@@ -448,7 +457,6 @@ impl FaultPath {
         // SAFETY: the buffer is one aligned page we own.
         let read = unsafe { mm.swap().read_page_in_place(slot, buf.as_mut_ptr()) };
         if !read || self.reclaim.charge_without_reclaim(1).is_none() {
-            mm.return_bounce(buf);
             return None;
         }
         let keep = mm.caps().write_protect && !mm.swap().nearly_full();
@@ -457,7 +465,7 @@ impl FaultPath {
         let mapped = mm
             .uffd()
             .copy(mm.page_addr(lock.page()), buf.as_ptr(), PAGE_SIZE, keep);
-        mm.return_bounce(buf);
+        drop(buf);
         if let Err(p) = mapped {
             mm.vmstat().pswpin.fetch_sub(1, Relaxed);
             mm.vmstat().pgmajfault.fetch_sub(1, Relaxed);
@@ -476,13 +484,13 @@ impl FaultPath {
 
     /// Writes a page whose slot was given up early to a new slot; false when no slot can
     /// be had or the write fails.
-    fn write_back(&self, lock: &mut PageLock<'_>, buf: &crate::swap_io::PageBuf) -> bool {
+    fn write_back(&self, lock: &mut PageLock<'_>, buf: *const u8) -> bool {
         let mm = self.mm();
         let Some(slot) = mm.swap().alloc_slot() else {
             return false;
         };
         // SAFETY: the buffer is one aligned page we own.
-        let written = unsafe { mm.swap().write_pages(&[(slot, buf.as_ptr())]) }
+        let written = unsafe { mm.swap().write_pages(&[(slot, buf)]) }
             .remove(0)
             .is_ok();
         if !written {

@@ -31,6 +31,76 @@ pub(crate) struct Caps {
     pub poison: bool,
 }
 
+/// Swap-in buffers taken and given back with one atomic each: a signal handler may take
+/// one (a mutex-guarded list could need to grow, and allocate, on the way back).
+struct BouncePool {
+    bufs: Box<[std::cell::UnsafeCell<PageBuf>]>,
+    taken: Box<[AtomicBool]>,
+}
+
+// SAFETY: a buffer is only reached through the `Bounce` that holds its `taken` flag.
+unsafe impl Sync for BouncePool {}
+
+impl BouncePool {
+    fn new(n: usize) -> BouncePool {
+        BouncePool {
+            bufs: (0..n)
+                .map(|_| std::cell::UnsafeCell::new(PageBuf::new()))
+                .collect(),
+            taken: (0..n).map(|_| AtomicBool::new(false)).collect(),
+        }
+    }
+
+    fn take(&self, may_alloc: bool) -> Option<Bounce<'_>> {
+        let free = self.taken.iter().position(|t| {
+            t.compare_exchange(false, true, std::sync::atomic::Ordering::Acquire, Relaxed)
+                .is_ok()
+        });
+        match free {
+            // SAFETY: the flag just taken makes this buffer ours until the Bounce drops.
+            Some(i) => Some(Bounce {
+                buf: unsafe { &mut *self.bufs[i].get() }.as_mut_ptr(),
+                back: Some(&self.taken[i]),
+                _own: None,
+            }),
+            None if may_alloc => {
+                let mut own = PageBuf::new();
+                Some(Bounce {
+                    buf: own.as_mut_ptr(),
+                    back: None,
+                    _own: Some(own),
+                })
+            }
+            None => None,
+        }
+    }
+}
+
+/// One page-aligned swap-in buffer, given back on drop.
+pub(crate) struct Bounce<'a> {
+    buf: *mut u8,
+    back: Option<&'a AtomicBool>,
+    _own: Option<PageBuf>,
+}
+
+impl Bounce<'_> {
+    pub fn as_ptr(&self) -> *const u8 {
+        self.buf
+    }
+
+    pub fn as_mut_ptr(&mut self) -> *mut u8 {
+        self.buf
+    }
+}
+
+impl Drop for Bounce<'_> {
+    fn drop(&mut self) {
+        if let Some(flag) = self.back {
+            flag.store(false, std::sync::atomic::Ordering::Release);
+        }
+    }
+}
+
 /// What the kernel's page tables say about one page.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct PagemapEntry {
@@ -76,7 +146,7 @@ pub(crate) struct Mm {
     /// Swap slots this region's pages hold.
     slots_held: AtomicU64,
     /// Page-sized buffers for swap-in, preallocated so the fault path allocates nothing.
-    bounce: Mutex<Vec<PageBuf>>,
+    bounce: BouncePool,
     /// `/proc/self/pagemap`, to tell whether a page the table calls active is really mapped.
     pagemap: Option<std::fs::File>,
     shutdown: AtomicBool,
@@ -90,7 +160,7 @@ impl Mm {
             pages: PageTable::new(pages),
             lru: Lru::new(pages),
             budget: Budget::new(p.limit),
-            bounce: Mutex::new((0..p.bounce_buffers).map(|_| PageBuf::new()).collect()),
+            bounce: BouncePool::new(p.bounce_buffers),
             pagemap: std::fs::File::open("/proc/self/pagemap").ok(),
             uffd: p.uffd,
             staging_uffd: p.staging_uffd,
@@ -214,18 +284,10 @@ impl Mm {
         self.slots_held.load(Relaxed)
     }
 
-    /// A bounce buffer from the pool, allocating only when the pool is empty and `may_alloc`.
-    pub fn take_bounce(&self, may_alloc: bool) -> Option<PageBuf> {
-        let pooled = match self.bounce.try_lock() {
-            Ok(mut pool) => pool.pop(),
-            Err(_) if may_alloc => lock_std(&self.bounce).pop(),
-            Err(_) => None,
-        };
-        pooled.or_else(|| may_alloc.then(PageBuf::new))
-    }
-
-    pub fn return_bounce(&self, buf: PageBuf) {
-        lock_std(&self.bounce).push(buf);
+    /// A bounce buffer from the pool, or (only when `may_alloc`) a new one when the pool
+    /// is empty. It goes back when dropped.
+    pub fn take_bounce(&self, may_alloc: bool) -> Option<Bounce<'_>> {
+        self.bounce.take(may_alloc)
     }
 
     pub fn record(&self, kind: FaultKind, since: Instant) {

@@ -125,15 +125,20 @@ pub(crate) fn register(fault: &Arc<FaultPath>) -> Result<Service> {
         served: served.clone(),
         thread: None,
     };
-    let thread =
-        crate::signals::spawn_quiet("uswap-sigbus", move || serve(&served)).map_err(|source| {
-            Error::Os {
+    match crate::signals::spawn_quiet("uswap-sigbus", move || serve(&served)) {
+        Ok(thread) => {
+            service.thread = Some(thread);
+            Ok(service)
+        }
+        Err(source) => {
+            // Unregister before the region goes: no handler may find it after this.
+            service.stop();
+            Err(Error::Os {
                 op: "spawn SIGBUS service",
                 source,
-            }
-        })?;
-    service.thread = Some(thread);
-    Ok(service)
+            })
+        }
+    }
 }
 
 impl Service {

@@ -52,19 +52,35 @@ impl FaultPath {
 
     /// Handles the events still queued once the fault sources have stopped (a region being
     /// dropped): an munmap read late must still keep uswap off the range it freed.
+    /// Pages that mremap moved out and still wait to be put in place are put there first
+    /// (trying for up to 5 s): once the userfaultfd closes, they would read as zeros.
     pub fn drain_events(&self) {
         let mut msgs = [crate::uffd::Msg::default(); 16];
-        while let Ok(n @ 1..) = self.mm().uffd().read_events(&mut msgs) {
-            for m in &msgs[..n] {
-                match m.decode() {
-                    Event::Fault { address, .. } => {
-                        let _ = self.mm().uffd().wake(address & !(PAGE_SIZE - 1), PAGE_SIZE);
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        loop {
+            while let Ok(n @ 1..) = self.mm().uffd().read_events(&mut msgs) {
+                for m in &msgs[..n] {
+                    match m.decode() {
+                        Event::Fault { address, .. } => {
+                            let page = address & !(PAGE_SIZE - 1);
+                            let _ = self.mm().uffd().wake(page, PAGE_SIZE);
+                        }
+                        event => self.handle_event(event),
                     }
-                    event => self.handle_event(event),
                 }
             }
+            if self.place_pending() {
+                return;
+            }
+            if std::time::Instant::now() > deadline {
+                eprintln!(
+                    "uswap: pages moved out of the region by mremap could not be put in place \
+                     before the region was dropped; they will read as zeros"
+                );
+                return;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(1));
         }
-        self.place_pending();
     }
 
     /// MADV_DONTNEED/MADV_FREE: every page of the range reads as zeros from now on.
@@ -151,7 +167,7 @@ impl FaultPath {
         } else {
             (second, first)
         };
-        if !matches!(dst.kind(), Kind::Unmapped | Kind::None) {
+        if !matches!(dst.kind(), Kind::Unmapped | Kind::None | Kind::Discarded) {
             // The kernel unmapped the target first; its event was handled before this one.
             mm.lru().remove(b);
             let held = dst.unmap();
@@ -258,7 +274,7 @@ impl FaultPath {
                         self.poison_at(dst)
                     }
                 };
-                mm.return_bounce(buf);
+                drop(buf);
                 placed
             }
             _ => self.poison_at(dst),
@@ -308,12 +324,26 @@ impl FaultPath {
         let locks: Vec<PageLock<'_>> = (0..mm.pages().len()).map(|p| mm.pages().lock(p)).collect();
         let mut errors = Vec::new();
         let mut resident = 0u64;
-        let mut slots = 0u64;
+        let mut slots = std::collections::HashSet::new();
         let mut frames = std::collections::HashSet::new();
+        let placing = self.placements().pages.len();
         for l in &locks {
             let st = l.state();
             if !st.is_well_formed() {
                 errors.push(format!("page {}: malformed state {st:?}", l.page()));
+            }
+            // The kernel's page tables must agree: mapped exactly when active, and
+            // write-protected when active and clean.
+            if let Some(e) = mm.pagemap_entry(l.page()) {
+                let active = st.kind() == Kind::Active;
+                let unknown = matches!(st.kind(), Kind::Poisoned | Kind::Unmapped);
+                if e.present != active && !unknown {
+                    let not = if e.present { "" } else { "not " };
+                    errors.push(format!("page {} is {st:?} but {not}mapped", l.page()));
+                }
+                if active && st.slot().is_some() && mm.caps().write_protect && !e.write_protected {
+                    errors.push(format!("clean page {} is not write-protected", l.page()));
+                }
             }
             let want = match st.kind() {
                 Kind::Active => Some(LruList::Active),
@@ -328,12 +358,21 @@ impl FaultPath {
                 ));
             }
             resident += st.is_resident() as u64;
-            slots += st.slot().is_some() as u64;
-            if let Some(f) = st.frame() {
-                if !frames.insert(f) {
-                    errors.push(format!("frame {f} is held by two pages"));
+            if let Some(slot) = st.slot() {
+                if !slots.insert(slot) {
+                    errors.push(format!("slot {slot} is held by two pages"));
                 }
             }
+            if let Some(f) = st.frame() {
+                if !frames.insert(f) || f as usize >= mm.staging().frames() {
+                    errors.push(format!("frame {f} is held twice or does not exist"));
+                }
+            }
+        }
+        if placing > 0 {
+            errors.push(format!(
+                "{placing} pages moved out by mremap wait to be placed"
+            ));
         }
         for list in [LruList::Active, LruList::Inactive] {
             if let Err(e) = mm.lru().members(list) {
@@ -346,15 +385,22 @@ impl FaultPath {
                 mm.budget().resident()
             ));
         }
-        if slots != mm.slots_held() {
+        if slots.len() as u64 != mm.slots_held() {
             errors.push(format!(
-                "pages hold {slots} slots but the region counts {}",
+                "pages hold {} slots but the region counts {}",
+                slots.len(),
                 mm.slots_held()
             ));
         }
         let free = mm.staging().free_frames();
-        if let Some(f) = free.iter().find(|f| frames.contains(f)) {
-            errors.push(format!("frame {f} is free and held by a page"));
+        let mut seen = std::collections::HashSet::new();
+        if let Some(f) = free
+            .iter()
+            .find(|&&f| frames.contains(&f) || !seen.insert(f))
+        {
+            errors.push(format!(
+                "frame {f} is free twice, or free and held by a page"
+            ));
         }
         if free.len() + frames.len() != mm.staging().frames() {
             errors.push(format!(
