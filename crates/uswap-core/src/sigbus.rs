@@ -238,10 +238,13 @@ fn serve_requests(s: &Served) {
     }
 }
 
-/// What the service thread has already said about signal dispositions.
+/// What the service thread has already seen and said about signal dispositions.
 #[derive(Default)]
 struct Watch {
-    blocked: Vec<i32>,
+    /// Threads seen blocking SIGBUS at the last look: a thread being created has every
+    /// signal blocked for a moment, so only one seen twice in a row is reported.
+    suspects: Vec<i32>,
+    reported: Vec<i32>,
 }
 
 impl Watch {
@@ -254,9 +257,11 @@ impl Watch {
             );
             reinstall();
         }
-        for tid in threads_blocking_sigbus() {
-            if !self.blocked.contains(&tid) {
-                self.blocked.push(tid);
+        let blocking = threads_blocking_sigbus();
+        let suspects = std::mem::replace(&mut self.suspects, blocking.clone());
+        for tid in blocking.into_iter().filter(|t| suspects.contains(t)) {
+            if !self.reported.contains(&tid) {
+                self.reported.push(tid);
                 eprintln!(
                     "uswap: thread {tid} blocks SIGBUS; in SIGBUS mode its first access to a \
                      page that is not resident kills the process. Unblock SIGBUS there or use \
@@ -371,13 +376,31 @@ fn dispatch(sig: libc::c_int, info: *mut libc::siginfo_t, ctx: *mut libc::c_void
             Some(_) => return,
         }
     }
-    if uffd_fault && moving_out(addr) {
+    if uffd_fault && (moving_out(addr) || first_sight(addr)) {
         // A page mremap moved out of a region, not in place yet: retry until it is.
         // SAFETY: async-signal-safe.
         unsafe { libc::sched_yield() };
         return;
     }
     forward(sig, info, ctx);
+}
+
+thread_local! {
+    /// The last address outside every region this thread took a SIGBUS for, and how often.
+    static UNKNOWN: std::cell::Cell<(usize, u32)> = const { std::cell::Cell::new((0, 0)) };
+}
+
+/// Whether this thread meets a fault at `addr` (outside every region) for the first few
+/// times in a row. The signal is raised when the fault happens; a service thread may have
+/// handed the range to the kernel (after an mremap out of a region) between that and this
+/// look, so the access is retried a few times before the SIGBUS is taken as foreign.
+fn first_sight(addr: usize) -> bool {
+    UNKNOWN.with(|c| {
+        let (last, n) = c.get();
+        let n = if last == addr { n + 1 } else { 1 };
+        c.set((addr, n));
+        n <= 3
+    })
 }
 
 /// Whether `addr` is where a region's service thread is about to put a page that mremap
