@@ -258,7 +258,9 @@ impl FaultPath {
         while lo > lo_bound && hi - lo < granted && mm.pages().try_claim_none(lo - 1) {
             lo -= 1;
         }
-        mm.budget().uncharge((granted - (hi - lo)) as u64);
+        if granted > hi - lo {
+            mm.budget().uncharge((granted - (hi - lo)) as u64);
+        }
         // Counters move before the fill, which wakes the faulting thread: a caller that
         // reads them right after its access must see this fault.
         mm.vmstat().pgzerofill.fetch_add((hi - lo) as u64, Relaxed);
@@ -283,10 +285,11 @@ impl FaultPath {
                 mm.pages().unclaim(p);
             }
         }
-        mm.budget().uncharge((hi - lo - done) as u64);
-        mm.vmstat()
-            .pgzerofill
-            .fetch_sub((hi - lo - done) as u64, Relaxed);
+        let unfilled = (hi - lo - done) as u64;
+        if unfilled > 0 {
+            mm.budget().uncharge(unfilled);
+            mm.vmstat().pgzerofill.fetch_sub(unfilled, Relaxed);
+        }
         let mut lock = lock;
         if page < lo + done {
             lock.map_new();

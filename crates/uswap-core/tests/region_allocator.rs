@@ -73,8 +73,10 @@ unsafe impl GlobalAlloc for RegionAlloc {
         } else {
             let p = h.bump.next_multiple_of(size.min(PAGE_SIZE));
             if p + size > ARENA_END.load(Relaxed) {
+                // The arena is used up (blocks are reused only within their size class):
+                // the rest comes from the system.
                 LOCK.store(false, Release);
-                return std::ptr::null_mut();
+                return System.alloc(layout);
             }
             h.bump = p + size;
             p
@@ -119,7 +121,7 @@ extern "C" fn peek(_sig: libc::c_int) {
 fn run(mode: FaultMode) {
     let mut cfg = Config::new(8 << 20);
     cfg.fault_mode = mode;
-    let region = Region::new(64 << 20, cfg).unwrap();
+    let region = Region::new(128 << 20, cfg).unwrap();
     let base = region.as_ptr() as usize;
     unsafe { (*(base as *mut Header)).bump = base + PAGE_SIZE };
     ARENA_END.store(base + region.len(), Relaxed);
