@@ -50,3 +50,16 @@ pub fn check_slice(data: &[u8], page: usize, version: u32) -> bool {
         .enumerate()
         .all(|(i, w)| u64::from_ne_bytes(w.try_into().unwrap()) == word(page, version, i))
 }
+
+/// Opens again, for writing, the file this process has open that was at `path` before it
+/// was unlinked (named swap files are unlinked as soon as they are open).
+pub fn open_deleted(path: &std::path::Path) -> std::fs::File {
+    let wanted = format!("{} (deleted)", path.display());
+    for entry in std::fs::read_dir("/proc/self/fd").unwrap() {
+        let fd = entry.unwrap().path();
+        if std::fs::read_link(&fd).is_ok_and(|target| target.as_os_str() == wanted.as_str()) {
+            return std::fs::File::options().write(true).open(fd).unwrap();
+        }
+    }
+    panic!("no open file was {}", path.display());
+}

@@ -5,19 +5,6 @@ mod common;
 use std::io::{Seek, SeekFrom, Write};
 use uswap_core::{Advice, Config, Region, SwapLocation, PAGE_SIZE};
 
-/// Opens again, for writing, the file this process has open that was at `path` before it
-/// was unlinked.
-fn open_deleted(path: &std::path::Path) -> std::fs::File {
-    let wanted = format!("{} (deleted)", path.display());
-    for entry in std::fs::read_dir("/proc/self/fd").unwrap() {
-        let fd = entry.unwrap().path();
-        if std::fs::read_link(&fd).is_ok_and(|target| target.as_os_str() == wanted.as_str()) {
-            return std::fs::OpenOptions::new().write(true).open(fd).unwrap();
-        }
-    }
-    panic!("no open file was {}", path.display());
-}
-
 #[test]
 fn corrupted_swap_slot_fails_the_access_and_is_counted() {
     let dir = tempfile::tempdir().unwrap();
@@ -34,7 +21,7 @@ fn corrupted_swap_slot_fails_the_access_and_is_counted() {
 
     // Someone scribbles over the swap file behind uswap's back (through its descriptor:
     // the file was unlinked as soon as it was open).
-    let mut f = open_deleted(&path);
+    let mut f = common::open_deleted(&path);
     let len = f.metadata().unwrap().len();
     f.seek(SeekFrom::Start(0)).unwrap();
     f.write_all(&vec![0xA5u8; len as usize]).unwrap();

@@ -24,7 +24,7 @@ fn corrupt_then_touch(mode: FaultMode) {
     }
     region.advise(0, region.len(), Advice::PageOut).unwrap();
     // The swap file was unlinked as soon as it was open; reach it through its descriptor.
-    let file = open_deleted(&path);
+    let file = common::open_deleted(&path);
     let len = file.metadata().unwrap().len();
     std::os::unix::fs::FileExt::write_all_at(&file, &vec![0x5Au8; len as usize], 0).unwrap();
     file.sync_all().unwrap();
@@ -32,19 +32,6 @@ fn corrupt_then_touch(mode: FaultMode) {
     std::io::stdout().flush().unwrap();
     let word = unsafe { (region.as_ptr().add(PAGE_SIZE) as *const u64).read_volatile() };
     println!("read {word:#x} from a corrupted page");
-}
-
-/// Opens again, for writing, the file this process has open that was at `path` before it
-/// was unlinked.
-fn open_deleted(path: &std::path::Path) -> std::fs::File {
-    let wanted = format!("{} (deleted)", path.display());
-    for entry in std::fs::read_dir("/proc/self/fd").unwrap() {
-        let fd = entry.unwrap().path();
-        if std::fs::read_link(&fd).is_ok_and(|target| target.as_os_str() == wanted.as_str()) {
-            return std::fs::File::options().write(true).open(fd).unwrap();
-        }
-    }
-    panic!("no open file was {}", path.display());
 }
 
 /// The swap file's file system fills up behind uswap's back (another file takes the space
