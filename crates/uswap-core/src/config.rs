@@ -96,6 +96,133 @@ impl FromStr for IoMode {
     }
 }
 
+/// A setting that is one of a few named modes: parsed from its name (an unknown name gets
+/// an error listing the names), printed as its name, serialized as its name.
+macro_rules! named_modes {
+    ($(#[$doc:meta])* $name:ident, $setting:literal { $($(#[$vdoc:meta])* $variant:ident = $text:literal,)* }) => {
+        $(#[$doc])*
+        #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+        pub enum $name { $($(#[$vdoc])* $variant,)* }
+
+        impl $name {
+            /// Every mode, in declaration order.
+            pub const ALL: &'static [$name] = &[$($name::$variant,)*];
+
+            pub fn name(self) -> &'static str {
+                match self { $($name::$variant => $text,)* }
+            }
+        }
+
+        impl FromStr for $name {
+            type Err = Error;
+            fn from_str(s: &str) -> Result<Self> {
+                match s {
+                    $($text => Ok($name::$variant),)*
+                    _ => Err(Error::invalid(
+                        $setting,
+                        format!("{s:?}: use one of {}", [$(concat!("`", $text, "`"),)*].join(", ")),
+                    )),
+                }
+            }
+        }
+
+        impl std::fmt::Display for $name {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str(self.name())
+            }
+        }
+
+        impl serde::Serialize for $name {
+            fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+                s.serialize_str(self.name())
+            }
+        }
+    };
+}
+
+named_modes! {
+    /// Where a CPU looks for a free swap slot (seed 000).
+    SlotAlloc, "slot allocation" {
+        /// One next-slot position for all CPUs, under one lock (the kernel's behaviour for
+        /// rotating disks, where writes should go to one place).
+        Shared = "shared",
+        /// Each CPU allocates from a cluster of its own (the seed's per-CPU scan base; the
+        /// kernel's behaviour for solid-state devices).
+        Percpu = "percpu",
+    }
+}
+
+named_modes! {
+    /// How the swap cache is locked (seed 000).
+    SwapCacheMode, "swap cache" {
+        /// One lock for the whole device.
+        Single = "single",
+        /// One lock per 64 MiB of slots (16,384), as the kernel split its swap address
+        /// space in 4.11.
+        Trunks = "trunks",
+    }
+}
+
+named_modes! {
+    /// Which swap slots a swap-in reads beside the faulting one (seed 002).
+    ReadaheadPolicy, "readahead policy" {
+        /// Only the faulting slot.
+        None = "none",
+        /// Always the aligned block of 2^page-cluster slots around the faulting one (the
+        /// seed's policy).
+        Fixed = "fixed",
+        /// The kernel's hit-based window (`swapin_nr_pages`): up to 2^page-cluster slots,
+        /// growing while readahead pages are used and shrinking when they are not.
+        Scaling = "scaling",
+        /// A window of virtual addresses around the fault, reading the slots those pages
+        /// hold (the kernel's default since 4.14), sized like `scaling`.
+        Vma = "vma",
+    }
+}
+
+/// The readahead setting: a policy and its `page-cluster` (log2 of the largest window, as
+/// `vm.page-cluster`). Can be changed while a region is in use (`Region::set_readahead`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct Readahead {
+    pub policy: ReadaheadPolicy,
+    /// 0 to [`Readahead::MAX_PAGE_CLUSTER`]; the window is at most 2^page_cluster pages.
+    pub page_cluster: u8,
+}
+
+impl Readahead {
+    pub const MAX_PAGE_CLUSTER: u8 = 8;
+
+    pub fn validate(&self) -> Result<()> {
+        if self.page_cluster > Self::MAX_PAGE_CLUSTER {
+            return Err(Error::invalid(
+                "page-cluster",
+                format!(
+                    "{}: use 0 to {} (a window of 1 to {} pages)",
+                    self.page_cluster,
+                    Self::MAX_PAGE_CLUSTER,
+                    1 << Self::MAX_PAGE_CLUSTER
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// The largest window, in pages.
+    pub fn max_pages(&self) -> usize {
+        1 << self.page_cluster
+    }
+}
+
+impl Default for Readahead {
+    /// The kernel's defaults: vma readahead, `vm.page-cluster` 3 (8 pages).
+    fn default() -> Self {
+        Readahead {
+            policy: ReadaheadPolicy::Vma,
+            page_cluster: 3,
+        }
+    }
+}
+
 /// Where the swap file lives.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum SwapLocation {
@@ -121,6 +248,8 @@ pub struct SwapConfig {
     /// its file system, checked when a region is created).
     pub size: Option<u64>,
     pub io: IoMode,
+    pub slot_alloc: SlotAlloc,
+    pub swap_cache: SwapCacheMode,
     /// Faults to inject into the device's I/O, for tests. `None` (the default) costs
     /// nothing.
     pub faults: Option<FaultPlan>,
@@ -132,6 +261,8 @@ impl Default for SwapConfig {
             location: SwapLocation::default(),
             size: None,
             io: IoMode::Uring,
+            slot_alloc: SlotAlloc::Percpu,
+            swap_cache: SwapCacheMode::Trunks,
             faults: None,
         }
     }
@@ -298,6 +429,8 @@ pub struct Config {
     pub inactive_percent: u8,
     /// Pages reclaimed per pass (the kernel's SWAP_CLUSTER_MAX).
     pub reclaim_batch: usize,
+    /// Swap-in readahead at creation; changeable later with `Region::set_readahead`.
+    pub readahead: Readahead,
 }
 
 impl Config {
@@ -312,6 +445,7 @@ impl Config {
             fault_around: 16,
             inactive_percent: 10,
             reclaim_batch: 32,
+            readahead: Readahead::default(),
         }
     }
 
@@ -390,6 +524,7 @@ impl Config {
                 format!("{}: use 1 to 256 pages", self.reclaim_batch),
             ));
         }
+        self.readahead.validate()?;
         let w = self.watermarks();
         if !(w.min >= 1 && w.min <= w.low && w.low <= w.high && w.high <= pages / 2) {
             return Err(Error::invalid(
@@ -482,6 +617,31 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(msg.contains("read fault rates"), "{msg}");
+    }
+
+    #[test]
+    fn named_modes_parse_print_and_list_the_names_on_error() {
+        assert_eq!("percpu".parse::<SlotAlloc>().unwrap(), SlotAlloc::Percpu);
+        assert_eq!(SwapCacheMode::Single.to_string(), "single");
+        assert_eq!(ReadaheadPolicy::ALL.len(), 4);
+        for p in ReadaheadPolicy::ALL {
+            assert_eq!(p.name().parse::<ReadaheadPolicy>().unwrap(), *p);
+        }
+        let msg = "sideways"
+            .parse::<ReadaheadPolicy>()
+            .unwrap_err()
+            .to_string();
+        assert!(
+            msg.contains("readahead policy") && msg.contains("`vma`"),
+            "{msg}"
+        );
+        let mut c = Config::new(1 << 20);
+        c.readahead.page_cluster = 9;
+        assert!(c
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("page-cluster"));
     }
 
     #[test]

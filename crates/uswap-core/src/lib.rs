@@ -11,6 +11,7 @@ pub mod error;
 mod fault;
 mod handler;
 mod list;
+pub mod lockstat;
 mod lru;
 mod mapping;
 mod mm;
@@ -26,7 +27,8 @@ mod vma;
 mod vmscan;
 
 pub use config::{
-    parse_size, Config, FaultMode, FaultPlan, IoMode, SwapConfig, SwapLocation, Watermarks,
+    parse_size, Config, FaultMode, FaultPlan, IoMode, Readahead, ReadaheadPolicy, SlotAlloc,
+    SwapCacheMode, SwapConfig, SwapLocation, Watermarks,
 };
 pub use error::{Error, Result};
 pub use region::{metadata_bytes, Advice, Region};

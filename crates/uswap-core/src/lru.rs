@@ -3,8 +3,9 @@
 //! added; reclaim takes from the tails. Lock order: see `page.rs`.
 
 use crate::list::{Link, Links, ListHead};
+use crate::lockstat::{LockClass, StatMutex};
 use crate::page::{PageLock, PageTable};
-use crate::sync::{lock, Mutex, MutexGuard};
+use crate::sync::MutexGuard;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum LruList {
@@ -34,7 +35,7 @@ struct Lists {
 }
 
 pub struct Lru {
-    lists: Mutex<Lists>,
+    lists: StatMutex<Lists>,
 }
 
 impl Lists {
@@ -60,7 +61,7 @@ impl Lru {
             list: OFF_LIST,
         };
         Lru {
-            lists: Mutex::new(Lists {
+            lists: StatMutex::new(Lists {
                 nodes: Nodes(vec![off; pages]),
                 heads: [ListHead::EMPTY; 2],
             }),
@@ -68,7 +69,12 @@ impl Lru {
     }
 
     fn lock(&self) -> MutexGuard<'_, Lists> {
-        lock(&self.lists)
+        self.lists.lock()
+    }
+
+    /// The statistics of the list lock.
+    pub fn lockstat(&self) -> LockClass {
+        LockClass::sum("lru", [&self.lists])
     }
 
     /// Puts pages at the head of `list`, taking them off any list they are on.

@@ -249,6 +249,7 @@ impl Region {
             swap_used_pages: mm.slots_held(),
             metadata_bytes: metadata_bytes(mm.pages().len() as u64),
             io: mm.swap().io_stats(),
+            lockstat: vec![mm.lru().lockstat(), mm.staging().lockstat()],
         }
     }
 

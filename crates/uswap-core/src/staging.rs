@@ -3,14 +3,13 @@
 //! memory. One frame per page of the memory limit, handed out from a free list.
 
 use crate::error::Result;
+use crate::lockstat::{LockClass, StatMutex};
 use crate::mapping::Mapping;
-use crate::sync::lock_std;
 use crate::PAGE_SIZE;
-use std::sync::Mutex;
 
 pub struct Staging {
     map: Mapping,
-    free: Mutex<Vec<u32>>,
+    free: StatMutex<Vec<u32>>,
 }
 
 impl Staging {
@@ -18,7 +17,7 @@ impl Staging {
         let map = Mapping::new(frames as usize * PAGE_SIZE)?;
         Ok(Staging {
             map,
-            free: Mutex::new((0..frames as u32).rev().collect()),
+            free: StatMutex::new((0..frames as u32).rev().collect()),
         })
     }
 
@@ -77,8 +76,13 @@ impl Staging {
 
     /// The free list never grows past the frame count, so pushing onto it never allocates:
     /// it was created holding every frame.
-    fn free_list(&self) -> std::sync::MutexGuard<'_, Vec<u32>> {
-        lock_std(&self.free)
+    fn free_list(&self) -> crate::sync::MutexGuard<'_, Vec<u32>> {
+        self.free.lock()
+    }
+
+    /// The statistics of the free-list lock.
+    pub fn lockstat(&self) -> LockClass {
+        LockClass::sum("staging", [&self.free])
     }
 }
 

@@ -192,6 +192,8 @@ pub struct Stats {
     /// The swap device's I/O counters (retries, re-reads, errors; shared by the regions on
     /// the device).
     pub io: crate::swapfile::IoStats,
+    /// Lock statistics of the region's locks and its swap device's, one line per lock class.
+    pub lockstat: Vec<crate::lockstat::LockClass>,
 }
 
 #[cfg(test)]

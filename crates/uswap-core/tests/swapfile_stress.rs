@@ -95,6 +95,7 @@ fn stress(io: IoMode, faults: Option<FaultPlan>) {
         size: Some(2 << 20),
         io,
         faults,
+        ..SwapConfig::default()
     };
     let dev = SwapDevice::open(&cfg).unwrap();
     let owners: Arc<Vec<AtomicBool>> = Arc::new(

@@ -593,7 +593,7 @@ mod tests {
             location,
             size,
             io,
-            faults: None,
+            ..SwapConfig::default()
         }
     }
 

@@ -1,0 +1,210 @@
+//! Lock statistics, the content of the kernel's `/proc/lock_stat` for uswap's own locks:
+//! for each lock, how often it was taken, how often the taker found it held (contended),
+//! and how long contended takers waited in all and at most.
+//!
+//! Always on. An uncontended acquisition costs one relaxed add on a counter that sits
+//! beside the mutex (its cache line is the taker's already); only a contended one reads
+//! the clock, twice. Counters live in each lock, not per lock class, so sharded locks do
+//! not share a counter line and contend on it; owners sum their locks' counters when asked.
+
+use crate::sync::{Mutex, MutexGuard};
+use serde::Serialize;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::time::Instant;
+
+/// The statistics of one lock, or of a class of locks summed.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct LockStat {
+    /// Times the lock was taken.
+    pub acquisitions: u64,
+    /// Times the taker found it held and had to wait.
+    pub contended: u64,
+    /// Nanoseconds contended takers waited, in all.
+    pub wait_ns_total: u64,
+    /// The longest single wait, in nanoseconds.
+    pub wait_ns_max: u64,
+}
+
+impl LockStat {
+    /// Adds another lock's statistics (for a class of locks).
+    pub fn add(&mut self, other: LockStat) {
+        self.acquisitions += other.acquisitions;
+        self.contended += other.contended;
+        self.wait_ns_total += other.wait_ns_total;
+        self.wait_ns_max = self.wait_ns_max.max(other.wait_ns_max);
+    }
+
+    /// The change since `earlier` (the maximum is kept: it cannot be taken apart).
+    pub fn since(&self, earlier: &LockStat) -> LockStat {
+        LockStat {
+            acquisitions: self.acquisitions.saturating_sub(earlier.acquisitions),
+            contended: self.contended.saturating_sub(earlier.contended),
+            wait_ns_total: self.wait_ns_total.saturating_sub(earlier.wait_ns_total),
+            wait_ns_max: self.wait_ns_max,
+        }
+    }
+
+    /// Share of acquisitions that had to wait.
+    pub fn contention_ratio(&self) -> f64 {
+        if self.acquisitions == 0 {
+            0.0
+        } else {
+            self.contended as f64 / self.acquisitions as f64
+        }
+    }
+}
+
+/// One named lock class and its summed statistics, as reported.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct LockClass {
+    /// The class name, such as `swap_cache` or `swap_cluster`.
+    pub name: &'static str,
+    /// How many locks of the class there are.
+    pub locks: usize,
+    #[serde(flatten)]
+    pub stat: LockStat,
+}
+
+impl LockClass {
+    /// Sums `locks` into one class line.
+    pub(crate) fn sum<'a, T: 'a>(
+        name: &'static str,
+        locks: impl IntoIterator<Item = &'a StatMutex<T>>,
+    ) -> LockClass {
+        let mut class = LockClass {
+            name,
+            locks: 0,
+            stat: LockStat::default(),
+        };
+        for l in locks {
+            class.locks += 1;
+            class.stat.add(l.stat());
+        }
+        class
+    }
+
+    /// The change since `earlier` (the same class, read before).
+    pub fn since(&self, earlier: &LockClass) -> LockClass {
+        LockClass {
+            name: self.name,
+            locks: self.locks,
+            stat: self.stat.since(&earlier.stat),
+        }
+    }
+}
+
+/// A mutex that keeps its [`LockStat`]. Poison is tolerated, as with `sync::lock`.
+pub(crate) struct StatMutex<T> {
+    inner: Mutex<T>,
+    acquisitions: AtomicU64,
+    contended: AtomicU64,
+    wait_ns_total: AtomicU64,
+    wait_ns_max: AtomicU64,
+}
+
+impl<T> StatMutex<T> {
+    pub(crate) fn new(value: T) -> StatMutex<T> {
+        StatMutex {
+            inner: Mutex::new(value),
+            acquisitions: AtomicU64::new(0),
+            contended: AtomicU64::new(0),
+            wait_ns_total: AtomicU64::new(0),
+            wait_ns_max: AtomicU64::new(0),
+        }
+    }
+
+    /// Takes the lock, waiting if it is held.
+    pub(crate) fn lock(&self) -> MutexGuard<'_, T> {
+        let guard = match self.try_lock() {
+            Some(guard) => return guard,
+            None => {
+                let start = Instant::now();
+                let guard = crate::sync::lock(&self.inner);
+                self.record_wait(start.elapsed().as_nanos() as u64);
+                guard
+            }
+        };
+        self.acquisitions.fetch_add(1, Relaxed);
+        guard
+    }
+
+    /// Takes the lock if it is free; counts as an acquisition only when it succeeds.
+    pub(crate) fn try_lock(&self) -> Option<MutexGuard<'_, T>> {
+        let guard = match self.inner.try_lock() {
+            Ok(guard) => guard,
+            Err(std::sync::TryLockError::Poisoned(e)) => e.into_inner(),
+            Err(std::sync::TryLockError::WouldBlock) => return None,
+        };
+        self.acquisitions.fetch_add(1, Relaxed);
+        Some(guard)
+    }
+
+    fn record_wait(&self, ns: u64) {
+        self.contended.fetch_add(1, Relaxed);
+        self.wait_ns_total.fetch_add(ns, Relaxed);
+        self.wait_ns_max.fetch_max(ns, Relaxed);
+    }
+
+    pub(crate) fn stat(&self) -> LockStat {
+        LockStat {
+            acquisitions: self.acquisitions.load(Relaxed),
+            contended: self.contended.load(Relaxed),
+            wait_ns_total: self.wait_ns_total.load(Relaxed),
+            wait_ns_max: self.wait_ns_max.load(Relaxed),
+        }
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+    use std::sync::{Arc, Barrier};
+    use std::time::Duration;
+
+    #[test]
+    fn uncontended_acquisitions_are_counted_without_waits() {
+        let m = StatMutex::new(0u32);
+        for _ in 0..5 {
+            *m.lock() += 1;
+        }
+        assert!(m.try_lock().is_some());
+        let s = m.stat();
+        assert_eq!((s.acquisitions, s.contended, s.wait_ns_total), (6, 0, 0));
+    }
+
+    #[test]
+    fn a_taker_that_finds_the_lock_held_counts_its_wait() {
+        let m = Arc::new(StatMutex::new(()));
+        let held = Arc::new(Barrier::new(2));
+        let guard = m.lock();
+        let waiter = {
+            let (m, held) = (m.clone(), held.clone());
+            std::thread::spawn(move || {
+                held.wait();
+                drop(m.lock());
+            })
+        };
+        held.wait();
+        // The waiter cannot get in before this sleep ends.
+        std::thread::sleep(Duration::from_millis(20));
+        assert!(m.try_lock().is_none(), "held: try_lock fails");
+        drop(guard);
+        waiter.join().unwrap();
+        let s = m.stat();
+        assert_eq!((s.acquisitions, s.contended), (2, 1));
+        assert!(s.wait_ns_max >= 10_000_000, "waited {} ns", s.wait_ns_max);
+        assert_eq!(s.wait_ns_total, s.wait_ns_max);
+    }
+
+    #[test]
+    fn classes_sum_their_locks_and_subtract_an_earlier_reading() {
+        let locks: Vec<StatMutex<()>> = (0..3).map(|_| StatMutex::new(())).collect();
+        drop(locks[0].lock());
+        let before = LockClass::sum("t", &locks);
+        drop(locks[1].lock());
+        drop(locks[2].lock());
+        let after = LockClass::sum("t", &locks);
+        assert_eq!((after.locks, after.stat.acquisitions), (3, 3));
+        assert_eq!(after.since(&before).stat.acquisitions, 2);
+    }
+}
