@@ -12,7 +12,7 @@ mod cluster;
 pub use backing::Backing;
 
 use crate::swap_io::{IoEngine, PageOp};
-use crate::{Error, IoMode, SwapConfig, SwapLocation, PAGE_SIZE};
+use crate::{Error, IoMode, SlotAlloc, SwapConfig, SwapLocation, PAGE_SIZE};
 use cluster::ClusterAllocator;
 use std::fs::File;
 use std::io;
@@ -150,7 +150,7 @@ impl SwapDevice {
             direct,
             backing,
             counters: Counters::default(),
-            slots: ClusterAllocator::new(SWAPFILE_CLUSTER, initial),
+            slots: ClusterAllocator::new(SWAPFILE_CLUSTER, initial, cfg.slot_alloc),
             capacity,
             checksums: ChecksumTable::new(capacity),
             grown,
@@ -329,6 +329,17 @@ impl SwapDevice {
     /// Whether the file is open with `O_DIRECT` (not on file systems that refuse it).
     pub fn direct_io(&self) -> bool {
         self.direct
+    }
+
+    /// Where CPUs look for free slots.
+    pub fn slot_alloc(&self) -> SlotAlloc {
+        self.slots.mode()
+    }
+
+    /// The statistics of the slot allocator's locks: `swap_scan`, `swap_cluster` and
+    /// `swap_lists`.
+    pub fn lockstat(&self) -> Vec<crate::lockstat::LockClass> {
+        self.slots.lockstat()
     }
 
     fn check_slot(&self, slot: SlotId) {
