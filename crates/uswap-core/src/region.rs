@@ -249,7 +249,10 @@ impl Region {
             swap_used_pages: mm.slots_held(),
             metadata_bytes: metadata_bytes(mm.pages().len() as u64),
             io: mm.swap().io_stats(),
-            lockstat: vec![mm.lru().lockstat(), mm.staging().lockstat()],
+            lockstat: [mm.lru().lockstat(), mm.staging().lockstat()]
+                .into_iter()
+                .chain(mm.swap().lockstat())
+                .collect(),
         }
     }
 
