@@ -249,11 +249,10 @@ impl Region {
             io: mm.swap().io_stats(),
             swap_cache: mm.swap().cache().stats(),
             readahead: self.fault.readahead.get(),
-            lockstat: vec![
-                mm.swap().cache().lockstat(),
-                mm.lru().lockstat(),
-                mm.staging().lockstat(),
-            ],
+            lockstat: [mm.lru().lockstat(), mm.staging().lockstat()]
+                .into_iter()
+                .chain(mm.swap().lockstat())
+                .collect(),
         }
     }
 

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use uswap_core::config::FaultPlan;
 use uswap_core::swap_io::PageBuf;
 use uswap_core::swapfile::{SlotId, SwapDevice};
-use uswap_core::{IoMode, SwapConfig, SwapLocation};
+use uswap_core::{IoMode, SlotAlloc, SwapConfig, SwapLocation};
 
 const THREADS: u64 = 8;
 const ITERATIONS: u64 = 300;
@@ -89,15 +89,21 @@ fn worker(dev: &SwapDevice, owners: &[AtomicBool], thread: u64) {
 }
 
 fn stress(io: IoMode, faults: Option<FaultPlan>) {
+    stress_with(io, faults, SwapConfig::default().slot_alloc);
+}
+
+fn stress_with(io: IoMode, faults: Option<FaultPlan>, slot_alloc: SlotAlloc) {
     let dir = tempfile::tempdir().unwrap();
     let cfg = SwapConfig {
         location: SwapLocation::TempIn(dir.path().into()),
         size: Some(2 << 20),
         io,
         faults,
+        slot_alloc,
         ..SwapConfig::default()
     };
     let dev = SwapDevice::open(&cfg).unwrap();
+    assert_eq!(dev.slot_alloc(), slot_alloc);
     let owners: Arc<Vec<AtomicBool>> = Arc::new(
         (0..dev.capacity_pages())
             .map(|_| AtomicBool::new(false))
@@ -127,6 +133,8 @@ fn stress(io: IoMode, faults: Option<FaultPlan>) {
         assert!(stats.reread_healed > 0, "{stats:?}");
     }
     assert!(owners.iter().all(|o| !o.load(Ordering::SeqCst)));
+    let classes: Vec<_> = dev.lockstat().iter().map(|c| c.name).collect();
+    assert_eq!(classes, ["swap_cache", "swap_scan", "swap_cluster", "swap_lists"]);
     drop(dev);
     assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
 }
@@ -149,4 +157,9 @@ fn eight_threads_roundtrip_pages_through_io_uring_under_transient_faults() {
 #[test]
 fn eight_threads_roundtrip_pages_through_pread_under_transient_faults() {
     stress(IoMode::Pread, Some(FaultPlan::transient(42, 0.05)));
+}
+
+#[test]
+fn eight_threads_roundtrip_pages_with_one_shared_scan_base() {
+    stress_with(IoMode::Pread, None, SlotAlloc::Shared);
 }

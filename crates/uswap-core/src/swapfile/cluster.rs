@@ -1,253 +1,526 @@
 //! The swap slot allocator, a small version of the cluster allocator in mm/swapfile.c.
 //!
-//! Slots are grouped in clusters. Allocation fills one *current* cluster before it takes
+//! Slots are grouped in clusters. A *scan base* fills one current cluster before it takes
 //! another, so pages written out together land next to each other on disk. A new current
 //! cluster comes from the nonfull list first (reusing holes), then from the free list.
 //! Freeing the last slot of a cluster puts it back on the free list; a full cluster that gets
-//! a slot back goes to the nonfull list. One mutex guards everything for now.
-
-#[cfg(loom)]
-use loom::sync::{
-    atomic::{AtomicU64, Ordering},
-    Mutex, MutexGuard,
-};
-#[cfg(not(loom))]
-use std::sync::{
-    atomic::{AtomicU64, Ordering},
-    Mutex, MutexGuard,
-};
+//! a slot back goes to the nonfull list.
+//!
+//! [`SlotAlloc`] decides how many scan bases there are. `Shared` has one for all CPUs (the
+//! kernel's choice for rotating disks: writes stay in one place). `Percpu` has one per CPU,
+//! so CPUs fill clusters of their own and seldom meet on a lock (the kernel's
+//! `percpu_cluster`). A base that has no current cluster and finds both lists empty takes a
+//! slot from another base's current cluster: `alloc` fails only when every slot is in use.
+//!
+//! # Locking
+//!
+//! - `swap_scan`, one per scan base: which cluster the base fills (`ScanBase::current`).
+//!   Only a holder of a base's lock allocates from the cluster current to that base.
+//! - `swap_cluster`, one per cluster: the cluster's bitmap, its count of slots in use and
+//!   its [`ClusterState`].
+//! - `swap_lists`, one: the free and nonfull lists, which list each cluster is on, and
+//!   growth (appending clusters).
+//!
+//! The order is `swap_scan` → `swap_cluster` → `swap_lists`, at most one lock of each
+//! class at a time: a base looks at the next base only after releasing its own. A free
+//! takes its cluster's lock, and the list lock too only when the cluster changes list.
+//!
+//! Taking a cluster off a list would need the list lock before the cluster lock, against
+//! the order, so the taker *isolates* it: it unlinks the cluster under the list lock alone,
+//! drops that lock, then locks the cluster and makes it current. A free that meanwhile finds
+//! the cluster on no list leaves it to the taker. An isolated cluster is reachable through
+//! its taker's base, whose lock the taker holds throughout.
 
 use super::SlotId;
+use crate::config::SlotAlloc;
 use crate::list::{Link, Links, ListHead};
+use crate::lockstat::{LockClass, StatMutex};
+use crate::sync::AtomicU64;
+use crossbeam_utils::CachePadded;
+use std::sync::atomic::Ordering::{Acquire, Relaxed, Release};
+use std::sync::OnceLock;
+
+/// Most scan bases in `Percpu` mode; CPUs beyond share them.
+const MAX_SCAN_BASES: usize = 64;
+
+/// Scan bases in `Percpu` mode under loom: few, and not tied to real CPU numbers, so the
+/// models are deterministic.
+#[cfg(loom)]
+const LOOM_SCAN_BASES: usize = 2;
+
+/// The list a cluster that is neither full nor current waits on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum ListKind {
+    /// No slot in use.
+    Free,
+    /// Some slots in use, some not.
+    Nonfull,
+}
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum ClusterState {
-    /// No slot in use; on the free list.
+    /// No slot in use; on the free list (or being taken off it).
     Free,
-    /// Some slots in use, some not; on the nonfull list.
+    /// Some slots in use, some not; on the nonfull list (or being taken off it).
     Nonfull,
     /// Every slot in use; on no list.
     Full,
-    /// The cluster allocation is filling; on no list, never full.
-    Current,
+    /// Filled by the scan base with this index; on no list, never full.
+    Current(usize),
 }
 
-#[derive(Clone, Copy, Debug)]
+impl From<ListKind> for ClusterState {
+    fn from(list: ListKind) -> ClusterState {
+        match list {
+            ListKind::Free => ClusterState::Free,
+            ListKind::Nonfull => ClusterState::Nonfull,
+        }
+    }
+}
+
+/// What a cluster's lock protects.
 struct Cluster {
     used: u32,
     state: ClusterState,
-    /// Links on the free or nonfull list (`crate::list`).
-    link: Link,
+    /// One bit per slot of the cluster, set while the slot is in use.
+    words: Box<[u64]>,
 }
 
-struct Clusters(Vec<Cluster>);
+impl Cluster {
+    fn new(cluster_size: u32) -> Cluster {
+        Cluster {
+            used: 0,
+            state: ClusterState::Free,
+            words: vec![0; cluster_size.div_ceil(64) as usize].into(),
+        }
+    }
 
-impl Links for Clusters {
+    /// Marks the lowest free one of the first `len` slots in use and returns its index.
+    fn take_first_free(&mut self, len: u32) -> Option<u32> {
+        let (w, free) = self
+            .words
+            .iter()
+            .enumerate()
+            .map(|(w, &word)| (w, !word & valid_bits(len, w)))
+            .find(|&(_, free)| free != 0)?;
+        let bit = free.trailing_zeros();
+        self.words[w] |= 1 << bit;
+        self.used += 1;
+        Some(w as u32 * 64 + bit)
+    }
+
+    /// Marks slot `i` free; false if it was not in use.
+    fn release(&mut self, i: u32) -> bool {
+        let mask = 1u64 << (i % 64);
+        let word = &mut self.words[i as usize / 64];
+        if *word & mask == 0 {
+            return false;
+        }
+        *word &= !mask;
+        self.used -= 1;
+        true
+    }
+}
+
+/// The bits of word `w` that stand for one of the first `len` slots.
+fn valid_bits(len: u32, w: usize) -> u64 {
+    match len.saturating_sub(w as u32 * 64) {
+        bits @ 0..64 => (1 << bits) - 1,
+        _ => u64::MAX,
+    }
+}
+
+/// The clusters, in segments of 1, 2, 4, ... clusters. A segment is allocated when growth
+/// first needs it and never moves, so a cluster is reached without a lock on the whole table.
+struct ClusterTable {
+    segments: [OnceLock<Box<[StatMutex<Cluster>]>>; 32],
+    cluster_size: u32,
+}
+
+impl ClusterTable {
+    fn new(cluster_size: u32) -> ClusterTable {
+        ClusterTable {
+            segments: std::array::from_fn(|_| OnceLock::new()),
+            cluster_size,
+        }
+    }
+
+    /// The lock of cluster `c`, which must be below a count passed to [`Self::reserve`].
+    fn get(&self, c: u32) -> &StatMutex<Cluster> {
+        let (segment, i) = segment_of(c);
+        &self.segments[segment]
+            .get()
+            .expect("cluster reserved before use")[i]
+    }
+
+    /// Makes clusters `0..count` exist (free, on no list yet).
+    fn reserve(&self, count: u32) {
+        let Some(last) = count.checked_sub(1) else {
+            return;
+        };
+        for segment in 0..=segment_of(last).0 {
+            self.segments[segment].get_or_init(|| {
+                (0..1 << segment)
+                    .map(|_| StatMutex::new(Cluster::new(self.cluster_size)))
+                    .collect()
+            });
+        }
+    }
+}
+
+/// The segment of cluster `c` in a [`ClusterTable`] and its index there: segment `k` holds
+/// clusters `2^k - 1 .. 2^(k+1) - 1`.
+fn segment_of(c: u32) -> (usize, usize) {
+    let position = u64::from(c) + 1;
+    let segment = position.ilog2();
+    (segment as usize, (position - (1 << segment)) as usize)
+}
+
+/// A cluster's place on the lists: its links and the list it is on.
+#[derive(Clone, Copy)]
+struct ListNode {
+    link: Link,
+    on: Option<ListKind>,
+}
+
+struct ListNodes(Vec<ListNode>);
+
+impl Links for ListNodes {
     fn link(&mut self, i: u32) -> &mut Link {
         &mut self.0[i as usize].link
     }
 }
 
-struct Inner {
-    cluster_size: u32,
-    /// Slots managed; the last cluster may be partial.
-    slots: u64,
-    /// One bit per slot, set while the slot is in use.
-    bitmap: Vec<u64>,
-    clusters: Clusters,
+/// What the list lock protects.
+struct Lists {
     free: ListHead,
     nonfull: ListHead,
-    current: Option<u32>,
-    used: u64,
+    /// One per cluster added so far.
+    nodes: ListNodes,
 }
 
-impl Inner {
-    fn alloc(&mut self) -> Option<SlotId> {
-        let c = match self.current {
-            Some(c) => c,
-            None => self.take_cluster()?,
+impl Lists {
+    fn parts(&mut self, list: ListKind) -> (&mut ListHead, &mut ListNodes) {
+        let head = match list {
+            ListKind::Free => &mut self.free,
+            ListKind::Nonfull => &mut self.nonfull,
         };
-        let slot = self
-            .first_free(c)
-            .expect("the current cluster always has a free slot");
-        self.bitmap[slot as usize / 64] |= 1 << (slot % 64);
-        self.used += 1;
-        let len = self.cluster_len(c);
-        let cluster = &mut self.clusters.0[c as usize];
-        cluster.used += 1;
-        if cluster.used == len {
-            cluster.state = ClusterState::Full;
-            self.current = None;
-        }
-        Some(slot)
+        (head, &mut self.nodes)
     }
 
-    /// Makes a nonfull cluster, or else a free one, the current cluster.
-    fn take_cluster(&mut self) -> Option<u32> {
-        let c = self
-            .nonfull
-            .pop_front(&mut self.clusters)
-            .or_else(|| self.free.pop_front(&mut self.clusters))?;
-        self.clusters.0[c as usize].state = ClusterState::Current;
-        self.current = Some(c);
-        Some(c)
+    fn push(&mut self, list: ListKind, c: u32) {
+        let (head, nodes) = self.parts(list);
+        head.push_back(nodes, c);
+        nodes.0[c as usize].on = Some(list);
     }
 
-    /// Releases `slot`; false if it was not in use (or does not exist).
-    fn free(&mut self, slot: SlotId) -> bool {
-        if u64::from(slot) >= self.slots || !self.in_use(slot) {
+    /// Takes `c` off the list it is on; false if it is on none (isolated).
+    fn unlink(&mut self, c: u32) -> bool {
+        let Some(list) = self.nodes.0[c as usize].on.take() else {
             return false;
-        }
-        self.bitmap[slot as usize / 64] &= !(1 << (slot % 64));
-        self.used -= 1;
-        let c = slot / self.cluster_size;
-        let cluster = &mut self.clusters.0[c as usize];
-        cluster.used -= 1;
-        match (cluster.state, cluster.used) {
-            // The current cluster stays current, even when empty: allocation goes on there.
-            (ClusterState::Current, _) => {}
-            (ClusterState::Full | ClusterState::Nonfull, 0) => {
-                if cluster.state == ClusterState::Nonfull {
-                    self.nonfull.remove(&mut self.clusters, c);
-                }
-                self.clusters.0[c as usize].state = ClusterState::Free;
-                self.free.push_back(&mut self.clusters, c);
-            }
-            (ClusterState::Full, _) => {
-                cluster.state = ClusterState::Nonfull;
-                self.nonfull.push_back(&mut self.clusters, c);
-            }
-            (ClusterState::Nonfull, _) => {}
-            (ClusterState::Free, _) => unreachable!("free cluster {c} had slot {slot} in use"),
-        }
+        };
+        let (head, nodes) = self.parts(list);
+        head.remove(nodes, c);
         true
     }
 
-    fn in_use(&self, slot: SlotId) -> bool {
-        self.bitmap[slot as usize / 64] & (1 << (slot % 64)) != 0
-    }
-
-    /// Number of slots in cluster `c` (the last one may be short).
-    fn cluster_len(&self, c: u32) -> u32 {
-        let start = u64::from(c) * u64::from(self.cluster_size);
-        (self.slots - start).min(u64::from(self.cluster_size)) as u32
-    }
-
-    /// Lowest free slot of cluster `c`.
-    fn first_free(&self, c: u32) -> Option<SlotId> {
-        let start = u64::from(c) * u64::from(self.cluster_size);
-        let end = start + u64::from(self.cluster_len(c));
-        let mut word_start = start / 64 * 64;
-        while word_start < end {
-            let lo = start.max(word_start) - word_start;
-            let hi = end.min(word_start + 64) - word_start;
-            let free = !self.bitmap[(word_start / 64) as usize] & bit_range(lo, hi);
-            if free != 0 {
-                return Some((word_start + u64::from(free.trailing_zeros())) as SlotId);
-            }
-            word_start += 64;
-        }
-        None
-    }
-
-    /// Appends `n` free clusters. The slots managed so far must be whole clusters.
-    fn add_clusters(&mut self, n: u32) {
-        let size = u64::from(self.cluster_size);
-        assert_eq!(self.slots % size, 0, "cannot grow past a partial cluster");
-        let first = self.clusters.0.len() as u32;
-        for c in first..first + n {
-            self.clusters.0.push(Cluster {
-                used: 0,
-                state: ClusterState::Free,
-                link: Link::UNLINKED,
-            });
-            self.free.push_back(&mut self.clusters, c);
-        }
-        self.slots += u64::from(n) * size;
-        self.bitmap.resize(self.slots.div_ceil(64) as usize, 0);
+    /// Unlinks the first nonfull cluster, or else the first free one, for a new current
+    /// cluster.
+    fn isolate(&mut self) -> Option<u32> {
+        let c = (self.nonfull.pop_front(&mut self.nodes))
+            .or_else(|| self.free.pop_front(&mut self.nodes))?;
+        self.nodes.0[c as usize].on = None;
+        Some(c)
     }
 }
 
-/// Bits `lo..hi` of a word set (`hi` <= 64).
-fn bit_range(lo: u64, hi: u64) -> u64 {
-    let width = hi - lo;
-    let ones = if width == 64 {
-        u64::MAX
-    } else {
-        (1 << width) - 1
-    };
-    ones << lo
+/// What a scan base's lock protects.
+struct ScanBase {
+    /// The cluster this base fills.
+    current: Option<u32>,
 }
 
 /// Hands out and takes back swap slots.
 pub(crate) struct ClusterAllocator {
-    inner: Mutex<Inner>,
-    /// Copy of `Inner::used`, readable without the lock.
+    mode: SlotAlloc,
+    cluster_size: u32,
+    bases: Box<[CachePadded<StatMutex<ScanBase>>]>,
+    clusters: ClusterTable,
+    lists: StatMutex<Lists>,
+    /// Slots managed; the last cluster may be partial. Written under the list lock.
+    slots: AtomicU64,
+    /// Slots in use, readable without a lock.
     used: AtomicU64,
 }
 
 impl ClusterAllocator {
     /// An allocator of `slots` slots (0 is allowed: grow with [`Self::add_clusters`]) in
-    /// clusters of `cluster_size` slots.
-    pub(crate) fn new(cluster_size: u32, slots: u64) -> ClusterAllocator {
+    /// clusters of `cluster_size` slots, with the scan bases `mode` asks for.
+    pub(crate) fn new(cluster_size: u32, slots: u64, mode: SlotAlloc) -> ClusterAllocator {
+        Self::with_bases(cluster_size, slots, mode, scan_bases(mode))
+    }
+
+    fn with_bases(cluster_size: u32, slots: u64, mode: SlotAlloc, bases: usize) -> Self {
         assert!(cluster_size > 0, "cluster size must be at least one slot");
-        let mut inner = Inner {
+        let a = ClusterAllocator {
+            mode,
             cluster_size,
-            slots: 0,
-            bitmap: Vec::new(),
-            clusters: Clusters(Vec::new()),
-            free: ListHead::EMPTY,
-            nonfull: ListHead::EMPTY,
-            current: None,
-            used: 0,
-        };
-        inner.add_clusters(slots.div_ceil(u64::from(cluster_size)) as u32);
-        // Whole clusters were added; cut the last one short when `slots` asks for that.
-        inner.slots = slots;
-        inner.bitmap.truncate(slots.div_ceil(64) as usize);
-        ClusterAllocator {
-            inner: Mutex::new(inner),
+            bases: (0..bases)
+                .map(|_| CachePadded::new(StatMutex::new(ScanBase { current: None })))
+                .collect(),
+            clusters: ClusterTable::new(cluster_size),
+            lists: StatMutex::new(Lists {
+                free: ListHead::EMPTY,
+                nonfull: ListHead::EMPTY,
+                nodes: ListNodes(Vec::new()),
+            }),
+            slots: AtomicU64::new(0),
             used: AtomicU64::new(0),
-        }
+        };
+        let clusters = slots.div_ceil(u64::from(cluster_size)) as u32;
+        a.append_clusters(&mut a.lists.lock(), clusters, slots);
+        a
+    }
+
+    pub(crate) fn mode(&self) -> SlotAlloc {
+        self.mode
     }
 
     /// A free slot, or `None` when every slot is in use.
     pub(crate) fn alloc(&self) -> Option<SlotId> {
-        let mut inner = self.lock();
-        let slot = inner.alloc();
-        self.used.store(inner.used, Ordering::Relaxed);
-        slot
+        self.alloc_at(self.home_base())
+    }
+
+    /// A free slot, looking at scan base `home` first and then at the others in turn.
+    ///
+    /// A round over the bases can miss every free slot when other threads move slots about
+    /// meanwhile (one fills the cluster of a base this thread is about to look at while
+    /// another frees a slot in a cluster it has passed); then it goes round again. `used`
+    /// drops only once a freed slot can be found, so a failed round while `used` is below
+    /// `slots` means other threads made progress.
+    fn alloc_at(&self, home: usize) -> Option<SlotId> {
+        let n = self.bases.len();
+        loop {
+            let slot = (0..n)
+                .map(|i| (home + i) % n)
+                .find_map(|b| self.alloc_from_base(b, &mut self.bases[b].lock()));
+            if slot.is_some() || self.used() >= self.slots() {
+                return slot;
+            }
+        }
+    }
+
+    /// A slot from the current cluster of base `b`, after making a listed cluster current
+    /// if the base has none.
+    fn alloc_from_base(&self, b: usize, base: &mut ScanBase) -> Option<SlotId> {
+        let c = match base.current {
+            Some(c) => c,
+            None => self.lists.lock().isolate()?,
+        };
+        let len = self.cluster_len(c);
+        let mut cluster = self.clusters.get(c).lock();
+        debug_assert!(
+            base.current.is_none() || cluster.state == ClusterState::Current(b),
+            "cluster {c} is {:?}, not current to base {b}",
+            cluster.state
+        );
+        let i = cluster
+            .take_first_free(len)
+            .expect("a current or listed cluster has a free slot");
+        self.used.fetch_add(1, Relaxed);
+        let full = cluster.used == len;
+        cluster.state = if full {
+            ClusterState::Full
+        } else {
+            ClusterState::Current(b)
+        };
+        base.current = (!full).then_some(c);
+        Some(c * self.cluster_size + i)
     }
 
     /// Gives `slot` back. Panics if it is not in use: a double free would hand the slot to
     /// two owners later.
     pub(crate) fn free(&self, slot: SlotId) {
-        let mut inner = self.lock();
-        let freed = inner.free(slot);
-        self.used.store(inner.used, Ordering::Relaxed);
-        drop(inner); // panic without poisoning the lock
+        let freed = u64::from(slot) < self.slots() && self.release(slot);
         assert!(
             freed,
             "swap slot {slot} freed while not in use (double free?)"
         );
     }
 
-    /// Grows the allocator by `n` free clusters.
+    /// Marks `slot` free and moves its cluster to the list it now belongs on; false (and
+    /// nothing changed) if the slot was not in use.
+    fn release(&self, slot: SlotId) -> bool {
+        let c = slot / self.cluster_size;
+        let mut cluster = self.clusters.get(c).lock();
+        if !cluster.release(slot % self.cluster_size) {
+            return false;
+        }
+        match (cluster.state, cluster.used) {
+            // A current cluster stays current, even when empty: allocation goes on there.
+            (ClusterState::Current(_), _) | (ClusterState::Nonfull, 1..) => {}
+            (ClusterState::Full, used) => {
+                let list = if used == 0 {
+                    ListKind::Free
+                } else {
+                    ListKind::Nonfull
+                };
+                self.lists.lock().push(list, c);
+                cluster.state = list.into();
+            }
+            (ClusterState::Nonfull, 0) => {
+                let mut lists = self.lists.lock();
+                // Not on the list: a base is taking it and will make it current.
+                if lists.unlink(c) {
+                    lists.push(ListKind::Free, c);
+                    cluster.state = ClusterState::Free;
+                }
+            }
+            (ClusterState::Free, _) => unreachable!("free cluster {c} had slot {slot} in use"),
+        }
+        // Only now that the slot can be found again (see `alloc_at`).
+        self.used.fetch_sub(1, Relaxed);
+        true
+    }
+
+    /// Grows the allocator by `n` free clusters. The slots managed so far must be whole
+    /// clusters.
     pub(crate) fn add_clusters(&self, n: u32) {
-        self.lock().add_clusters(n);
+        let mut lists = self.lists.lock();
+        let size = u64::from(self.cluster_size);
+        let slots = self.slots();
+        assert_eq!(slots % size, 0, "cannot grow past a partial cluster");
+        self.append_clusters(&mut lists, n, slots + u64::from(n) * size);
+    }
+
+    /// Appends `n` clusters to the free list; `slots` is the new total.
+    fn append_clusters(&self, lists: &mut Lists, n: u32, slots: u64) {
+        let first = lists.nodes.0.len() as u32;
+        self.clusters.reserve(first + n);
+        let unlinked = ListNode {
+            link: Link::UNLINKED,
+            on: None,
+        };
+        lists.nodes.0.resize((first + n) as usize, unlinked);
+        // Before the clusters are listed: whoever finds one must see its slots counted.
+        self.slots.store(slots, Release);
+        (first..first + n).for_each(|c| lists.push(ListKind::Free, c));
     }
 
     pub(crate) fn used(&self) -> u64 {
-        self.used.load(Ordering::Relaxed)
+        self.used.load(Relaxed)
     }
 
     /// Slots managed now (grows with [`Self::add_clusters`]).
     pub(crate) fn slots(&self) -> u64 {
-        self.lock().slots
+        self.slots.load(Acquire)
     }
 
-    fn lock(&self) -> MutexGuard<'_, Inner> {
-        crate::sync::lock(&self.inner)
+    /// The scan base, cluster and list lock classes.
+    pub(crate) fn lockstat(&self) -> Vec<LockClass> {
+        let clusters = (0..self.cluster_count()).map(|c| self.clusters.get(c));
+        vec![
+            LockClass::sum("swap_scan", self.bases.iter().map(|b| &**b)),
+            LockClass::sum("swap_cluster", clusters),
+            LockClass::sum("swap_lists", [&self.lists]),
+        ]
+    }
+
+    fn cluster_count(&self) -> u32 {
+        self.slots().div_ceil(u64::from(self.cluster_size)) as u32
+    }
+
+    /// Number of slots in cluster `c` (the last one may be short).
+    fn cluster_len(&self, c: u32) -> u32 {
+        let start = u64::from(c) * u64::from(self.cluster_size);
+        (self.slots() - start).min(u64::from(self.cluster_size)) as u32
+    }
+
+    /// The scan base of the calling thread's CPU.
+    #[cfg(not(loom))]
+    fn home_base(&self) -> usize {
+        crate::cpu::current() % self.bases.len()
+    }
+
+    /// Under loom, base 0: the models pick other bases through [`Self::alloc_at`].
+    #[cfg(loom)]
+    fn home_base(&self) -> usize {
+        0
+    }
+}
+
+/// How many scan bases `mode` has on this machine.
+fn scan_bases(mode: SlotAlloc) -> usize {
+    match mode {
+        SlotAlloc::Shared => 1,
+        SlotAlloc::Percpu => cpus().min(MAX_SCAN_BASES),
+    }
+}
+
+#[cfg(not(loom))]
+fn cpus() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get())
+}
+
+#[cfg(loom)]
+fn cpus() -> usize {
+    LOOM_SCAN_BASES
+}
+
+#[cfg(test)]
+impl ClusterAllocator {
+    /// Cross-checks counts, bitmaps, states, list membership and scan bases. Takes one lock
+    /// at a time, so the allocator must be idle.
+    fn check_invariants(&self) {
+        let currents: Vec<Option<u32>> = self.bases.iter().map(|b| b.lock().current).collect();
+        let (free, nonfull, on) = {
+            let mut lists = self.lists.lock();
+            let lists = &mut *lists;
+            let free = lists.free.walk(&mut lists.nodes).unwrap();
+            let nonfull = lists.nonfull.walk(&mut lists.nodes).unwrap();
+            let on: Vec<Option<ListKind>> = lists.nodes.0.iter().map(|n| n.on).collect();
+            (free, nonfull, on)
+        };
+        assert_eq!(on.len() as u32, self.cluster_count());
+        let mut total = 0;
+        for c in 0..self.cluster_count() {
+            let len = self.cluster_len(c);
+            let cluster = self.clusters.get(c).lock();
+            let bits: u32 = cluster.words.iter().map(|w| w.count_ones()).sum();
+            let valid: u32 = (0..cluster.words.len())
+                .map(|w| (cluster.words[w] & valid_bits(len, w)).count_ones())
+                .sum();
+            assert_eq!(bits, valid, "cluster {c}: bits set past its {len} slots");
+            assert_eq!(cluster.used, bits, "cluster {c}");
+            total += u64::from(bits);
+            let listed = |list: &[u32], kind| {
+                let on_list = list.contains(&c);
+                assert_eq!(on_list, on[c as usize] == Some(kind), "cluster {c}");
+                on_list
+            };
+            assert_eq!(
+                listed(&free, ListKind::Free),
+                cluster.state == ClusterState::Free
+            );
+            assert_eq!(
+                listed(&nonfull, ListKind::Nonfull),
+                cluster.state == ClusterState::Nonfull
+            );
+            let current_to: Vec<usize> = (0..currents.len())
+                .filter(|&b| currents[b] == Some(c))
+                .collect();
+            match cluster.state {
+                ClusterState::Free => assert_eq!(bits, 0),
+                ClusterState::Nonfull => assert!(bits > 0 && bits < len, "cluster {c}"),
+                ClusterState::Full => assert_eq!(bits, len),
+                ClusterState::Current(_) => assert!(bits < len, "cluster {c}"),
+            }
+            match cluster.state {
+                ClusterState::Current(b) => assert_eq!(current_to, [b], "cluster {c}"),
+                _ => assert!(current_to.is_empty(), "cluster {c}"),
+            }
+        }
+        assert_eq!(total, self.used());
     }
 }
 
@@ -257,6 +530,18 @@ mod tests {
     use proptest::prelude::*;
     use std::collections::HashSet;
 
+    fn shared(cluster_size: u32, slots: u64) -> ClusterAllocator {
+        ClusterAllocator::new(cluster_size, slots, SlotAlloc::Shared)
+    }
+
+    fn percpu(cluster_size: u32, slots: u64, bases: usize) -> ClusterAllocator {
+        ClusterAllocator::with_bases(cluster_size, slots, SlotAlloc::Percpu, bases)
+    }
+
+    fn state(a: &ClusterAllocator, c: u32) -> ClusterState {
+        a.clusters.get(c).lock().state
+    }
+
     /// Allocates `n` slots, which must all succeed.
     fn fill(a: &ClusterAllocator, n: u32) {
         for _ in 0..n {
@@ -264,98 +549,59 @@ mod tests {
         }
     }
 
-    fn state(a: &ClusterAllocator, c: u32) -> ClusterState {
-        a.lock().clusters.0[c as usize].state
-    }
-
-    /// Cross-checks counts, bitmap, states and list membership.
-    fn check_invariants(a: &ClusterAllocator) {
-        let mut inner = a.lock();
-        let inner = &mut *inner;
-        let free = inner.free.walk(&mut inner.clusters).unwrap();
-        let nonfull = inner.nonfull.walk(&mut inner.clusters).unwrap();
-        let mut total = 0;
-        for c in 0..inner.clusters.0.len() as u32 {
-            let len = inner.cluster_len(c);
-            let start = c * inner.cluster_size;
-            let used = (start..start + len).filter(|&s| inner.in_use(s)).count() as u32;
-            let cluster = inner.clusters.0[c as usize];
-            assert_eq!(cluster.used, used, "cluster {c}");
-            total += u64::from(used);
-            assert_eq!(
-                free.contains(&c),
-                cluster.state == ClusterState::Free,
-                "cluster {c}"
-            );
-            assert_eq!(
-                nonfull.contains(&c),
-                cluster.state == ClusterState::Nonfull,
-                "cluster {c}"
-            );
-            assert_eq!(
-                inner.current == Some(c),
-                cluster.state == ClusterState::Current
-            );
-            match cluster.state {
-                ClusterState::Free => assert_eq!(used, 0),
-                ClusterState::Nonfull => assert!(used > 0 && used < len),
-                ClusterState::Full => assert_eq!(used, len),
-                ClusterState::Current => assert!(used < len),
-            }
-        }
-        assert_eq!(total, inner.used);
-        assert_eq!(a.used(), inner.used);
-    }
-
     #[test]
     fn fills_clusters_in_order_then_reports_full() {
-        let a = ClusterAllocator::new(256, 4 * 256);
+        let a = shared(256, 4 * 256);
         for expected in 0..4 * 256 {
             assert_eq!(a.alloc(), Some(expected));
         }
         assert_eq!(a.alloc(), None);
         assert_eq!(a.used(), 1024);
-        check_invariants(&a);
+        a.check_invariants();
     }
 
     #[test]
     fn partial_last_cluster_and_odd_cluster_sizes_hand_out_each_slot_once() {
-        for (cluster_size, slots) in [(256, 300), (100, 1000), (3, 10), (1, 5), (64, 129)] {
-            let a = ClusterAllocator::new(cluster_size, slots);
-            let got: HashSet<SlotId> = (0..slots).map(|_| a.alloc().unwrap()).collect();
-            assert_eq!(got.len() as u64, slots, "size {cluster_size}");
-            assert!(got.iter().all(|&s| u64::from(s) < slots));
-            assert_eq!(a.alloc(), None);
-            check_invariants(&a);
+        for mode in SlotAlloc::ALL {
+            for (cluster_size, slots) in [(256, 300), (100, 1000), (3, 10), (1, 5), (64, 129)] {
+                let a = ClusterAllocator::new(cluster_size, slots, *mode);
+                let got: HashSet<SlotId> = (0..slots).map(|_| a.alloc().unwrap()).collect();
+                assert_eq!(got.len() as u64, slots, "{mode} size {cluster_size}");
+                assert!(got.iter().all(|&s| u64::from(s) < slots));
+                assert_eq!(a.alloc(), None);
+                a.check_invariants();
+            }
         }
     }
 
     #[test]
     fn a_freed_slot_is_allocated_again() {
-        let a = ClusterAllocator::new(256, 256);
-        fill(&a, 256);
-        a.free(5);
-        assert_eq!(a.used(), 255);
-        assert_eq!(a.alloc(), Some(5));
-        assert_eq!(a.alloc(), None);
+        for mode in SlotAlloc::ALL {
+            let a = ClusterAllocator::new(256, 256, *mode);
+            fill(&a, 256);
+            a.free(5);
+            assert_eq!(a.used(), 255);
+            assert_eq!(a.alloc(), Some(5));
+            assert_eq!(a.alloc(), None);
+        }
     }
 
     #[test]
     fn nonfull_clusters_are_preferred_over_free_ones() {
-        let a = ClusterAllocator::new(256, 4 * 256);
+        let a = shared(256, 4 * 256);
         fill(&a, 3 * 256);
         a.free(300);
         assert_eq!(state(&a, 1), ClusterState::Nonfull);
-        check_invariants(&a);
+        a.check_invariants();
         assert_eq!(a.alloc(), Some(300));
         assert_eq!(state(&a, 1), ClusterState::Full);
         assert_eq!(a.alloc(), Some(768), "then the free cluster 3");
-        check_invariants(&a);
+        a.check_invariants();
     }
 
     #[test]
     fn an_emptied_cluster_returns_to_the_free_list_and_is_reused() {
-        let a = ClusterAllocator::new(256, 2 * 256);
+        let a = shared(256, 2 * 256);
         fill(&a, 512);
         for slot in 0..255 {
             a.free(slot);
@@ -363,7 +609,7 @@ mod tests {
         }
         a.free(255);
         assert_eq!(state(&a, 0), ClusterState::Free);
-        check_invariants(&a);
+        a.check_invariants();
         let again: Vec<SlotId> = (0..256).map(|_| a.alloc().unwrap()).collect();
         assert_eq!(again, (0..256).collect::<Vec<_>>());
         assert_eq!(a.alloc(), None);
@@ -371,30 +617,39 @@ mod tests {
 
     #[test]
     fn an_empty_current_cluster_stays_current() {
-        let a = ClusterAllocator::new(4, 8);
+        let a = shared(4, 8);
         let s = a.alloc().unwrap();
         a.free(s);
-        assert_eq!(state(&a, 0), ClusterState::Current);
+        assert_eq!(state(&a, 0), ClusterState::Current(0));
         assert_eq!(a.alloc(), Some(s));
-        check_invariants(&a);
+        a.check_invariants();
     }
 
     #[test]
     fn added_clusters_become_allocatable() {
-        let a = ClusterAllocator::new(256, 0);
-        assert_eq!(a.alloc(), None);
-        a.add_clusters(2);
-        assert_eq!(a.slots(), 512);
-        let got: HashSet<SlotId> = (0..512).map(|_| a.alloc().unwrap()).collect();
-        assert_eq!(got.len(), 512);
-        assert_eq!(a.alloc(), None);
-        check_invariants(&a);
+        for mode in SlotAlloc::ALL {
+            let a = ClusterAllocator::new(256, 0, *mode);
+            assert_eq!(a.alloc(), None);
+            a.add_clusters(2);
+            assert_eq!(a.slots(), 512);
+            a.add_clusters(3);
+            let got: HashSet<SlotId> = (0..5 * 256).map(|_| a.alloc().unwrap()).collect();
+            assert_eq!(got.len(), 5 * 256);
+            assert_eq!(a.alloc(), None);
+            a.check_invariants();
+        }
+    }
+
+    #[test]
+    #[should_panic(expected = "cannot grow past a partial cluster")]
+    fn growing_past_a_partial_cluster_panics() {
+        shared(4, 6).add_clusters(1);
     }
 
     #[test]
     #[should_panic(expected = "swap slot 7 freed while not in use")]
     fn double_free_panics() {
-        let a = ClusterAllocator::new(256, 256);
+        let a = shared(256, 256);
         fill(&a, 8);
         a.free(7);
         a.free(7);
@@ -403,40 +658,198 @@ mod tests {
     #[test]
     #[should_panic(expected = "freed while not in use")]
     fn freeing_a_slot_that_does_not_exist_panics() {
-        ClusterAllocator::new(4, 4).free(4);
+        shared(4, 4).free(4);
+    }
+
+    #[test]
+    fn each_base_fills_a_cluster_of_its_own() {
+        let a = percpu(4, 16, 3);
+        assert_eq!(a.alloc_at(0), Some(0));
+        assert_eq!(a.alloc_at(1), Some(4));
+        assert_eq!(a.alloc_at(2), Some(8));
+        assert_eq!(a.alloc_at(0), Some(1));
+        assert_eq!(a.alloc_at(1), Some(5));
+        assert_eq!(state(&a, 2), ClusterState::Current(2));
+        a.check_invariants();
+    }
+
+    #[test]
+    fn a_base_with_a_full_cluster_takes_a_nonfull_one_then_a_free_one() {
+        let a = percpu(2, 8, 2);
+        fill_base(&a, 0, 2); // cluster 0 full
+        fill_base(&a, 1, 2); // cluster 1 full
+        a.free(3);
+        assert_eq!(a.alloc_at(0), Some(3), "the nonfull cluster 1");
+        assert_eq!(a.alloc_at(0), Some(4), "then the free cluster 2");
+        a.check_invariants();
+    }
+
+    fn fill_base(a: &ClusterAllocator, base: usize, n: u32) {
+        for _ in 0..n {
+            a.alloc_at(base).expect("a free slot");
+        }
+    }
+
+    #[test]
+    fn a_base_without_a_cluster_takes_slots_from_other_bases() {
+        let a = percpu(4, 8, 3);
+        assert_eq!(a.alloc_at(0), Some(0));
+        assert_eq!(a.alloc_at(1), Some(4));
+        assert_eq!(a.alloc_at(2), Some(1), "both lists empty: base 0's cluster");
+        a.check_invariants();
+        fill_base(&a, 2, 5);
+        assert_eq!(a.used(), 8);
+        assert_eq!(a.alloc_at(2), None);
+        assert_eq!(a.alloc_at(0), None);
+        a.check_invariants();
+        a.free(6);
+        assert_eq!(a.alloc_at(0), Some(6), "from the nonfull list");
+        a.check_invariants();
+    }
+
+    #[test]
+    fn lock_classes_count_their_locks_and_acquisitions() {
+        let a = percpu(4, 10, 3);
+        fill(&a, 5);
+        let classes = a.lockstat();
+        let names: Vec<_> = classes.iter().map(|c| (c.name, c.locks)).collect();
+        assert_eq!(
+            names,
+            [("swap_scan", 3), ("swap_cluster", 3), ("swap_lists", 1)]
+        );
+        assert!(
+            classes.iter().all(|c| c.stat.acquisitions > 0),
+            "{classes:?}"
+        );
+        assert_eq!(shared(4, 10).lockstat()[0].locks, 1);
+    }
+
+    #[test]
+    fn percpu_mode_has_a_base_per_cpu_up_to_the_cap() {
+        let a = ClusterAllocator::new(4, 4, SlotAlloc::Percpu);
+        assert_eq!(a.mode(), SlotAlloc::Percpu);
+        assert_eq!(a.bases.len(), cpus().min(MAX_SCAN_BASES));
+        assert_eq!(shared(4, 4).bases.len(), 1);
+    }
+
+    #[test]
+    fn clusters_sit_in_doubling_segments() {
+        for (c, place) in [
+            (0, (0, 0)),
+            (1, (1, 0)),
+            (2, (1, 1)),
+            (3, (2, 0)),
+            (6, (2, 3)),
+        ] {
+            assert_eq!(segment_of(c), place, "cluster {c}");
+        }
+        assert_eq!(segment_of(u32::MAX - 1), (31, (1 << 31) - 1));
+    }
+
+    /// Each of 4 threads allocates and frees 20,000 times, holding up to 32 slots, and
+    /// claims every slot in an ownership table. The allocator is big enough that its lists
+    /// are never empty, so every allocation must succeed.
+    fn stress(mode: SlotAlloc) {
+        const THREADS: usize = 4;
+        const ROUNDS: usize = 20_000;
+        const HELD: usize = 32;
+        let a = ClusterAllocator::new(16, 4096, mode);
+        assert!(THREADS * HELD + 2 * a.bases.len() * 16 < 4096);
+        let owned: Vec<std::sync::atomic::AtomicBool> =
+            (0..4096).map(|_| Default::default()).collect();
+        std::thread::scope(|s| {
+            for t in 0..THREADS {
+                let (a, owned) = (&a, &owned);
+                s.spawn(move || {
+                    let mut held = Vec::new();
+                    let mut x = t as u64 * 0x9e37_79b9 + 1;
+                    for _ in 0..ROUNDS {
+                        x ^= x << 13;
+                        x ^= x >> 7;
+                        x ^= x << 17;
+                        if held.len() < HELD && (held.is_empty() || !x.is_multiple_of(3)) {
+                            let slot = a.alloc().expect("room for every thread");
+                            let was = owned[slot as usize].swap(true, Relaxed);
+                            assert!(!was, "slot {slot} owned twice");
+                            held.push(slot);
+                        } else {
+                            let slot = held.swap_remove(x as usize % held.len());
+                            owned[slot as usize].store(false, Relaxed);
+                            a.free(slot);
+                        }
+                    }
+                    held.into_iter().for_each(|slot| {
+                        owned[slot as usize].store(false, Relaxed);
+                        a.free(slot);
+                    });
+                });
+            }
+        });
+        assert_eq!(a.used(), 0);
+        a.check_invariants();
+    }
+
+    #[test]
+    fn four_threads_alloc_and_free_with_a_shared_scan_base() {
+        stress(SlotAlloc::Shared);
+    }
+
+    #[test]
+    fn four_threads_alloc_and_free_with_percpu_scan_bases() {
+        stress(SlotAlloc::Percpu);
     }
 
     #[derive(Debug, Clone)]
     enum Op {
-        Alloc,
+        /// From the calling CPU's base (`None`), or from this base (modulo their number).
+        Alloc(Option<usize>),
         /// Frees the live slot at this position (modulo the number live).
         Free(usize),
     }
 
     fn op() -> impl Strategy<Value = Op> {
-        prop_oneof![3 => Just(Op::Alloc), 2 => any::<usize>().prop_map(Op::Free)]
+        prop_oneof![
+            3 => any::<Option<usize>>().prop_map(Op::Alloc),
+            2 => any::<usize>().prop_map(Op::Free),
+        ]
+    }
+
+    fn allocator() -> impl Strategy<Value = (SlotAlloc, usize)> {
+        prop_oneof![
+            Just((SlotAlloc::Shared, 1)),
+            (1usize..5).prop_map(|n| (SlotAlloc::Percpu, n))
+        ]
     }
 
     proptest! {
+        /// Whichever bases the allocations come from, no slot is handed out twice and
+        /// `None` means full.
         #[test]
         fn random_alloc_free_sequences_match_a_set_model(
+            (mode, bases) in allocator(),
             cluster_size in 1u32..300,
             slots in 0u64..1200,
             ops in proptest::collection::vec(op(), 0..1500),
         ) {
-            let a = ClusterAllocator::new(cluster_size, slots);
+            let a = ClusterAllocator::with_bases(cluster_size, slots, mode, bases);
             let mut live: Vec<SlotId> = Vec::new();
             let mut model: HashSet<SlotId> = HashSet::new();
             for op in ops {
                 match op {
-                    Op::Alloc => match a.alloc() {
-                        Some(slot) => {
-                            prop_assert!(u64::from(slot) < slots);
-                            prop_assert!(model.insert(slot), "slot {} handed out twice", slot);
-                            live.push(slot);
+                    Op::Alloc(base) => {
+                        let got = match base {
+                            Some(b) => a.alloc_at(b % bases),
+                            None => a.alloc(),
+                        };
+                        match got {
+                            Some(slot) => {
+                                prop_assert!(u64::from(slot) < slots);
+                                prop_assert!(model.insert(slot), "slot {} handed out twice", slot);
+                                live.push(slot);
+                            }
+                            None => prop_assert_eq!(model.len() as u64, slots, "None while not full"),
                         }
-                        None => prop_assert_eq!(model.len() as u64, slots, "None while not full"),
-                    },
+                    }
                     Op::Free(i) if !live.is_empty() => {
                         let slot = live.swap_remove(i % live.len());
                         a.free(slot);
@@ -446,7 +859,7 @@ mod tests {
                 }
                 prop_assert_eq!(a.used(), model.len() as u64);
             }
-            check_invariants(&a);
+            a.check_invariants();
         }
     }
 }
@@ -458,26 +871,34 @@ mod loom_tests {
     use super::*;
     use loom::sync::atomic::AtomicBool;
     use loom::sync::Arc;
+    use std::sync::atomic::Ordering::SeqCst;
 
-    /// Each thread allocates, claims the slot in an ownership table (failing if another
-    /// thread holds it), releases it and frees it, `rounds` times. Preemptions are bounded
-    /// to 3 (as loom recommends for larger models) so each model finishes in about a second.
-    fn model(threads: usize, rounds: usize, cluster_size: u32, slots: u64) {
+    fn builder() -> loom::model::Builder {
         let mut builder = loom::model::Builder::new();
+        // Bounded as loom recommends for larger models, so each finishes in seconds.
         builder.preemption_bound = Some(3);
-        builder.check(move || {
-            let alloc = Arc::new(ClusterAllocator::new(cluster_size, slots));
+        builder
+    }
+
+    /// Each thread allocates from its own base (thread `t` from base `t` modulo their
+    /// number), claims the slot in an ownership table (failing if another thread holds it),
+    /// releases it and frees it, `rounds` times.
+    fn model(mode: SlotAlloc, threads: usize, rounds: usize, cluster_size: u32, slots: u64) {
+        builder().check(move || {
+            let alloc = Arc::new(ClusterAllocator::new(cluster_size, slots, mode));
             let owned: Arc<Vec<AtomicBool>> =
                 Arc::new((0..slots).map(|_| AtomicBool::new(false)).collect());
             let handles: Vec<_> = (0..threads)
-                .map(|_| {
+                .map(|t| {
                     let (alloc, owned) = (alloc.clone(), owned.clone());
                     loom::thread::spawn(move || {
                         for _ in 0..rounds {
-                            let Some(slot) = alloc.alloc() else { continue };
-                            let was_owned = owned[slot as usize].swap(true, Ordering::SeqCst);
+                            let Some(slot) = alloc.alloc_at(t % alloc.bases.len()) else {
+                                continue;
+                            };
+                            let was_owned = owned[slot as usize].swap(true, SeqCst);
                             assert!(!was_owned, "slot {slot} owned twice");
-                            owned[slot as usize].store(false, Ordering::SeqCst);
+                            owned[slot as usize].store(false, SeqCst);
                             alloc.free(slot);
                         }
                     })
@@ -485,23 +906,97 @@ mod loom_tests {
                 .collect();
             handles.into_iter().for_each(|h| h.join().unwrap());
             assert_eq!(alloc.used(), 0);
+            alloc.check_invariants();
             let mut again: Vec<SlotId> = (0..slots).filter_map(|_| alloc.alloc()).collect();
+            again.sort_unstable();
             again.dedup();
             assert_eq!(
                 again.len() as u64,
                 slots,
-                "every slot is free again, handed out once"
+                "every slot free again, handed out once"
             );
         });
     }
 
     #[test]
-    fn three_threads_share_one_small_cluster() {
-        model(3, 1, 2, 2);
+    fn shared_three_threads_share_one_small_cluster() {
+        model(SlotAlloc::Shared, 3, 1, 2, 2);
     }
 
     #[test]
-    fn two_threads_move_single_slot_clusters_between_lists() {
-        model(2, 2, 1, 2);
+    fn shared_two_threads_move_single_slot_clusters_between_lists() {
+        model(SlotAlloc::Shared, 2, 2, 1, 2);
+    }
+
+    #[test]
+    fn percpu_two_bases_share_one_small_cluster() {
+        model(SlotAlloc::Percpu, 2, 2, 2, 2);
+    }
+
+    #[test]
+    fn percpu_two_bases_move_single_slot_clusters_between_lists() {
+        model(SlotAlloc::Percpu, 2, 2, 1, 2);
+    }
+
+    /// Sets up `slots` in clusters of `cluster_size` with `setup`, then runs a free of
+    /// `freed` against an allocation from base 1, which must get one of `expected`.
+    fn free_against_alloc(
+        cluster_size: u32,
+        slots: u64,
+        setup: fn(&ClusterAllocator),
+        freed: SlotId,
+        expected: &'static [SlotId],
+    ) {
+        builder().check(move || {
+            let alloc = Arc::new(ClusterAllocator::new(
+                cluster_size,
+                slots,
+                SlotAlloc::Percpu,
+            ));
+            setup(&alloc);
+            let free = {
+                let alloc = alloc.clone();
+                loom::thread::spawn(move || alloc.free(freed))
+            };
+            let got = alloc.alloc_at(1).expect("a slot is free throughout");
+            assert!(expected.contains(&got), "got slot {got}");
+            free.join().unwrap();
+            alloc.check_invariants();
+        });
+    }
+
+    /// Base 0 fills cluster 0 and base 1 fills cluster 1; base 1 then finds both lists
+    /// empty and takes slot 1 from base 0, unless the concurrent free of slot 2 has put its
+    /// cluster on the nonfull list first.
+    #[test]
+    fn a_percpu_base_takes_from_another_base_or_a_relisted_cluster() {
+        free_against_alloc(
+            2,
+            4,
+            |a| {
+                assert_eq!(a.alloc_at(0), Some(0));
+                assert_eq!(a.alloc_at(1), Some(2));
+                assert_eq!(a.alloc_at(1), Some(3));
+            },
+            2,
+            &[1, 2],
+        );
+    }
+
+    /// Cluster 0 is nonfull with slot 1 in use. Base 1 takes it off the nonfull list while
+    /// the free of slot 1 empties it and wants it on the free list.
+    #[test]
+    fn a_free_empties_a_cluster_while_a_percpu_base_takes_it() {
+        free_against_alloc(
+            2,
+            2,
+            |a| {
+                assert_eq!(a.alloc_at(0), Some(0));
+                assert_eq!(a.alloc_at(0), Some(1));
+                a.free(0);
+            },
+            1,
+            &[0],
+        );
     }
 }

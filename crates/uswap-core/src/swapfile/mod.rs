@@ -13,7 +13,7 @@ pub use backing::Backing;
 
 use crate::swap_io::{IoEngine, PageOp};
 use crate::swap_state::SwapCache;
-use crate::{Error, IoMode, SwapConfig, SwapLocation, PAGE_SIZE};
+use crate::{Error, IoMode, SlotAlloc, SwapConfig, SwapLocation, PAGE_SIZE};
 use cluster::ClusterAllocator;
 use std::fs::File;
 use std::io;
@@ -153,7 +153,7 @@ impl SwapDevice {
             direct,
             backing,
             counters: Counters::default(),
-            slots: ClusterAllocator::new(SWAPFILE_CLUSTER, initial),
+            slots: ClusterAllocator::new(SWAPFILE_CLUSTER, initial, cfg.slot_alloc),
             capacity,
             checksums: ChecksumTable::new(capacity),
             owners: OwnerTable(SlotTable::new(capacity)),
@@ -402,6 +402,19 @@ impl SwapDevice {
     /// Whether the file is open with `O_DIRECT` (not on file systems that refuse it).
     pub fn direct_io(&self) -> bool {
         self.direct
+    }
+
+    /// Where CPUs look for free slots.
+    pub fn slot_alloc(&self) -> SlotAlloc {
+        self.slots.mode()
+    }
+
+    /// The statistics of the device's locks: the swap cache's (`swap_cache`) and the slot
+    /// allocator's (`swap_scan`, `swap_cluster`, `swap_lists`).
+    pub fn lockstat(&self) -> Vec<crate::lockstat::LockClass> {
+        let mut classes = vec![self.cache.lockstat()];
+        classes.extend(self.slots.lockstat());
+        classes
     }
 
     fn check_slot(&self, slot: SlotId) {
