@@ -1,5 +1,6 @@
-//! Value parsers for the command line and the uswap options shared by the bench commands.
+//! Value parsers for the command line and the options shared by the bench commands.
 
+use crate::kernel::KernelSwap;
 use anyhow::{Context, Result};
 use clap::Args;
 use std::path::PathBuf;
@@ -67,6 +68,16 @@ pub struct CoreArgs {
     /// Reclaim watermarks as sizes, e.g. 4M,8M,12M [default: scaled to the memory limit]
     #[arg(long, value_name = "MIN,LOW,HIGH", value_parser = |s: &str| Watermarks::parse(s))]
     pub watermarks: Option<Watermarks>,
+}
+
+/// Settings of `--backend kernel` shared by the bench commands that swap.
+#[derive(Args, Debug, Clone)]
+pub struct KernelArgs {
+    /// The kernel backend's swap: `file` (the swap already on, or else a swap file in
+    /// --swap-dir) or `zram` (a zram device of its own, compressed RAM; the RAM-backed
+    /// counterpart for uswap is --swap-dir /dev/shm)
+    #[arg(long, value_enum, value_name = "KIND", default_value_t = KernelSwap::File)]
+    pub kernel_swap: KernelSwap,
 }
 
 impl CoreArgs {

@@ -122,8 +122,7 @@ fn run_uswap(a: &FaultArgs, params: &FaultParams) -> Result<Report> {
 fn run_kernel(a: &FaultArgs, params: &FaultParams) -> Result<Report> {
     let setup = kernel::Setup {
         memory_limit: None,
-        swap_bytes: None,
-        swap_dir: a.core.swap_dir(),
+        swap: None,
     };
     let spec = child::Spec::Fault {
         size: a.size,

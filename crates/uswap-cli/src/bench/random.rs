@@ -1,7 +1,7 @@
 //! `uswap bench random`: pmbench-like uniform random access on a region larger than memory.
 
 use super::Backend;
-use crate::args::{nonzero_size, seconds, CoreArgs};
+use crate::args::{nonzero_size, seconds, CoreArgs, KernelArgs};
 use crate::kernel::{self, child, Environment};
 use crate::report;
 use crate::workload::mem::Mapped;
@@ -11,7 +11,7 @@ use clap::{value_parser, Args};
 use serde::Serialize;
 use uswap_core::{Region, Stats, VmStatSnapshot, PAGE_SIZE};
 
-/// Extra swap beyond the region size for the kernel backend's swap file.
+/// Extra swap beyond the region size for the kernel backend's swap file or zram device.
 const KERNEL_SWAP_MARGIN: u64 = 64 << 20;
 
 #[derive(Args, Debug)]
@@ -46,6 +46,9 @@ pub struct RandomArgs {
 
     #[command(flatten)]
     pub core: CoreArgs,
+
+    #[command(flatten)]
+    pub kernel: KernelArgs,
 }
 
 #[derive(Serialize)]
@@ -135,8 +138,11 @@ fn run_uswap(a: &RandomArgs, params: &RandomParams) -> Result<Report> {
 fn run_kernel(a: &RandomArgs, params: &RandomParams) -> Result<Report> {
     let setup = kernel::Setup {
         memory_limit: Some(a.memory),
-        swap_bytes: Some(a.core.swap_size.unwrap_or(a.size + KERNEL_SWAP_MARGIN)),
-        swap_dir: a.core.swap_dir(),
+        swap: Some(kernel::SwapPlan {
+            kind: a.kernel.kernel_swap,
+            bytes: a.core.swap_size.unwrap_or(a.size + KERNEL_SWAP_MARGIN),
+            dir: a.core.swap_dir(),
+        }),
     };
     let spec = child::Spec::Random {
         size: a.size,
@@ -227,5 +233,8 @@ fn print(r: &Report) {
     }
     if let Some(k) = &r.kernel {
         println!("kernel: cgroup {}; swap: {}", k.cgroup, k.swap);
+        if let Some(z) = &k.zram {
+            println!("  {}", z.summary());
+        }
     }
 }

@@ -1,28 +1,48 @@
 //! `--backend kernel`: the same workload in a child process under the kernel's own swap, in
-//! a memory cgroup with the same limit and a swap file on the same file system as uswap's.
+//! a memory cgroup with the same limit, with a swap file on the same file system as uswap's
+//! or a zram device.
 
 mod cgroup;
 pub mod child;
 mod swap;
 mod teardown;
 mod vmstat;
+mod zram;
 
 use anyhow::{bail, Context, Result};
 use cgroup::{Cgroup, Hierarchy};
+use clap::ValueEnum;
 use serde::Serialize;
 use std::io::{Read, Write};
 use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
 use std::process::{self, Child, Command, Stdio};
+use swap::OwnSwap;
+
+/// Which swap device the kernel backend uses.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum KernelSwap {
+    /// The swap already on, or else a swap file of our own in the swap directory
+    File,
+    /// A zram device of our own (compressed RAM), above any swap already on
+    Zram,
+}
 
 /// What the child needs around it.
 pub struct Setup {
     /// The cgroup's memory limit; `None`: no limit.
     pub memory_limit: Option<u64>,
     /// Swap the run may use; `None`: it needs none.
-    pub swap_bytes: Option<u64>,
+    pub swap: Option<SwapPlan>,
+}
+
+/// The swap a run needs.
+pub struct SwapPlan {
+    pub kind: KernelSwap,
+    pub bytes: u64,
     /// Where a swap file goes (uswap's swap directory).
-    pub swap_dir: PathBuf,
+    pub dir: PathBuf,
 }
 
 /// How the kernel was set up, for the report.
@@ -31,6 +51,9 @@ pub struct Environment {
     pub cgroup: String,
     pub memory_limit: Option<u64>,
     pub swap: String,
+    /// What the zram device stored, with `--kernel-swap zram`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub zram: Option<zram::ZramUsage>,
 }
 
 /// Runs `spec` in a child under the kernel's swap and returns its report. Everything made
@@ -38,11 +61,11 @@ pub struct Environment {
 pub fn run(setup: &Setup, spec: &child::Spec) -> Result<(child::Report, Environment)> {
     // SAFETY: geteuid has no preconditions.
     if unsafe { libc::geteuid() } != 0 {
-        bail!("--backend kernel needs root: it creates a memory cgroup and a swap file (run with sudo)");
+        bail!("--backend kernel needs root: it creates a memory cgroup and swap (run with sudo)");
     }
     let _cleanup = teardown::Guard::new()?;
-    let swap = match setup.swap_bytes {
-        Some(bytes) => prepare_swap(&setup.swap_dir, bytes)?,
+    let swap = match &setup.swap {
+        Some(plan) => prepare_swap(plan)?,
         None => "not used".to_string(),
     };
     let hierarchy = Hierarchy::detect(Path::new("/sys/fs/cgroup"))?;
@@ -54,39 +77,83 @@ pub fn run(setup: &Setup, spec: &child::Spec) -> Result<(child::Report, Environm
         Ok(path)
     })?;
     let report = run_child(spec)?;
+    let zram = teardown::with(|t| match &t.swap {
+        Some(OwnSwap::Zram(z)) => Some(z.usage()),
+        _ => None,
+    })
+    .transpose()?;
     let env = Environment {
         cgroup,
         memory_limit: setup.memory_limit,
         swap,
+        zram,
     };
     Ok((report, env))
 }
 
-/// Reuses swap that is already on, or makes and enables a swap file of `bytes` in `dir`.
-fn prepare_swap(dir: &Path, bytes: u64) -> Result<String> {
+/// Sets up the swap `plan` asks for; returns what it is, for the report.
+fn prepare_swap(plan: &SwapPlan) -> Result<String> {
     let active = swap::active()?;
-    if !active.is_empty() {
-        let names: Vec<&str> = active.iter().map(|s| s.name.as_str()).collect();
-        let free: u64 = active
-            .iter()
-            .map(|s| (s.size_kib - s.used_kib) * 1024)
-            .sum();
-        let mut note = format!("reusing swap that is already on: {}", names.join(", "));
-        if free < bytes {
-            note += &format!(" (only {free} bytes free; this run may need {bytes})");
-        }
-        return Ok(note);
+    match plan.kind {
+        KernelSwap::File if !active.is_empty() => Ok(reuse_note(&active, plan.bytes)),
+        KernelSwap::File => make_swap_file(&plan.dir, plan.bytes),
+        KernelSwap::Zram => make_zram(&active, plan.bytes),
     }
+}
+
+fn names(active: &[swap::ActiveSwap]) -> String {
+    let names: Vec<&str> = active.iter().map(|s| s.name.as_str()).collect();
+    names.join(", ")
+}
+
+fn reuse_note(active: &[swap::ActiveSwap], bytes: u64) -> String {
+    let free: u64 = active
+        .iter()
+        .map(|s| (s.size_kib - s.used_kib) * 1024)
+        .sum();
+    let mut note = format!("reusing swap that is already on: {}", names(active));
+    if free < bytes {
+        note += &format!(" (only {free} bytes free; this run may need {bytes})");
+    }
+    note
+}
+
+fn make_swap_file(dir: &Path, bytes: u64) -> Result<String> {
     let path = swap::file_path(dir, process::id());
     teardown::with(|t| {
-        t.swap_file = Some(path.clone());
-        swap::create_and_enable(&path, bytes)
+        t.swap = Some(OwnSwap::File(path.clone()));
+        swap::create_file_and_enable(&path, bytes)
     })?;
     Ok(format!(
         "swap file {} of {} MiB (removed afterwards)",
         path.display(),
         bytes >> 20
     ))
+}
+
+/// A zram device of `bytes`, at a priority above the swap already on so that it takes every
+/// page this run swaps out.
+fn make_zram(active: &[swap::ActiveSwap], bytes: u64) -> Result<String> {
+    let priority = swap::priority_above(active);
+    let (device, algorithm) = teardown::with(|t| -> Result<_> {
+        let zram = zram::Zram::add()?;
+        t.swap = Some(OwnSwap::Zram(zram));
+        let algorithm = zram.configure(bytes)?;
+        swap::format_and_enable(&zram.dev_path(), priority)?;
+        Ok((zram.dev_path(), algorithm))
+    })?;
+    let mut note = format!(
+        "zram device {} of {} MiB, {algorithm} (removed afterwards)",
+        device.display(),
+        bytes >> 20
+    );
+    if let Some(p) = priority {
+        note += &format!(
+            "; priority {p}, above the swap already on: {}",
+            names(active)
+        );
+    }
+    Ok(note)
 }
 
 /// Starts the child, moves it into the cgroup, lets it go and collects its report.
