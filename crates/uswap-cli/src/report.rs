@@ -1,5 +1,6 @@
 //! Formatting results: human-readable tables and JSON.
 
+use crate::kernel::Environment;
 use anyhow::{Context, Result};
 use serde::Serialize;
 use std::io::Write;
@@ -86,6 +87,18 @@ pub fn vmstat(v: &VmStatSnapshot) {
     }
     for line in moved.chunks(4) {
         println!("  {}", line.join("   "));
+    }
+}
+
+/// How the kernel backend was set up: cgroup, swap, what zram stored, swap settings.
+pub fn kernel_environment(k: &Environment) {
+    println!("kernel: cgroup {}; swap: {}", k.cgroup, k.swap);
+    if let Some(z) = &k.zram {
+        println!("  {}", z.summary());
+    }
+    if !k.tunables.is_empty() {
+        let states: Vec<String> = k.tunables.iter().map(|t| t.to_string()).collect();
+        println!("  {}", states.join(", "));
     }
 }
 

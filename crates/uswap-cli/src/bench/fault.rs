@@ -123,6 +123,7 @@ fn run_kernel(a: &FaultArgs, params: &FaultParams) -> Result<Report> {
     let setup = kernel::Setup {
         memory_limit: None,
         swap: None,
+        tunables: Vec::new(),
     };
     let spec = child::Spec::Fault {
         size: a.size,

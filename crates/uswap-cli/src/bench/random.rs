@@ -1,6 +1,6 @@
 //! `uswap bench random`: pmbench-like uniform random access on a region larger than memory.
 
-use super::Backend;
+use super::{Backend, KERNEL_SWAP_MARGIN};
 use crate::args::{nonzero_size, seconds, CoreArgs, KernelArgs};
 use crate::kernel::{self, child, Environment};
 use crate::report;
@@ -10,9 +10,6 @@ use anyhow::{bail, ensure, Context, Result};
 use clap::{value_parser, Args};
 use serde::Serialize;
 use uswap_core::{Region, Stats, VmStatSnapshot, PAGE_SIZE};
-
-/// Extra swap beyond the region size for the kernel backend's swap file or zram device.
-const KERNEL_SWAP_MARGIN: u64 = 64 << 20;
 
 #[derive(Args, Debug)]
 pub struct RandomArgs {
@@ -142,7 +139,9 @@ fn run_kernel(a: &RandomArgs, params: &RandomParams) -> Result<Report> {
             kind: a.kernel.kernel_swap,
             bytes: a.core.swap_size.unwrap_or(a.size + KERNEL_SWAP_MARGIN),
             dir: a.core.swap_dir(),
+            own: false,
         }),
+        tunables: Vec::new(),
     };
     let spec = child::Spec::Random {
         size: a.size,
@@ -232,9 +231,6 @@ fn print(r: &Report) {
         report::vmstat(&u.vmstat);
     }
     if let Some(k) = &r.kernel {
-        println!("kernel: cgroup {}; swap: {}", k.cgroup, k.swap);
-        if let Some(z) = &k.zram {
-            println!("  {}", z.summary());
-        }
+        report::kernel_environment(k);
     }
 }

@@ -6,6 +6,7 @@
 
 use super::cgroup::Cgroup;
 use super::swap::OwnSwap;
+use super::tunables::Tunable;
 use anyhow::{Context, Result};
 use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
 use signal_hook::iterator::Signals;
@@ -20,12 +21,15 @@ pub struct Teardown {
     /// Swap this process created (turned on or not yet).
     pub swap: Option<OwnSwap>,
     pub cgroup: Option<Cgroup>,
+    /// Settings this process changed, with their old values, in the order changed.
+    pub restore: Vec<(Tunable, String)>,
 }
 
 static STATE: Mutex<Teardown> = Mutex::new(Teardown {
     child: None,
     swap: None,
     cgroup: None,
+    restore: Vec::new(),
 });
 
 static SIGNALS_WATCHED: AtomicBool = AtomicBool::new(false);
@@ -42,7 +46,8 @@ pub fn with<T>(f: impl FnOnce(&mut Teardown) -> T) -> T {
 
 impl Teardown {
     /// Kills the child, then removes the swap and the cgroup (the child must be gone first:
-    /// swapoff and rmdir wait for or fail on its memory and membership).
+    /// swapoff and rmdir wait for or fail on its memory and membership), then puts the
+    /// settings back.
     fn run(&mut self) {
         if let Some(pid) = self.child.take() {
             // SAFETY: plain system calls on a child of this process.
@@ -67,6 +72,14 @@ impl Teardown {
                 );
             }
         }
+        while let Some((tunable, old)) = self.restore.pop() {
+            if let Err(e) = tunable.write(&old) {
+                eprintln!(
+                    "warning: {e:#}. Restore it by hand: echo {old} > {}",
+                    tunable.path()
+                );
+            }
+        }
     }
 }
 
@@ -81,7 +94,7 @@ impl Guard {
             thread::spawn(move || {
                 if let Some(signal) = signals.forever().next() {
                     let mut state = lock();
-                    eprintln!("interrupted: removing the swap and cgroup this run made");
+                    eprintln!("interrupted: removing the swap and cgroup this run made, restoring settings");
                     state.run();
                     std::process::exit(128 + signal);
                 }
