@@ -6,14 +6,14 @@ use crate::sync::AtomicU64;
 use std::sync::atomic::Ordering::Relaxed;
 
 pub struct Budget {
-    limit: u64,
+    limit: AtomicU64,
     resident: AtomicU64,
 }
 
 impl Budget {
     pub fn new(limit: u64) -> Self {
         Budget {
-            limit,
+            limit: AtomicU64::new(limit),
             resident: AtomicU64::new(0),
         }
     }
@@ -22,7 +22,7 @@ impl Budget {
     pub fn try_charge(&self, want: u64) -> u64 {
         let mut cur = self.resident.load(Relaxed);
         loop {
-            let got = want.min(self.limit.saturating_sub(cur));
+            let got = want.min(self.limit().saturating_sub(cur));
             if got == 0 {
                 return 0;
             }
@@ -53,11 +53,17 @@ impl Budget {
 
     /// Free pages under the limit (0 while overdrawn).
     pub fn free(&self) -> u64 {
-        self.limit.saturating_sub(self.resident())
+        self.limit().saturating_sub(self.resident())
     }
 
     pub fn limit(&self) -> u64 {
-        self.limit
+        self.limit.load(Relaxed)
+    }
+
+    /// A new limit. Lowering it leaves pages over the limit resident until reclaim takes
+    /// the budget under it.
+    pub fn set_limit(&self, pages: u64) {
+        self.limit.store(pages, Relaxed);
     }
 }
 

@@ -8,9 +8,11 @@
 //! [`Outcome::Retry`]: the thread retries its access, which the kernel or the next fault
 //! then answers.
 
+use crate::config::Readahead;
 use crate::lru::LruList;
 use crate::mm::Mm;
 use crate::page::{Kind, PageLock};
+use crate::readahead::{read_around, ReadaheadState};
 use crate::stats::FaultKind;
 use crate::vmscan::Reclaim;
 use crate::PAGE_SIZE;
@@ -44,11 +46,13 @@ pub(crate) struct FaultPath {
     pub(crate) pending_hi: AtomicUsize,
     /// Test hook: the next full fault resolution panics (see `Region::inject_handler_panic`).
     inject_panic: std::sync::atomic::AtomicBool,
+    pub(crate) readahead: ReadaheadState,
 }
 
 impl FaultPath {
-    pub fn new(reclaim: Reclaim, fault_around: usize) -> FaultPath {
+    pub fn new(reclaim: Reclaim, fault_around: usize, readahead: Readahead) -> FaultPath {
         FaultPath {
+            readahead: ReadaheadState::new(readahead),
             reclaim,
             fault_around,
             events_in_flight: AtomicU32::new(0),
@@ -84,6 +88,40 @@ impl FaultPath {
 
     pub(crate) fn events_pending(&self) -> bool {
         self.events_in_flight.load(SeqCst) != 0
+    }
+
+    /// Swapoff's step for one page (`unuse_pte`): brings it into memory, mapped, if it is
+    /// out on swap or parked inactive. Retries while a vma event holds it up.
+    pub fn unuse(&self, page: usize) -> Outcome {
+        loop {
+            let start = Instant::now();
+            let lock = self.mm().pages().lock(page);
+            let outcome = match lock.kind() {
+                Kind::Inactive => self.activate(lock, start, true).unwrap_or(Outcome::Retry),
+                Kind::Swapped => self.swap_in(lock, start),
+                _ => Outcome::Resolved,
+            };
+            if outcome != Outcome::Retry {
+                return outcome;
+            }
+            std::thread::sleep(std::time::Duration::from_micros(100));
+        }
+    }
+
+    /// Swapoff's last step for one page: a resident page gives up its swap slot. True when
+    /// it had one.
+    pub fn forget_slot(&self, page: usize) -> bool {
+        let mut lock = self.mm().pages().lock(page);
+        if !lock.state().is_resident() {
+            return false;
+        }
+        match lock.forget_slot() {
+            Some(slot) => {
+                self.mm().release_slot(slot);
+                true
+            }
+            None => false,
+        }
     }
 
     /// Resolves a fault on `page`. `write_protect` is set for a write to a write-protected
@@ -345,6 +383,14 @@ impl FaultPath {
         // A clean page must come back write-protected, which only COPY does atomically; a
         // dirty one moves back without copying, unless the program changed the protection
         // of its range (MOVE needs both sides alike), where it is copied too.
+        if let Some(slot) = st.slot() {
+            let hit = self.cache_lookup(slot);
+            debug_assert!(
+                hit.is_some_and(|e| e.page as usize == lock.page()),
+                "slot {slot} of inactive page {} is not cached as it",
+                lock.page()
+            );
+        }
         let clean = st.slot().is_some() && mm.caps().write_protect;
         let mut copied = clean;
         mm.vmstat().pgactivate.fetch_add(1, Relaxed);
@@ -391,9 +437,18 @@ impl FaultPath {
     fn swap_in(&self, mut lock: PageLock<'_>, start: Instant) -> Outcome {
         let mm = self.mm();
         let slot = lock.state().slot().expect("a swapped page has a slot");
+        let cached = mm.swap().cache().lookup(slot);
+        debug_assert_eq!(
+            cached,
+            None,
+            "swapped page {}'s slot is cached",
+            lock.page()
+        );
         let mut buf = mm.take_bounce(true).expect("may allocate");
+        let window = self.readahead.window(slot, lock.page(), mm.pages().len());
         // SAFETY: the buffer is one aligned page we own.
-        if let Err(e) = unsafe { mm.swap().read_page(slot, buf.as_mut_ptr()) } {
+        if let Err(e) = unsafe { read_around(&self.reclaim, &lock, slot, window, buf.as_mut_ptr()) }
+        {
             drop(buf);
             let counter = match e {
                 crate::swapfile::ReadError::Checksum { .. } => &mm.vmstat().verify_errors,
@@ -442,6 +497,11 @@ impl FaultPath {
             return self.fail(lock, &format!("cannot map the swapped-in page: {p}"), false);
         }
         drop(buf);
+        if keep {
+            mm.swap()
+                .cache()
+                .add(slot, mm.cache_entry(lock.page(), false));
+        }
         mm.lru().add(LruList::Active, [lock.page()]);
         lock.swap_in(keep.then_some(slot));
         drop(lock);
@@ -456,6 +516,18 @@ impl FaultPath {
     fn swap_in_in_signal(&self, mut lock: PageLock<'_>, start: Instant) -> Option<Outcome> {
         let mm = self.mm();
         let slot = lock.state().slot().expect("a swapped page has a slot");
+        // Readahead allocates: a swap-in that may read ahead takes the full path.
+        let ra = self.readahead.get();
+        if ra.policy != crate::config::ReadaheadPolicy::None && ra.page_cluster > 0 {
+            return None;
+        }
+        let cached = self.cache_lookup(slot);
+        debug_assert_eq!(
+            cached,
+            None,
+            "swapped page {}'s slot is cached",
+            lock.page()
+        );
         let mut buf = mm.take_bounce(false)?;
         // SAFETY: the buffer is one aligned page we own.
         let read = unsafe { mm.swap().read_page_in_place(slot, buf.as_mut_ptr()) };
@@ -463,6 +535,11 @@ impl FaultPath {
             return None;
         }
         let keep = mm.caps().write_protect && !mm.swap().nearly_full();
+        if keep {
+            mm.swap()
+                .cache()
+                .add(slot, mm.cache_entry(lock.page(), false));
+        }
         mm.vmstat().pswpin.fetch_add(1, Relaxed);
         mm.vmstat().pgmajfault.fetch_add(1, Relaxed);
         let mapped = mm
@@ -473,6 +550,9 @@ impl FaultPath {
             mm.vmstat().pswpin.fetch_sub(1, Relaxed);
             mm.vmstat().pgmajfault.fetch_sub(1, Relaxed);
             mm.budget().uncharge(1);
+            if keep {
+                mm.swap().cache().delete(slot);
+            }
             return (p.vanished() || p.busy()).then_some(Outcome::Retry);
         }
         if !keep {
@@ -501,8 +581,20 @@ impl FaultPath {
             return false;
         }
         mm.slots_taken(1);
+        mm.own_slot(slot, lock.page());
         lock.rehome(slot);
         true
+    }
+
+    /// Looks `slot` up in the swap cache (a swap-in's first step). A hit on a page brought
+    /// in by readahead is credited to readahead.
+    fn cache_lookup(&self, slot: u32) -> Option<crate::swap_state::CacheEntry> {
+        let found = self.mm().swap().cache().lookup(slot);
+        if found.is_some_and(|e| e.readahead) {
+            self.readahead.hit();
+            self.mm().vmstat().swap_ra_hit.fetch_add(1, Relaxed);
+        }
+        found
     }
 
     /// Fails the access loudly. Lost data (`oom` false) poisons the page so every later

@@ -16,11 +16,13 @@ mod lru;
 mod mapping;
 mod mm;
 mod page;
+mod readahead;
 mod region;
 mod sigbus;
 mod signals;
 mod staging;
 pub mod stats;
+pub mod swap_state;
 mod sync;
 pub mod uffd;
 mod vma;
@@ -31,8 +33,10 @@ pub use config::{
     SwapCacheMode, SwapConfig, SwapLocation, Watermarks,
 };
 pub use error::{Error, Result};
-pub use region::{metadata_bytes, Advice, Region};
+pub use lockstat::{LockClass, LockStat};
+pub use region::{metadata_bytes, Advice, Region, SwapoffReport};
 pub use stats::{Latency, Stats, VmStatSnapshot};
+pub use swap_state::SwapCacheStats;
 pub use swapfile::{Backing, IoStats};
 pub use uffd::{probe, Probe};
 

@@ -13,6 +13,7 @@ use crate::page::{Kind, PageTable};
 use crate::staging::Staging;
 use crate::stats::{FaultKind, FaultLatency, VmStat};
 use crate::swap_io::PageBuf;
+use crate::swap_state::CacheEntry;
 use crate::swapfile::SwapDevice;
 use crate::sync::lock_std;
 use crate::uffd::Uffd;
@@ -150,6 +151,20 @@ pub(crate) struct Mm {
     /// `/proc/self/pagemap`, to tell whether a page the table calls active is really mapped.
     pagemap: Option<std::fs::File>,
     shutdown: AtomicBool,
+    /// This region's number in its swap device's swap cache and owner table.
+    id: u32,
+}
+
+/// Region numbers, unique in the process (0 means none in the swap cache's entries).
+static NEXT_REGION_ID: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(1);
+
+fn next_region_id() -> u32 {
+    loop {
+        let id = NEXT_REGION_ID.fetch_add(1, Relaxed);
+        if id != 0 {
+            return id;
+        }
+    }
 }
 
 impl Mm {
@@ -174,6 +189,7 @@ impl Mm {
             latency: FaultLatency::default(),
             slots_held: AtomicU64::new(0),
             shutdown: AtomicBool::new(false),
+            id: next_region_id(),
         })
     }
 
@@ -274,10 +290,29 @@ impl Mm {
         self.slots_held.fetch_add(n, Relaxed);
     }
 
-    /// Frees a slot a page of this region held.
+    /// Frees a slot a page of this region held, deleting it from the swap cache first.
     pub fn release_slot(&self, slot: u32) {
+        self.swap.cache().delete(slot);
         self.swap.free_slot(slot);
         self.slots_held.fetch_sub(1, Relaxed);
+    }
+
+    pub fn region_id(&self) -> u32 {
+        self.id
+    }
+
+    /// The swap cache entry for `page` of this region.
+    pub fn cache_entry(&self, page: usize, readahead: bool) -> CacheEntry {
+        CacheEntry {
+            region: self.id,
+            page: page as u32,
+            readahead,
+        }
+    }
+
+    /// Records in the swap device that `page` holds `slot` (readahead's hint).
+    pub fn own_slot(&self, slot: u32, page: usize) {
+        self.swap.set_owner(slot, self.id, page as u32);
     }
 
     pub fn slots_held(&self) -> u64 {

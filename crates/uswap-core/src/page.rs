@@ -25,8 +25,9 @@
 //!    page locks blocking, one page at a time in address order.
 //! 2. **`Lru` lock** (`lru.rs`): list membership and order. Taken with page locks held;
 //!    while holding it, only `try_lock` on pages.
-//! 3. **staging free list**, **bounce pool**, **swap allocator** locks: leaves; nothing
-//!    is taken while holding them.
+//! 3. **staging free list**, **bounce pool**, **swap allocator** and **swap cache**
+//!    (`swap_state.rs`) locks: leaves; nothing is taken while holding them. A swap cache
+//!    entry changes only under the page lock of the page it names.
 //!
 //! The resident budget is a lock-free counter. The fault path may block (I/O, `charge`)
 //! while holding one page lock; reclaim holds many page locks (an isolated batch) but only
@@ -304,6 +305,21 @@ impl PageLock<'_> {
     pub fn swap_in(&mut self, slot: Option<u32>) {
         self.expect(&[Kind::Swapped], "swap_in");
         self.become_(Kind::Active, None, slot);
+    }
+
+    /// Readahead read a swapped page into staging `frame`: it is inactive (unmapped, data
+    /// in memory) and keeps its slot (clean).
+    pub fn read_ahead(&mut self, frame: u32) {
+        self.expect(&[Kind::Swapped], "read_ahead");
+        self.become_(Kind::Inactive, Some(frame), self.state.slot());
+    }
+
+    /// Swapoff: a resident page gives up its slot (it is dirty from now on). Returns the
+    /// slot to free.
+    pub fn forget_slot(&mut self) -> Option<u32> {
+        self.expect(&[Kind::Active, Kind::Inactive], "forget_slot");
+        let frame = self.state.frame();
+        self.become_(self.state.kind(), frame, None).slot()
     }
 
     /// A swapped page whose slot was given up early (swap nearly full) was written back to

@@ -2,7 +2,7 @@
 //! top layer: it builds the parts (mm -> reclaim -> fault path -> fault source) and holds
 //! them.
 
-use crate::config::{Config, FaultMode, MAX_SIZE};
+use crate::config::{Config, FaultMode, Readahead, Watermarks, MAX_SIZE};
 use crate::error::{Error, Result};
 use crate::fault::FaultPath;
 use crate::handler::{HandlerConfig, Handlers};
@@ -41,7 +41,9 @@ enum Source {
 /// as it would ordinary memory (see `docs/architecture.md` for what each does here).
 pub struct Region {
     fault: Arc<FaultPath>,
-    _reservation: SwapReservation,
+    reservation: SwapReservation,
+    /// Watermarks the configuration fixed, kept when the memory limit changes.
+    watermarks: Option<Watermarks>,
     kswapd: Option<JoinHandle<()>>,
     source: Option<Source>,
 }
@@ -158,7 +160,7 @@ impl Region {
             poison: probe.has(uffd::FEATURE_POISON),
         };
         let map = Mapping::new(pages as usize * PAGE_SIZE)?;
-        let staging = Staging::new(limit)?;
+        let staging = Staging::new(limit, pages.min(MAX_FRAMES))?;
         let zap_scratch = Mapping::new(ZAP_PAGES * PAGE_SIZE)?;
         // Every range is registered with the same modes: UFFDIO_MOVE needs both sides with
         // the same page protection, and the destination registered with the ioctl's fd.
@@ -184,15 +186,11 @@ impl Region {
             fault_around: cfg.fault_around,
             bounce_buffers: cfg.handler_threads + 2,
         })?;
-        let reclaim = Reclaim::new(
-            mm,
-            cfg.watermarks(),
-            cfg.inactive_percent,
-            cfg.reclaim_batch,
-        );
-        let fault = Arc::new(FaultPath::new(reclaim, cfg.fault_around));
+        let reclaim = Reclaim::new(mm, cfg.watermarks, cfg.inactive_percent, cfg.reclaim_batch);
+        let fault = Arc::new(FaultPath::new(reclaim, cfg.fault_around, cfg.readahead));
         let mut region = Region {
-            _reservation: reservation,
+            reservation,
+            watermarks: cfg.watermarks,
             kswapd: None,
             source: None,
             fault: fault.clone(),
@@ -249,7 +247,13 @@ impl Region {
             swap_used_pages: mm.slots_held(),
             metadata_bytes: metadata_bytes(mm.pages().len() as u64),
             io: mm.swap().io_stats(),
-            lockstat: vec![mm.lru().lockstat(), mm.staging().lockstat()],
+            swap_cache: mm.swap().cache().stats(),
+            readahead: self.fault.readahead.get(),
+            lockstat: vec![
+                mm.swap().cache().lockstat(),
+                mm.lru().lockstat(),
+                mm.staging().lockstat(),
+            ],
         }
     }
 
@@ -278,6 +282,89 @@ impl Region {
         let page = offset / PAGE_SIZE;
         let _lock = self.fault.mm().pages().lock(page);
         self.fault.reclaim().zap(page..page + 1);
+    }
+
+    /// The swap-in readahead in force.
+    pub fn readahead(&self) -> Readahead {
+        self.fault.readahead.get()
+    }
+
+    /// Switches swap-in readahead while the region is in use (the seed's sysfs knob): the
+    /// next swap-in uses the new policy and page-cluster.
+    pub fn set_readahead(&self, readahead: Readahead) -> Result<()> {
+        readahead.validate()?;
+        self.fault.readahead.set(readahead);
+        Ok(())
+    }
+
+    /// Changes the memory limit while the region is in use. A lower limit is reached by
+    /// reclaim (kswapd is woken; faults reclaim directly meanwhile) and needs the swap to
+    /// hold what no longer fits; a higher one lets more pages stay resident.
+    pub fn set_memory_limit(&self, bytes: u64) -> Result<()> {
+        let mut cfg = Config::new(bytes);
+        cfg.watermarks = self.watermarks;
+        cfg.validate()?;
+        let limit = cfg.limit_pages();
+        if limit > MAX_FRAMES {
+            return Err(Error::invalid(
+                "memory limit",
+                format!("{bytes} bytes: at most 256 GiB per region"),
+            ));
+        }
+        let pages = self.fault.mm().pages().len() as u64;
+        self.reservation.grow_to(pages.saturating_sub(limit))?;
+        self.fault.reclaim().set_limit(limit);
+        Ok(())
+    }
+
+    /// Brings every page of the region that is out on swap back into memory and frees
+    /// their slots, as `swapoff` does for a device (`try_to_unuse`): pages in address
+    /// order, each swap-in reading ahead by the readahead policy in force. `progress` gets
+    /// (pages done, pages to do) now and then. The memory limit must already hold the
+    /// whole region's data (see [`Region::set_memory_limit`]). Pages that cannot be read
+    /// back are reported (their accesses fail loudly) and counted in the result.
+    pub fn swapoff(&self, progress: &mut dyn FnMut(u64, u64)) -> Result<SwapoffReport> {
+        let start = std::time::Instant::now();
+        let mm = self.fault.mm();
+        let pages = mm.pages().len();
+        let out: Vec<usize> = (0..pages)
+            .filter(|&p| matches!(mm.pages().peek(p).0.kind(), Kind::Swapped | Kind::Inactive))
+            .collect();
+        let swapped = out
+            .iter()
+            .filter(|&&p| mm.pages().peek(p).0.kind() == Kind::Swapped)
+            .count() as u64;
+        let need = mm.budget().resident() + swapped;
+        if need > mm.budget().limit() {
+            return Err(Error::invalid(
+                "memory limit",
+                format!(
+                    "swapoff needs {} MiB resident ({swapped} pages are out on swap) but the                      limit is {} MiB: raise it with set_memory_limit first",
+                    (need * PAGE_SIZE as u64) >> 20,
+                    (mm.budget().limit() * PAGE_SIZE as u64) >> 20
+                ),
+            ));
+        }
+        let total = out.len() as u64;
+        let mut report = SwapoffReport::default();
+        let mut last = std::time::Instant::now();
+        progress(0, total);
+        for (done, &p) in out.iter().enumerate() {
+            match self.fault.unuse(p) {
+                crate::fault::Outcome::Fatal => report.lost += 1,
+                _ => report.pages += 1,
+            }
+            if last.elapsed() >= std::time::Duration::from_millis(200) {
+                progress(done as u64 + 1, total);
+                last = std::time::Instant::now();
+            }
+        }
+        for p in 0..pages {
+            report.slots_freed += u64::from(self.fault.forget_slot(p));
+        }
+        progress(total, total);
+        report.seconds = start.elapsed().as_secs_f64();
+        Ok(report)
     }
 
     /// Applies `advice` to the pages overlapping `[offset, offset + len)`.
@@ -319,6 +406,18 @@ impl Region {
 /// Pages `advise` locks and moves at a time.
 const ADVISE_BATCH: usize = 64;
 
+/// What [`Region::swapoff`] did.
+#[derive(Clone, Copy, Debug, Default, PartialEq, serde::Serialize)]
+pub struct SwapoffReport {
+    /// Pages brought back into memory (swapped or parked inactive before).
+    pub pages: u64,
+    /// Pages whose data could not be read back (each was reported; accesses fail).
+    pub lost: u64,
+    /// Swap slots given up by resident pages afterwards.
+    pub slots_freed: u64,
+    pub seconds: f64,
+}
+
 /// Memory uswap keeps per region page beyond the limit: the page word and the LRU links.
 pub fn metadata_bytes(pages: u64) -> u64 {
     pages * (8 + 12)
@@ -327,7 +426,7 @@ pub fn metadata_bytes(pages: u64) -> u64 {
 /// Swap space promised to one region, given back when the region is dropped.
 struct SwapReservation {
     swap: Arc<SwapDevice>,
-    pages: u64,
+    pages: std::sync::Mutex<u64>,
 }
 
 impl SwapReservation {
@@ -341,14 +440,25 @@ impl SwapReservation {
         }
         Ok(SwapReservation {
             swap: swap.clone(),
-            pages,
+            pages: std::sync::Mutex::new(pages),
         })
+    }
+
+    /// Makes the promise at least `pages` (a lowered memory limit needs more swap).
+    fn grow_to(&self, pages: u64) -> Result<()> {
+        let mut held = crate::sync::lock_std(&self.pages);
+        let more = pages.saturating_sub(*held);
+        if more > 0 {
+            SwapReservation::new(&self.swap, more)?.pages = std::sync::Mutex::new(0);
+            *held += more;
+        }
+        Ok(())
     }
 }
 
 impl Drop for SwapReservation {
     fn drop(&mut self) {
-        self.swap.unreserve(self.pages);
+        self.swap.unreserve(*crate::sync::lock_std(&self.pages));
     }
 }
 

@@ -1,6 +1,8 @@
 //! Staging frames: a second anonymous mapping, registered with a userfaultfd of its own,
 //! where inactive pages are parked by UFFDIO_MOVE: unmapped from the region but still in
-//! memory. One frame per page of the memory limit, handed out from a free list.
+//! memory. One frame per page of the memory limit, handed out from a free list. The
+//! mapping is reserved for the largest limit the region can be given (its size), so raising
+//! the limit only adds frames to the free list.
 
 use crate::error::Result;
 use crate::lockstat::{LockClass, StatMutex};
@@ -10,15 +12,34 @@ use crate::PAGE_SIZE;
 pub struct Staging {
     map: Mapping,
     free: StatMutex<Vec<u32>>,
+    /// Frames handed to the free list so far (the highest memory limit yet).
+    frames: std::sync::atomic::AtomicU32,
 }
 
 impl Staging {
-    pub fn new(frames: u64) -> Result<Self> {
-        let map = Mapping::new(frames as usize * PAGE_SIZE)?;
+    /// `frames` frames now, room for `max_frames`.
+    pub fn new(frames: u64, max_frames: u64) -> Result<Self> {
+        let map = Mapping::new(max_frames as usize * PAGE_SIZE)?;
+        let mut free = Vec::with_capacity(frames as usize);
+        free.extend((0..frames as u32).rev());
         Ok(Staging {
             map,
-            free: StatMutex::new((0..frames as u32).rev().collect()),
+            free: StatMutex::new(free),
+            frames: (frames as u32).into(),
         })
+    }
+
+    /// Makes `frames` frames available in all (a raised memory limit); fewer is a no-op.
+    pub fn grow(&self, frames: u64) {
+        let frames = (frames as u32).min((self.map.len() / PAGE_SIZE) as u32);
+        let mut free = self.free_list();
+        let have = self.frames.load(std::sync::atomic::Ordering::Relaxed);
+        if frames > have {
+            free.reserve_exact((frames - have) as usize);
+            free.extend((have..frames).rev());
+            self.frames
+                .store(frames, std::sync::atomic::Ordering::Relaxed);
+        }
     }
 
     pub fn mapping(&self) -> &Mapping {
@@ -71,11 +92,11 @@ impl Staging {
 
     /// All frames, free or holding a page.
     pub fn frames(&self) -> usize {
-        self.map.len() / PAGE_SIZE
+        self.frames.load(std::sync::atomic::Ordering::Relaxed) as usize
     }
 
     /// The free list never grows past the frame count, so pushing onto it never allocates:
-    /// it was created holding every frame.
+    /// it was created (or grown) holding every frame.
     fn free_list(&self) -> crate::sync::MutexGuard<'_, Vec<u32>> {
         self.free.lock()
     }
@@ -92,7 +113,7 @@ mod tests {
 
     #[test]
     fn frames_released_together_come_back_in_order() {
-        let s = Staging::new(8).unwrap();
+        let s = Staging::new(8, 8).unwrap();
         let all = s.alloc_many(8);
         assert_eq!(all, (0..8).collect::<Vec<u32>>());
         s.release_all(vec![6, 2, 3, 5, 4]);
@@ -103,7 +124,10 @@ mod tests {
 
     #[test]
     fn staging_frames_are_unique_and_come_back_empty() {
-        let s = Staging::new(4).unwrap();
+        let s = Staging::new(2, 4).unwrap();
+        assert_eq!(s.alloc_many(10).len(), 2);
+        s.release_all(vec![0, 1]);
+        s.grow(4);
         let frames = s.alloc_many(10);
         assert_eq!(frames.len(), 4);
         let f = frames[2];

@@ -45,6 +45,10 @@ vmstat! {
     pswpin,
     /// Pages written to the swap device.
     pswpout,
+    /// Pages read by swap-in readahead (also counted in `pswpin`).
+    swap_ra,
+    /// Readahead pages used before reclaim dropped them.
+    swap_ra_hit,
     /// First-touch pages zero-filled (fault-around included).
     pgzerofill,
     /// Inactive pages looked at by reclaim.
@@ -192,6 +196,10 @@ pub struct Stats {
     /// The swap device's I/O counters (retries, re-reads, errors; shared by the regions on
     /// the device).
     pub io: crate::swapfile::IoStats,
+    /// The swap device's swap cache counters (shared by the regions on the device).
+    pub swap_cache: crate::swap_state::SwapCacheStats,
+    /// The swap-in readahead in force.
+    pub readahead: crate::config::Readahead,
     /// Lock statistics of the region's locks and its swap device's, one line per lock class.
     pub lockstat: Vec<crate::lockstat::LockClass>,
 }

@@ -159,6 +159,16 @@ impl IoEngine {
         results.pop().expect("one result per op")
     }
 
+    /// Reads a batch (one submission) that the caller verifies, reading again whatever
+    /// fails verification: the fault injector may corrupt data in transit.
+    ///
+    /// # Safety
+    /// As [`IoEngine::run`]; every op is a read.
+    pub(crate) unsafe fn read_batch(&self, file: &File, ops: &[PageOp]) -> Vec<io::Result<()>> {
+        debug_assert!(ops.iter().all(PageOp::is_read));
+        self.run_with(file, ops, true)
+    }
+
     /// One read with `pread`, its transient errors retried, allocating nothing: for the
     /// SIGBUS handler. `None` under a fault plan (the injector may allocate): use
     /// [`IoEngine::read`].

@@ -176,6 +176,12 @@ impl FaultPath {
         let list = mm.lru().list_of(a);
         mm.lru().remove(a);
         let moved = src.unmap();
+        if let Some(slot) = moved.slot() {
+            mm.own_slot(slot, b);
+            if moved.is_resident() {
+                mm.swap().cache().rehome(slot, b as u32);
+            }
+        }
         dst.install(moved);
         if let Some(list) = list {
             mm.lru().add(list, [b]);
@@ -192,6 +198,10 @@ impl FaultPath {
         let mut lock = mm.pages().lock(a);
         mm.lru().remove(a);
         let held = lock.unmap();
+        if let (Kind::Inactive, Some(slot)) = (held.kind(), held.slot()) {
+            // No longer a page of the region; the slot is freed once the page is placed.
+            mm.swap().cache().delete(slot);
+        }
         match held.kind() {
             Kind::Inactive | Kind::Swapped | Kind::Poisoned => {
                 self.placements().pages.push((dst, held));
@@ -362,11 +372,29 @@ impl FaultPath {
                 if !slots.insert(slot) {
                     errors.push(format!("slot {slot} is held by two pages"));
                 }
+                // In memory with its slot: in the swap cache, as this page.
+                let cached = mm.swap().cache().peek(slot);
+                let want = st.is_resident().then(|| mm.cache_entry(l.page(), false));
+                if cached.map(|e| (e.region, e.page)) != want.map(|e| (e.region, e.page)) {
+                    errors.push(format!(
+                        "page {} is {st:?} but its slot's swap cache entry is {cached:?}",
+                        l.page()
+                    ));
+                }
             }
             if let Some(f) = st.frame() {
                 if !frames.insert(f) || f as usize >= mm.staging().frames() {
                     errors.push(format!("frame {f} is held twice or does not exist"));
                 }
+            }
+        }
+        for (slot, e) in mm.swap().cache().entries_of(mm.region_id()) {
+            let st = locks.get(e.page as usize).map(|l| l.state());
+            if st.is_none_or(|st| st.slot() != Some(slot) || !st.is_resident()) {
+                errors.push(format!(
+                    "slot {slot} is cached as page {} which is {st:?}",
+                    e.page
+                ));
             }
         }
         if placing > 0 {

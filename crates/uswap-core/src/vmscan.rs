@@ -9,7 +9,7 @@ use crate::mm::Mm;
 use crate::page::{Kind, PageLock};
 use crate::sync::lock_std;
 use crate::PAGE_SIZE;
-use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
@@ -51,12 +51,59 @@ impl Kswapd {
     }
 }
 
+/// The watermarks and the inactive target, which follow the memory limit when it changes
+/// (`Reclaim::set_limit`): atomics, since every charge reads them.
+struct Marks {
+    min: AtomicU64,
+    low: AtomicU64,
+    high: AtomicU64,
+    /// Inactive list length reclaim keeps, in pages.
+    inactive_target: AtomicU64,
+    /// Watermarks the configuration fixed (`None`: scaled to the limit).
+    fixed: Option<Watermarks>,
+    inactive_percent: u8,
+}
+
+impl Marks {
+    fn new(limit: u64, fixed: Option<Watermarks>, inactive_percent: u8, batch: usize) -> Marks {
+        let m = Marks {
+            min: AtomicU64::new(0),
+            low: AtomicU64::new(0),
+            high: AtomicU64::new(0),
+            inactive_target: AtomicU64::new(0),
+            fixed,
+            inactive_percent,
+        };
+        m.set_for(limit, batch);
+        m
+    }
+
+    fn set_for(&self, limit: u64, batch: usize) {
+        let w = self.fixed.unwrap_or_else(|| Watermarks::for_limit(limit));
+        self.min.store(w.min, Relaxed);
+        self.low.store(w.low, Relaxed);
+        self.high.store(w.high, Relaxed);
+        let target = (limit * u64::from(self.inactive_percent) / 100).max(batch as u64);
+        self.inactive_target.store(target, Relaxed);
+    }
+
+    fn min(&self) -> u64 {
+        self.min.load(Relaxed)
+    }
+
+    fn low(&self) -> u64 {
+        self.low.load(Relaxed)
+    }
+
+    fn high(&self) -> u64 {
+        self.high.load(Relaxed)
+    }
+}
+
 /// Reclaim of one region, over its [`Mm`].
 pub(crate) struct Reclaim {
     mm: Mm,
-    marks: Watermarks,
-    /// Inactive list length reclaim keeps, in pages.
-    inactive_target: usize,
+    marks: Marks,
     batch: usize,
     kswapd: Kswapd,
 }
@@ -68,12 +115,12 @@ fn is_zero_page(addr: usize) -> bool {
 }
 
 impl Reclaim {
-    pub fn new(mm: Mm, marks: Watermarks, inactive_percent: u8, batch: usize) -> Reclaim {
-        let limit = mm.budget().limit() as usize;
+    /// `fixed`: watermarks the configuration set (`None`: scaled to the limit).
+    pub fn new(mm: Mm, fixed: Option<Watermarks>, inactive_percent: u8, batch: usize) -> Reclaim {
+        let limit = mm.budget().limit();
         Reclaim {
-            inactive_target: (limit * inactive_percent as usize / 100).max(batch),
+            marks: Marks::new(limit, fixed, inactive_percent, batch),
             mm,
-            marks,
             batch,
             kswapd: Kswapd::default(),
         }
@@ -81,6 +128,15 @@ impl Reclaim {
 
     pub fn mm(&self) -> &Mm {
         &self.mm
+    }
+
+    /// A new memory limit, in pages: the budget, the staging frames and the watermarks
+    /// follow it, and kswapd is woken to bring a lowered budget under it.
+    pub fn set_limit(&self, pages: u64) {
+        self.mm.staging().grow(pages);
+        self.marks.set_for(pages, self.batch);
+        self.mm.budget().set_limit(pages);
+        self.kswapd.wake();
     }
 
     /// Charges `want` pages (at least one) to the budget, reclaiming directly when the free
@@ -91,12 +147,12 @@ impl Reclaim {
         let mut deadline = None;
         let mut round = 0u32;
         loop {
-            if budget.free() < self.marks.min {
+            if budget.free() < self.marks.min() {
                 self.mm.vmstat().direct_reclaim.fetch_add(1, Relaxed);
                 self.shrink();
             }
             let got = budget.try_charge(want);
-            if budget.free() < self.marks.low {
+            if budget.free() < self.marks.low() {
                 self.kswapd.wake();
             }
             if got > 0 {
@@ -116,12 +172,12 @@ impl Reclaim {
     /// when the free pages are under the min watermark and direct reclaim would be needed.
     pub fn charge_without_reclaim(&self, want: u64) -> Option<u64> {
         let budget = self.mm.budget();
-        if budget.free() < self.marks.min {
+        if budget.free() < self.marks.min() {
             self.kswapd.wake();
             return None;
         }
         let got = budget.try_charge(want);
-        if budget.free() < self.marks.low {
+        if budget.free() < self.marks.low() {
             self.kswapd.wake();
         }
         (got > 0).then_some(got)
@@ -134,7 +190,8 @@ impl Reclaim {
     /// pages freed.
     pub fn shrink(&self) -> u64 {
         let (mm, batch) = (&self.mm, self.batch);
-        let short = (self.inactive_target + batch).saturating_sub(mm.lru().len(LruList::Inactive));
+        let target = self.marks.inactive_target.load(Relaxed) as usize;
+        let short = (target + batch).saturating_sub(mm.lru().len(LruList::Inactive));
         let mut isolated = Vec::with_capacity(batch);
         for _ in 0..short.div_ceil(batch).min(REFILL_BATCHES) {
             mm.lru()
@@ -237,7 +294,8 @@ impl Reclaim {
                     mm.release_slot(slot);
                 }
                 mm.vmstat().pgzero_dropped.fetch_add(1, Relaxed);
-            } else if st.slot().is_some() {
+            } else if let Some(slot) = st.slot() {
+                mm.swap().cache().delete(slot);
                 lock.drop_clean();
                 mm.vmstat().pgclean_dropped.fetch_add(1, Relaxed);
             } else {
@@ -271,9 +329,14 @@ impl Reclaim {
             return;
         }
         let mm = &self.mm;
+        // Pages under write-back are in the swap cache, as in the kernel: a readahead of
+        // their slot finds them there instead of reading a slot not written yet.
         let batch: Vec<(u32, *const u8)> = writes
             .iter()
             .map(|&(i, slot)| {
+                let page = locks[i].page();
+                mm.own_slot(slot, page);
+                mm.swap().cache().add(slot, mm.cache_entry(page, false));
                 let frame = locks[i].state().frame().expect("inactive page has a frame");
                 (slot, mm.staging().addr(frame) as *const u8)
             })
@@ -282,6 +345,7 @@ impl Reclaim {
         let results = unsafe { mm.swap().write_pages(&batch) };
         let mut written = 0;
         for (&(i, slot), result) in writes.iter().zip(results) {
+            mm.swap().cache().delete(slot);
             match result {
                 Ok(()) => {
                     freed.push(locks[i].swap_out(slot));
@@ -348,11 +412,11 @@ fn kswapd(r: &Reclaim) {
     let budget = r.mm.budget();
     while !r.mm.shutting_down() {
         r.kswapd.sleep();
-        if r.mm.shutting_down() || budget.free() >= r.marks.low {
+        if r.mm.shutting_down() || budget.free() >= r.marks.low() {
             continue;
         }
         r.mm.vmstat().kswapd_wake.fetch_add(1, Relaxed);
-        while budget.free() < r.marks.high && !r.mm.shutting_down() {
+        while budget.free() < r.marks.high() && !r.mm.shutting_down() {
             if r.shrink() == 0 {
                 // Nothing reclaimable right now (all pages busy, or swap full): back off.
                 std::thread::sleep(Duration::from_millis(1));

@@ -12,6 +12,7 @@ mod cluster;
 pub use backing::Backing;
 
 use crate::swap_io::{IoEngine, PageOp};
+use crate::swap_state::SwapCache;
 use crate::{Error, IoMode, SwapConfig, SwapLocation, PAGE_SIZE};
 use cluster::ClusterAllocator;
 use std::fs::File;
@@ -99,6 +100,8 @@ pub struct SwapDevice {
     /// Slots the device may ever have (a growing file is not that long yet).
     capacity: u64,
     checksums: ChecksumTable,
+    owners: OwnerTable,
+    cache: SwapCache,
     /// For a growing file: bytes allocated to it so far and when growing last failed.
     /// `None` for a fixed size.
     grown: Option<Mutex<Growth>>,
@@ -153,6 +156,8 @@ impl SwapDevice {
             slots: ClusterAllocator::new(SWAPFILE_CLUSTER, initial),
             capacity,
             checksums: ChecksumTable::new(capacity),
+            owners: OwnerTable(SlotTable::new(capacity)),
+            cache: SwapCache::new(cfg.swap_cache, capacity),
             grown,
             growth_failed: AtomicBool::new(false),
             reserved: AtomicU64::new(0),
@@ -204,12 +209,32 @@ impl SwapDevice {
         }
     }
 
-    /// Gives a slot back and forgets its checksum. Panics if the slot is not in use.
+    /// Gives a slot back and forgets its checksum and owner. Panics if the slot is not in
+    /// use. The slot must not be in the swap cache.
     pub fn free_slot(&self, slot: SlotId) {
         self.check_slot(slot);
         // Forget first: once freed, the slot may be reallocated and written by another thread.
         self.checksums.forget(slot);
+        self.owners.0.clear(slot);
         self.slots.free(slot);
+    }
+
+    /// Records that page `page` of region `region` holds `slot` (a hint: see [`OwnerTable`]).
+    pub fn set_owner(&self, slot: SlotId, region: u32, page: u32) {
+        self.owners.set(slot, region, page);
+    }
+
+    /// The page that last recorded holding `slot`, as (region, page), if any.
+    pub fn owner(&self, slot: SlotId) -> Option<(u32, u32)> {
+        if u64::from(slot) >= self.capacity {
+            return None;
+        }
+        self.owners.get(slot)
+    }
+
+    /// The swap cache of this device.
+    pub fn cache(&self) -> &SwapCache {
+        &self.cache
     }
 
     /// Writes each page to its slot as one batch and records the checksum of every page
@@ -282,6 +307,54 @@ impl SwapDevice {
             expected,
             found,
         })
+    }
+
+    /// Reads a batch of slots with one submission (readahead's window) and verifies each
+    /// page once, returning one result per entry, in order. A page that fails is not read
+    /// again here: the caller drops a speculative page, and reads the one it must have
+    /// with [`SwapDevice::read_page`], which does.
+    ///
+    /// # Safety
+    /// Each pointer must be valid for writing 4096 bytes until this returns, and
+    /// page-aligned.
+    pub unsafe fn read_pages(&self, batch: &[(SlotId, *mut u8)]) -> Vec<Result<(), ReadError>> {
+        let expected: Vec<Option<u32>> = batch
+            .iter()
+            .map(|&(slot, _)| {
+                self.check_slot(slot);
+                self.checksums.get(slot)
+            })
+            .collect();
+        let ops: Vec<PageOp> = batch
+            .iter()
+            .zip(&expected)
+            .filter(|(_, sum)| sum.is_some())
+            .map(|(&(slot, dst), _)| PageOp::Read {
+                offset: slot_offset(slot),
+                dst,
+            })
+            .collect();
+        let mut results = self.io.read_batch(&self.file, &ops).into_iter();
+        batch
+            .iter()
+            .zip(expected)
+            .map(|(&(slot, dst), sum)| {
+                let expected = sum.ok_or(ReadError::NeverWritten { slot })?;
+                results.next().expect("one result per read").map_err(|e| {
+                    self.counters.read_errors.fetch_add(1, Relaxed);
+                    ReadError::Io(e)
+                })?;
+                let found = page_checksum(dst);
+                if found != expected {
+                    return Err(ReadError::Checksum {
+                        slot,
+                        expected,
+                        found,
+                    });
+                }
+                Ok(())
+            })
+            .collect()
     }
 
     /// [`SwapDevice::read_page`] for the SIGBUS handler: one `pread`, allocating nothing.
@@ -526,57 +599,92 @@ unsafe fn page_checksum(page: *const u8) -> u32 {
     crc32c::crc32c(std::slice::from_raw_parts(page, PAGE_SIZE))
 }
 
-/// Slots per lazily allocated piece of the checksum table (64 MiB of swap).
-const CHECKSUM_CHUNK: u64 = GROW_CHUNK / PAGE_SIZE as u64;
+/// Slots per lazily allocated piece of a [`SlotTable`] (64 MiB of swap).
+const TABLE_CHUNK: u64 = GROW_CHUNK / PAGE_SIZE as u64;
 
-/// Set in a table entry whose slot holds a written page; the low 32 bits are its crc32c.
-/// Keeping validity apart from the value lets a page whose checksum is 0 be told from a
-/// slot never written.
-const WRITTEN: u64 = 1 << 32;
-
-/// The checksum of every written slot, allocated in pieces as slots are first written so a
-/// large, growing device costs memory only for what it uses.
-struct ChecksumTable {
+/// One word per slot, allocated in pieces as slots are first used so a large, growing
+/// device costs memory only for what it uses. A word never set reads as 0.
+struct SlotTable {
     chunks: Box<[OnceLock<Box<[AtomicU64]>>]>,
 }
 
-impl ChecksumTable {
-    fn new(slots: u64) -> ChecksumTable {
-        let chunks = slots.div_ceil(CHECKSUM_CHUNK);
-        ChecksumTable {
+impl SlotTable {
+    fn new(slots: u64) -> SlotTable {
+        let chunks = slots.div_ceil(TABLE_CHUNK);
+        SlotTable {
             chunks: (0..chunks).map(|_| OnceLock::new()).collect(),
         }
     }
 
-    fn record(&self, slot: SlotId, crc: u32) {
+    fn set(&self, slot: SlotId, value: u64) {
         let (chunk, index) = Self::position(slot);
         let entries = self.chunks[chunk]
-            .get_or_init(|| (0..CHECKSUM_CHUNK).map(|_| AtomicU64::new(0)).collect());
-        entries[index].store(WRITTEN | u64::from(crc), Ordering::Release);
+            .get_or_init(|| (0..TABLE_CHUNK).map(|_| AtomicU64::new(0)).collect());
+        entries[index].store(value, Ordering::Release);
     }
 
-    fn forget(&self, slot: SlotId) {
+    fn clear(&self, slot: SlotId) {
         if let Some(entry) = self.entry(slot) {
             entry.store(0, Ordering::Release);
         }
     }
 
-    fn get(&self, slot: SlotId) -> Option<u32> {
-        let value = self.entry(slot)?.load(Ordering::Acquire);
-        (value & WRITTEN != 0).then_some(value as u32)
+    fn get(&self, slot: SlotId) -> u64 {
+        self.entry(slot).map_or(0, |e| e.load(Ordering::Acquire))
     }
 
     fn entry(&self, slot: SlotId) -> Option<&AtomicU64> {
         let (chunk, index) = Self::position(slot);
-        self.chunks[chunk].get().map(|entries| &entries[index])
+        self.chunks.get(chunk)?.get().map(|entries| &entries[index])
     }
 
     fn position(slot: SlotId) -> (usize, usize) {
         let slot = u64::from(slot);
-        (
-            (slot / CHECKSUM_CHUNK) as usize,
-            (slot % CHECKSUM_CHUNK) as usize,
-        )
+        ((slot / TABLE_CHUNK) as usize, (slot % TABLE_CHUNK) as usize)
+    }
+}
+
+/// Set in a checksum word whose slot holds a written page; the low 32 bits are its crc32c.
+/// Keeping validity apart from the value lets a page whose checksum is 0 be told from a
+/// slot never written.
+const WRITTEN: u64 = 1 << 32;
+
+/// The checksum of every written slot.
+struct ChecksumTable(SlotTable);
+
+impl ChecksumTable {
+    fn new(slots: u64) -> ChecksumTable {
+        ChecksumTable(SlotTable::new(slots))
+    }
+
+    fn record(&self, slot: SlotId, crc: u32) {
+        self.0.set(slot, WRITTEN | u64::from(crc));
+    }
+
+    fn forget(&self, slot: SlotId) {
+        self.0.clear(slot);
+    }
+
+    fn get(&self, slot: SlotId) -> Option<u32> {
+        let value = self.0.get(slot);
+        (value & WRITTEN != 0).then_some(value as u32)
+    }
+}
+
+/// Which page holds each slot: region number (high half) and page (low half); 0 for none.
+/// A hint for readahead, which reads slots by their neighbourhood on the device and needs
+/// the page each belongs to; it is checked under that page's lock before it is trusted.
+struct OwnerTable(SlotTable);
+
+impl OwnerTable {
+    fn set(&self, slot: SlotId, region: u32, page: u32) {
+        self.0
+            .set(slot, (u64::from(region) << 32) | u64::from(page));
+    }
+
+    fn get(&self, slot: SlotId) -> Option<(u32, u32)> {
+        let word = self.0.get(slot);
+        (word != 0).then_some(((word >> 32) as u32, word as u32))
     }
 }
 
@@ -1033,7 +1141,7 @@ mod tests {
     fn a_growing_file_is_extended_in_64_mib_steps() {
         let (_dir, dev) = temp_device(None, IoMode::Uring);
         assert!(
-            dev.capacity_pages() >= 2 * CHECKSUM_CHUNK,
+            dev.capacity_pages() >= 2 * TABLE_CHUNK,
             "needs 128 MiB free in the temp dir"
         );
         assert_eq!(dev.capacity_pages() % u64::from(SWAPFILE_CLUSTER), 0);

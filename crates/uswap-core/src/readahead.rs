@@ -1,0 +1,409 @@
+//! Swap-in readahead ([mm/swap_state.c]'s `swapin_readahead`): which slots a swap-in reads
+//! beside the faulting one, by a policy that can be switched while the region runs (seed
+//! 002's knob).
+//!
+//! - `none`: the faulting slot only.
+//! - `fixed`: the aligned block of 2^page-cluster slots around it, always (the seed).
+//! - `scaling`: the same block, sized by `swapin_nr_pages`: two more than the readahead
+//!   pages used since the last swap-in, rounded up to a power of two, at most
+//!   2^page-cluster; one when nothing was used and the fault does not follow the previous
+//!   one; never under half the previous window.
+//! - `vma`: a window of the region's pages around the faulting page, sized the same way
+//!   from the previous fault address and capped at 32 pages (the kernel's
+//!   `SWAP_RA_ORDER_CEILING`); placed ahead of a forward walk, behind a backward one,
+//!   centred otherwise. It reads the slots those pages hold, wherever they are.
+//!
+//! Pages read ahead are parked inactive in staging frames, charged to the budget, and
+//! added to the swap cache with the readahead marker. A later fault that finds one counts a
+//! hit, which widens the next window. State is per region (the kernel keeps the hit count
+//! per system for `scaling` and per vma for `vma`).
+
+use crate::config::{Readahead, ReadaheadPolicy};
+use crate::lru::LruList;
+use crate::page::{Kind, PageLock};
+use crate::swapfile::ReadError;
+use crate::vmscan::Reclaim;
+use crate::PAGE_SIZE;
+use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering::Relaxed};
+
+/// The largest vma window: 2^5 pages.
+const VMA_MAX_ORDER: u8 = 5;
+
+/// What a swap-in reads around the faulting slot (which is always read).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Window {
+    /// Nothing more.
+    None,
+    /// These slots of the device (inclusive).
+    Slots { first: u32, last: u32 },
+    /// The slots held by these pages of the region (end exclusive).
+    Pages { start: usize, end: usize },
+}
+
+/// The readahead setting and what it learned, for one region.
+pub(crate) struct ReadaheadState {
+    /// Policy (low byte) and page-cluster (second byte).
+    setting: AtomicU32,
+    /// Readahead pages used since the last window was sized.
+    hits: AtomicU32,
+    /// The slot (scaling) or page (vma) of the previous swap-in, and its window.
+    prev_slot: AtomicU32,
+    prev_page: AtomicUsize,
+    prev_window: AtomicU32,
+}
+
+impl ReadaheadState {
+    pub fn new(setting: Readahead) -> ReadaheadState {
+        let s = ReadaheadState {
+            setting: AtomicU32::new(0),
+            hits: AtomicU32::new(0),
+            prev_slot: AtomicU32::new(u32::MAX),
+            prev_page: AtomicUsize::new(usize::MAX),
+            prev_window: AtomicU32::new(0),
+        };
+        s.set(setting);
+        s
+    }
+
+    /// Switches policy and page-cluster; what was learned starts over.
+    pub fn set(&self, setting: Readahead) {
+        let policy = ReadaheadPolicy::ALL
+            .iter()
+            .position(|p| *p == setting.policy)
+            .expect("a listed policy") as u32;
+        self.hits.store(0, Relaxed);
+        self.prev_window.store(0, Relaxed);
+        self.setting
+            .store(policy | (u32::from(setting.page_cluster) << 8), Relaxed);
+    }
+
+    pub fn get(&self) -> Readahead {
+        let v = self.setting.load(Relaxed);
+        Readahead {
+            policy: ReadaheadPolicy::ALL[(v & 0xff) as usize],
+            page_cluster: (v >> 8) as u8,
+        }
+    }
+
+    /// A readahead page was used.
+    pub fn hit(&self) {
+        self.hits.fetch_add(1, Relaxed);
+    }
+
+    /// The window for a swap-in of `slot` at `page` of a region of `pages` pages.
+    pub fn window(&self, slot: u32, page: usize, pages: usize) -> Window {
+        let setting = self.get();
+        match setting.policy {
+            ReadaheadPolicy::None => Window::None,
+            ReadaheadPolicy::Fixed => slot_block(slot, setting.max_pages() as u32),
+            ReadaheadPolicy::Scaling => {
+                let prev = self.prev_slot.load(Relaxed);
+                let near = prev == slot.wrapping_add(1) || prev.wrapping_add(1) == slot;
+                let (win, hits) = self.learn(near, 1 << setting.page_cluster);
+                // As the kernel: the position moves only while readahead is not paying.
+                if hits == 0 {
+                    self.prev_slot.store(slot, Relaxed);
+                }
+                slot_block(slot, win)
+            }
+            ReadaheadPolicy::Vma => {
+                let prev = self.prev_page.swap(page, Relaxed);
+                let max = 1 << setting.page_cluster.min(VMA_MAX_ORDER);
+                let near = prev == page + 1 || prev.wrapping_add(1) == page;
+                let win = self.learn(near, max).0 as usize;
+                if win <= 1 {
+                    return Window::None;
+                }
+                let (start, end) = if prev.wrapping_add(1) == page {
+                    (page, page + win)
+                } else if prev == page + 1 {
+                    ((page + 1).saturating_sub(win), page + 1)
+                } else {
+                    let left = (win - 1) / 2;
+                    let start = page.saturating_sub(left);
+                    (start, start + win)
+                };
+                Window::Pages {
+                    start,
+                    end: end.min(pages),
+                }
+            }
+        }
+    }
+
+    /// Sizes the next window from the hits since the last one (`swapin_nr_pages`) and
+    /// starts counting hits again: (window, hits).
+    fn learn(&self, follows_previous: bool, max: u32) -> (u32, u32) {
+        if max <= 1 {
+            return (1, 0);
+        }
+        let hits = self.hits.swap(0, Relaxed);
+        let prev_window = self.prev_window.load(Relaxed);
+        let win = next_window(hits, follows_previous, max, prev_window);
+        self.prev_window.store(win, Relaxed);
+        (win, hits)
+    }
+}
+
+/// Reads the faulting page's `slot` into `dst` and, in the same submission, the swapped
+/// pages of `window` into staging frames, parking them inactive with the readahead marker.
+/// Only pages whose lock is free are read ahead, and only as many as the budget grants
+/// without reclaiming. The result is the faulting page's read; a readahead page that fails
+/// is simply left swapped, for its own fault to read and report.
+///
+/// # Safety
+/// `dst` must be valid for writing 4096 bytes, and page-aligned.
+pub(crate) unsafe fn read_around(
+    reclaim: &Reclaim,
+    fault: &PageLock<'_>,
+    slot: u32,
+    window: Window,
+    dst: *mut u8,
+) -> Result<(), ReadError> {
+    let mm = reclaim.mm();
+    let mut ahead = gather(reclaim, fault.page(), window);
+    let granted = match ahead.len() {
+        0 => 0,
+        n => reclaim.charge_without_reclaim(n as u64).unwrap_or(0) as usize,
+    };
+    ahead.truncate(granted);
+    let frames = mm.staging().alloc_many(ahead.len());
+    mm.budget().uncharge((ahead.len() - frames.len()) as u64);
+    ahead.truncate(frames.len());
+    if ahead.is_empty() {
+        return mm.swap().read_page(slot, dst);
+    }
+    // Staging frames cannot be read into (a kernel write to a missing page there fails):
+    // the window is read into one buffer and copied in.
+    let mut bounce = vec![0u8; (ahead.len() + 1) * PAGE_SIZE];
+    let base = bounce
+        .as_mut_ptr()
+        .add(bounce.as_ptr().align_offset(PAGE_SIZE));
+    let mut batch = vec![(slot, dst)];
+    batch.extend(
+        ahead
+            .iter()
+            .enumerate()
+            .map(|(i, l)| (l.state().slot().expect("swapped"), base.add(i * PAGE_SIZE))),
+    );
+    let mut results = mm.swap().read_pages(&batch).into_iter();
+    let faulting = results.next().expect("one result per page");
+    let mut read = 0;
+    for (i, ((mut lock, frame), result)) in ahead.into_iter().zip(frames).zip(results).enumerate() {
+        let placed = result.is_ok()
+            && mm
+                .staging_uffd()
+                .copy(
+                    mm.staging().addr(frame),
+                    base.add(i * PAGE_SIZE),
+                    PAGE_SIZE,
+                    false,
+                )
+                .is_ok();
+        if !placed {
+            mm.staging().release(frame);
+            mm.budget().uncharge(1);
+            continue;
+        }
+        let page = lock.page();
+        let ra_slot = lock.state().slot().expect("swapped");
+        mm.swap().cache().add(ra_slot, mm.cache_entry(page, true));
+        mm.lru().add(LruList::Inactive, [page]);
+        lock.read_ahead(frame);
+        read += 1;
+    }
+    mm.vmstat().swap_ra.fetch_add(read, Relaxed);
+    mm.vmstat().pswpin.fetch_add(read, Relaxed);
+    match faulting {
+        Ok(()) => Ok(()),
+        // Read again, with the re-reads and error counting of a single read.
+        Err(_) => mm.swap().read_page(slot, dst),
+    }
+}
+
+/// Locks the swapped pages in `window` other than `fault_page`, nearest first. Pages
+/// whose lock is held are skipped (never waited for: the caller holds a page lock), and
+/// so are slots of other regions or pages that no longer hold the slot.
+fn gather(reclaim: &Reclaim, fault_page: usize, window: Window) -> Vec<PageLock<'_>> {
+    let mm = reclaim.mm();
+    let pages = mm.pages();
+    let swapped = |p: usize, slot: Option<u32>| {
+        let lock = pages.try_lock(p)?;
+        let held = lock.state().slot();
+        (lock.kind() == Kind::Swapped && (slot.is_none() || held == slot)).then_some(lock)
+    };
+    let mut found: Vec<PageLock<'_>> = match window {
+        Window::None => Vec::new(),
+        Window::Pages { start, end } => (start..end)
+            .filter(|&p| p != fault_page)
+            .filter_map(|p| swapped(p, None))
+            .collect(),
+        Window::Slots { first, last } => (first..=last)
+            .filter_map(|s| match mm.swap().owner(s) {
+                Some((region, p)) if region == mm.region_id() => {
+                    let p = p as usize;
+                    (p != fault_page && p < pages.len()).then(|| swapped(p, Some(s)))?
+                }
+                _ => None,
+            })
+            .collect(),
+    };
+    found.sort_by_key(|l| l.page().abs_diff(fault_page));
+    found
+}
+
+/// `__swapin_nr_pages`: two more than the hits, rounded up to a power of two (from 4),
+/// capped at `max`; one page when nothing hit and the fault does not follow the previous
+/// one; never shrinking below half the previous window.
+fn next_window(hits: u32, follows_previous: bool, max: u32, prev_window: u32) -> u32 {
+    let mut pages = hits + 2;
+    if pages == 2 {
+        if !follows_previous {
+            pages = 1;
+        }
+    } else {
+        pages = pages.next_power_of_two().max(4);
+    }
+    pages.min(max).max(prev_window / 2).max(1)
+}
+
+/// The aligned block of `win` slots (a power of two) around `slot`.
+fn slot_block(slot: u32, win: u32) -> Window {
+    if win <= 1 {
+        return Window::None;
+    }
+    let mask = win - 1;
+    Window::Slots {
+        first: slot & !mask,
+        last: slot | mask,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn state(policy: ReadaheadPolicy, page_cluster: u8) -> ReadaheadState {
+        ReadaheadState::new(Readahead {
+            policy,
+            page_cluster,
+        })
+    }
+
+    #[test]
+    fn fixed_reads_the_aligned_block_always() {
+        let s = state(ReadaheadPolicy::Fixed, 3);
+        for _ in 0..3 {
+            assert_eq!(
+                s.window(21, 0, 100),
+                Window::Slots {
+                    first: 16,
+                    last: 23
+                }
+            );
+        }
+        s.set(Readahead {
+            policy: ReadaheadPolicy::Fixed,
+            page_cluster: 0,
+        });
+        assert_eq!(s.window(21, 0, 100), Window::None);
+    }
+
+    #[test]
+    fn none_reads_nothing_more() {
+        assert_eq!(
+            state(ReadaheadPolicy::None, 8).window(5, 5, 100),
+            Window::None
+        );
+    }
+
+    #[test]
+    fn the_scaling_window_grows_with_hits_and_shrinks_by_halves() {
+        assert_eq!(
+            next_window(0, false, 8, 0),
+            1,
+            "a random fault reads one page"
+        );
+        assert_eq!(next_window(0, true, 8, 0), 2, "a sequential one two");
+        assert_eq!(next_window(1, false, 8, 0), 4);
+        assert_eq!(next_window(3, false, 8, 0), 8);
+        assert_eq!(next_window(30, false, 8, 0), 8, "capped by page-cluster");
+        assert_eq!(
+            next_window(0, false, 8, 8),
+            4,
+            "never below half the last window"
+        );
+
+        let s = state(ReadaheadPolicy::Scaling, 3);
+        assert_eq!(
+            s.window(100, 0, 10),
+            Window::None,
+            "first fault, no history"
+        );
+        s.hit();
+        s.hit();
+        s.hit();
+        assert_eq!(
+            s.window(300, 0, 10),
+            Window::Slots {
+                first: 296,
+                last: 303
+            }
+        );
+        assert_eq!(
+            s.window(700, 0, 10),
+            Window::Slots {
+                first: 700,
+                last: 703
+            }
+        );
+    }
+
+    #[test]
+    fn the_vma_window_follows_the_direction_of_the_walk() {
+        let s = state(ReadaheadPolicy::Vma, 8);
+        assert_eq!(s.window(0, 50, 1000), Window::None, "no history yet");
+        assert_eq!(
+            s.window(0, 51, 1000),
+            Window::Pages { start: 51, end: 53 },
+            "forward: ahead of the fault"
+        );
+        for _ in 0..40 {
+            s.hit();
+        }
+        assert_eq!(
+            s.window(0, 52, 1000),
+            Window::Pages { start: 52, end: 84 },
+            "capped at 32 pages"
+        );
+        s.hit();
+        assert_eq!(
+            s.window(0, 51, 1000),
+            Window::Pages { start: 36, end: 52 },
+            "backward: behind it, at least half the last window"
+        );
+        s.hit();
+        s.hit();
+        assert_eq!(
+            s.window(0, 990, 1000),
+            Window::Pages {
+                start: 987,
+                end: 995
+            },
+            "a jump: centred, clipped to the region"
+        );
+    }
+
+    #[test]
+    fn a_switch_takes_effect_and_forgets_the_history() {
+        let s = state(ReadaheadPolicy::Vma, 3);
+        s.hit();
+        let fixed = Readahead {
+            policy: ReadaheadPolicy::Fixed,
+            page_cluster: 2,
+        };
+        s.set(fixed);
+        assert_eq!(s.get(), fixed);
+        assert_eq!(s.window(9, 0, 10), Window::Slots { first: 8, last: 11 });
+    }
+}
