@@ -4,7 +4,7 @@
 //! swapped out; then all of it is brought back, by touching every page (in address order or
 //! at random) or by lifting the limit and turning swap off, and only that phase is timed.
 
-use super::{Backend, KERNEL_SWAP_MARGIN};
+use super::{no_reclaim_limit, Backend, KERNEL_SWAP_MARGIN};
 use crate::args::{nonzero_size, CoreArgs, KernelArgs};
 use crate::kernel::{self, child, tunables, Environment};
 use crate::report;
@@ -13,7 +13,9 @@ use crate::workload::swapback::{self, Mode, Order, SwapbackOutcome, SwapbackPara
 use anyhow::{bail, ensure, Context, Result};
 use clap::{value_parser, Args, ValueEnum};
 use serde::Serialize;
-use uswap_core::{ReadaheadPolicy, Region, VmStatSnapshot, PAGE_SIZE};
+use uswap_core::{
+    ReadaheadPolicy, Region, SwapCacheStats, SwapoffReport, VmStatSnapshot, PAGE_SIZE,
+};
 
 #[derive(Args, Debug)]
 pub struct SwapbackArgs {
@@ -91,6 +93,11 @@ struct Report {
 struct UswapDetail {
     /// The region's counters over the swap-back phase.
     vmstat: VmStatSnapshot,
+    /// The swap cache's counters over the phase.
+    swap_cache: SwapCacheStats,
+    /// What the region's swapoff reported, in swapoff mode.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    swapoff: Option<SwapoffReport>,
 }
 
 /// Swap counters of the phase: (pages read, pages written, major faults).
@@ -150,9 +157,6 @@ fn run_uswap(a: &SwapbackArgs, params: &SwapbackParams) -> Result<Report> {
         "{}, page-cluster {}",
         cfg.readahead.policy, cfg.readahead.page_cluster
     );
-    if a.mode == Mode::Swapoff {
-        bail!("--mode swapoff on the uswap backend needs Region::swapoff, not yet in uswap-core");
-    }
     let region = Region::new(a.size, cfg).with_context(|| {
         format!(
             "creating a {} region with a {} memory limit",
@@ -160,15 +164,23 @@ fn run_uswap(a: &SwapbackArgs, params: &SwapbackParams) -> Result<Report> {
             report::size(a.memory)
         )
     })?;
+    let mut swapoff = None;
     let (outcome, before, after) = swapback::run(
         region.mem(),
         params,
-        || region.vmstat(),
-        || unreachable!("touch mode"),
+        || region.stats(),
+        || {
+            swapoff = Some(lift_limit_and_swapoff(&region, a.size)?);
+            Ok(())
+        },
     )?;
-    let vmstat = after.since(&before);
+    let vmstat = after.vmstat.since(&before.vmstat);
     let counts = (vmstat.pswpin, vmstat.pswpout, vmstat.pgmajfault);
-    let detail = UswapDetail { vmstat };
+    let detail = UswapDetail {
+        vmstat,
+        swap_cache: after.swap_cache.since(&before.swap_cache),
+        swapoff,
+    };
     Ok(build_report(
         a,
         readahead,
@@ -177,6 +189,26 @@ fn run_uswap(a: &SwapbackArgs, params: &SwapbackParams) -> Result<Report> {
         Some(detail),
         None,
     ))
+}
+
+/// Swapoff mode on uswap: a limit that holds the whole set, then the region's swapoff.
+fn lift_limit_and_swapoff(region: &Region, size: u64) -> Result<SwapoffReport> {
+    region
+        .set_memory_limit(no_reclaim_limit(size))
+        .context("raising the memory limit to hold the whole set")?;
+    let mut progress = report::Progress::new("swapoff");
+    let done = region
+        .swapoff(&mut |done, total| progress.update(done, total))
+        .context("swapoff");
+    progress.finish();
+    let done = done?;
+    // A lost page's access fails (SIGBUS): the check afterwards must not touch it.
+    ensure!(
+        done.lost == 0,
+        "swapoff could not read back {} pages (reported above)",
+        done.lost
+    );
+    Ok(done)
 }
 
 fn run_kernel(a: &SwapbackArgs, params: &SwapbackParams) -> Result<Report> {
@@ -280,6 +312,22 @@ fn print(r: &Report) {
         r.verify_errors
     );
     if let Some(u) = &r.uswap {
+        if let Some(off) = &u.swapoff {
+            println!(
+                "uswap swapoff: {} pages brought back in {:.3} s, {} slots freed",
+                report::count(off.pages),
+                off.seconds,
+                report::count(off.slots_freed)
+            );
+        }
+        let c = &u.swap_cache;
+        println!(
+            "uswap swap cache: lookups {}   hits {}   readahead hits {}   added {}",
+            report::count(c.lookups),
+            report::count(c.hits),
+            report::count(c.readahead_hits),
+            report::count(c.adds)
+        );
         println!("uswap counters over the swap-back phase:");
         report::vmstat(&u.vmstat);
     }
