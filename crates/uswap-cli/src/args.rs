@@ -4,7 +4,10 @@ use crate::kernel::KernelSwap;
 use anyhow::{Context, Result};
 use clap::Args;
 use std::path::PathBuf;
-use uswap_core::{parse_size, Config, FaultMode, IoMode, SwapLocation, Watermarks};
+use uswap_core::{
+    parse_size, Config, FaultMode, IoMode, Readahead, ReadaheadPolicy, SlotAlloc, SwapCacheMode,
+    SwapLocation, Watermarks,
+};
 
 /// A byte size such as `4096`, `64K`, `512M`, `2G`; zero is refused.
 pub fn nonzero_size(text: &str) -> Result<u64, String> {
@@ -65,6 +68,23 @@ pub struct CoreArgs {
     #[arg(long, value_name = "MODE", value_parser = |s: &str| s.parse::<IoMode>())]
     pub io: Option<IoMode>,
 
+    /// Swap slot allocation: `percpu` (a cluster per CPU) or `shared` (one scan base)
+    /// [default: percpu]
+    #[arg(long, value_name = "MODE", value_parser = |s: &str| s.parse::<SlotAlloc>())]
+    pub slot_alloc: Option<SlotAlloc>,
+
+    /// Swap cache locking: `trunks` (a lock per 64 MiB of swap) or `single` [default: trunks]
+    #[arg(long, value_name = "MODE", value_parser = |s: &str| s.parse::<SwapCacheMode>())]
+    pub swap_cache: Option<SwapCacheMode>,
+
+    /// Swap-in readahead: `none`, `fixed`, `scaling` or `vma` [default: vma]
+    #[arg(long, value_name = "POLICY", value_parser = |s: &str| s.parse::<ReadaheadPolicy>())]
+    pub readahead: Option<ReadaheadPolicy>,
+
+    /// Largest readahead window as a power of two, 0 to 8, like vm.page-cluster [default: 3]
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u8).range(0..=8))]
+    pub page_cluster: Option<u8>,
+
     /// Reclaim watermarks as sizes, e.g. 4M,8M,12M [default: scaled to the memory limit]
     #[arg(long, value_name = "MIN,LOW,HIGH", value_parser = |s: &str| Watermarks::parse(s))]
     pub watermarks: Option<Watermarks>,
@@ -84,6 +104,15 @@ impl CoreArgs {
     /// The directory swap files go in.
     pub fn swap_dir(&self) -> PathBuf {
         self.swap_dir.clone().unwrap_or_else(std::env::temp_dir)
+    }
+
+    /// The readahead these options ask for (the library's default for what is unset).
+    pub fn readahead(&self) -> Readahead {
+        let default = Readahead::default();
+        Readahead {
+            policy: self.readahead.unwrap_or(default.policy),
+            page_cluster: self.page_cluster.unwrap_or(default.page_cluster),
+        }
     }
 
     /// A validated configuration for a region with this memory limit.
@@ -107,6 +136,13 @@ impl CoreArgs {
             cfg.swap.io = io;
         }
         cfg.watermarks = self.watermarks.or(cfg.watermarks);
+        if let Some(mode) = self.slot_alloc {
+            cfg.swap.slot_alloc = mode;
+        }
+        if let Some(mode) = self.swap_cache {
+            cfg.swap.swap_cache = mode;
+        }
+        cfg.readahead = self.readahead();
         cfg.validate().context("bad uswap option")?;
         Ok(cfg)
     }
@@ -145,7 +181,22 @@ mod tests {
             (3, 1, IoMode::Pread)
         );
         let defaults = Config::new(64 << 20);
+        let c = core(&["--slot-alloc", "shared", "--swap-cache", "single"]).unwrap();
+        let cfg = c.clone().config(64 << 20).unwrap();
+        assert_eq!(
+            (cfg.swap.slot_alloc, cfg.swap.swap_cache),
+            (SlotAlloc::Shared, SwapCacheMode::Single)
+        );
+        let c = core(&["--readahead", "fixed", "--page-cluster", "5"]).unwrap();
+        assert_eq!(
+            c.config(64 << 20).unwrap().readahead,
+            Readahead {
+                policy: ReadaheadPolicy::Fixed,
+                page_cluster: 5
+            }
+        );
         let cfg = core(&[]).unwrap().config(64 << 20).unwrap();
+        assert_eq!(cfg.readahead, Readahead::default());
         assert_eq!(cfg.handler_threads, defaults.handler_threads);
         assert_eq!(
             cfg.swap.location,
@@ -158,6 +209,9 @@ mod tests {
         assert!(core(&["--fault-mode", "fast"]).is_err());
         assert!(core(&["--watermarks", "1M,2M"]).is_err());
         assert!(core(&["--swap-dir", "/nonexistent/dir"]).is_err());
+        assert!(core(&["--page-cluster", "9"]).is_err());
+        assert!(core(&["--readahead", "sideways"]).is_err());
+        assert!(core(&["--slot-alloc", "global"]).is_err());
         let err = core(&["--handlers", "0"])
             .unwrap()
             .config(64 << 20)

@@ -55,6 +55,41 @@ pub fn access_latency(l: &Latency) -> String {
     )
 }
 
+/// A lock statistics table, one row per lock class (the content of /proc/lock_stat).
+pub fn lockstat(classes: &[uswap_core::LockClass]) {
+    println!(
+        "  {:<14} {:>6} {:>14} {:>12} {:>9} {:>12} {:>11}",
+        "lock class", "locks", "acquisitions", "contended", "% cont.", "wait total", "wait max"
+    );
+    for c in classes {
+        let s = &c.stat;
+        println!(
+            "  {:<14} {:>6} {:>14} {:>12} {:>8.2}% {:>9.1} ms {:>8.1} µs",
+            c.name,
+            c.locks,
+            count(s.acquisitions),
+            count(s.contended),
+            100.0 * s.contention_ratio(),
+            s.wait_ns_total as f64 / 1e6,
+            s.wait_ns_max as f64 / 1e3
+        );
+    }
+}
+
+/// Lock statistics over an interval: `after` less `before`, class by class.
+pub fn lockstat_since(
+    after: &[uswap_core::LockClass],
+    before: &[uswap_core::LockClass],
+) -> Vec<uswap_core::LockClass> {
+    after
+        .iter()
+        .map(|a| match before.iter().find(|b| b.name == a.name) {
+            Some(b) => a.since(b),
+            None => a.clone(),
+        })
+        .collect()
+}
+
 /// A table of the library's fault service times, one row per fault kind.
 pub fn service_times(rows: &[(&str, &Latency)]) {
     println!(

@@ -57,7 +57,10 @@ fn a_sequential_swap_back_reads_ahead_by_each_policy_and_loses_nothing() {
                 ReadaheadPolicy::Fixed => assert!(v.swap_ra >= 400, "{what}"),
                 _ => assert!(v.swap_ra >= 256, "{what}"),
             }
-            assert_eq!(v.swap_ra_hit, v.swap_ra, "a sequential walk uses all: {what}");
+            assert_eq!(
+                v.swap_ra_hit, v.swap_ra,
+                "a sequential walk uses all: {what}"
+            );
             assert_eq!(s.swap_cache.readahead_hits, v.swap_ra_hit, "{what}");
             assert_eq!(v.pgmajfault + v.swap_ra, 512, "{what}");
             region.check_invariants().unwrap();
@@ -95,7 +98,11 @@ fn the_swap_cache_holds_pages_in_memory_with_a_slot_in_both_modes() {
         let hits = after.swap_cache.hits - before.swap_cache.hits;
         assert_eq!(hits, 32, "{mode}: {:?}", after.swap_cache);
         region.check_invariants().unwrap();
-        let lock = after.lockstat.iter().find(|l| l.name == "swap_cache").unwrap();
+        let lock = after
+            .lockstat
+            .iter()
+            .find(|l| l.name == "swap_cache")
+            .unwrap();
         assert!(lock.stat.acquisitions > 0);
     }
 }
@@ -106,7 +113,10 @@ fn the_swap_cache_holds_pages_in_memory_with_a_slot_in_both_modes() {
 #[test]
 fn switching_readahead_under_load_takes_effect_and_loses_nothing() {
     let pages = 2048;
-    let region = Arc::new(swapped_out(config(2 * MIB, ReadaheadPolicy::Fixed, 3), pages));
+    let region = Arc::new(swapped_out(
+        config(2 * MIB, ReadaheadPolicy::Fixed, 3),
+        pages,
+    ));
     let stop = Arc::new(AtomicBool::new(false));
     let walkers: Vec<_> = (0..2)
         .map(|t| {
@@ -139,7 +149,10 @@ fn switching_readahead_under_load_takes_effect_and_loses_nothing() {
     };
     for round in 0..2 {
         let none = phase(ra(ReadaheadPolicy::None, 3));
-        assert!(none.pgmajfault > 0, "round {round}: the walk swaps in: {none:?}");
+        assert!(
+            none.pgmajfault > 0,
+            "round {round}: the walk swaps in: {none:?}"
+        );
         assert_eq!(none.swap_ra, 0, "round {round}: none reads nothing ahead");
         let fixed = phase(ra(ReadaheadPolicy::Fixed, 4));
         assert!(fixed.swap_ra > fixed.pgmajfault, "round {round}: {fixed:?}");
@@ -161,7 +174,11 @@ fn switching_readahead_under_load_takes_effect_and_loses_nothing() {
 
 #[test]
 fn swapoff_brings_every_page_back_and_frees_every_slot() {
-    for policy in [ReadaheadPolicy::None, ReadaheadPolicy::Fixed, ReadaheadPolicy::Vma] {
+    for policy in [
+        ReadaheadPolicy::None,
+        ReadaheadPolicy::Fixed,
+        ReadaheadPolicy::Vma,
+    ] {
         let pages = 1024;
         let region = swapped_out(config(2 * MIB, policy, 3), pages);
         // Half the pages were written again since: only the others keep valid copies.
@@ -173,9 +190,14 @@ fn swapoff_brings_every_page_back_and_frees_every_slot() {
 
         region.set_memory_limit(8 * MIB).unwrap();
         let mut calls = Vec::new();
-        let report = region.swapoff(&mut |done, total| calls.push((done, total))).unwrap();
+        let report = region
+            .swapoff(&mut |done, total| calls.push((done, total)))
+            .unwrap();
         assert_eq!(report.lost, 0, "{policy}");
-        assert!(report.pages > 0 && report.slots_freed > 0, "{policy}: {report:?}");
+        assert!(
+            report.pages > 0 && report.slots_freed > 0,
+            "{policy}: {report:?}"
+        );
         assert_eq!(calls.first().map(|c| c.0), Some(0));
         assert_eq!(calls.last(), Some(&(report.pages, report.pages)));
         let s = region.stats();

@@ -9,7 +9,9 @@ use crate::workload::random::{self, RandomOutcome, RandomParams};
 use anyhow::{bail, ensure, Context, Result};
 use clap::{value_parser, Args};
 use serde::Serialize;
-use uswap_core::{Region, Stats, VmStatSnapshot, PAGE_SIZE};
+use uswap_core::{
+    LockClass, Region, SlotAlloc, Stats, SwapCacheMode, SwapCacheStats, VmStatSnapshot, PAGE_SIZE,
+};
 
 #[derive(Args, Debug)]
 pub struct RandomArgs {
@@ -56,6 +58,8 @@ struct Report {
     memory: u64,
     threads: usize,
     write_pct: u8,
+    slot_alloc: String,
+    swap_cache_mode: String,
     accesses: u64,
     accesses_per_s: f64,
     swap_in_mb_s: f64,
@@ -73,6 +77,10 @@ struct Report {
 struct UswapDetail {
     /// Counters over the measured interval.
     vmstat: VmStatSnapshot,
+    /// Lock statistics over the measured interval, one entry per lock class.
+    lockstat: Vec<LockClass>,
+    /// Swap cache counters over the measured interval.
+    swap_cache: SwapCacheStats,
     /// The region's statistics at the end of the measured interval (service times since
     /// the region was made).
     stats: Stats,
@@ -127,6 +135,8 @@ fn run_uswap(a: &RandomArgs, params: &RandomParams) -> Result<Report> {
     let swapped = (vmstat.pswpin, vmstat.pswpout);
     let detail = UswapDetail {
         vmstat,
+        lockstat: report::lockstat_since(&after.lockstat, &before.lockstat),
+        swap_cache: after.swap_cache.since(&before.swap_cache),
         stats: after,
     };
     Ok(build_report(a, outcome, swapped, Some(detail), None))
@@ -175,6 +185,12 @@ fn build_report(
         memory: a.memory,
         threads: a.threads as usize,
         write_pct: a.write_pct,
+        slot_alloc: a.core.slot_alloc.unwrap_or(SlotAlloc::Percpu).to_string(),
+        swap_cache_mode: a
+            .core
+            .swap_cache
+            .unwrap_or(SwapCacheMode::Trunks)
+            .to_string(),
         accesses: outcome.accesses(),
         accesses_per_s: outcome.accesses() as f64 / secs,
         swap_in_mb_s: report::mb_per_s(pswpin, secs),
@@ -229,6 +245,23 @@ fn print(r: &Report) {
         ]);
         println!("uswap counters over the measured interval:");
         report::vmstat(&u.vmstat);
+        let c = &u.swap_cache;
+        println!(
+            "  swap cache ({}, {})  lookups {}  hits {}  readahead hits {}  adds {}  deletes {}",
+            u.stats.readahead.policy,
+            u.stats.readahead.page_cluster,
+            report::count(c.lookups),
+            report::count(c.hits),
+            report::count(c.readahead_hits),
+            report::count(c.adds),
+            report::count(c.deletes)
+        );
+        println!(
+            "uswap swap side: slot allocation {}, swap cache {}",
+            r.slot_alloc, r.swap_cache_mode
+        );
+        println!("uswap lock statistics over the measured interval:");
+        report::lockstat(&u.lockstat);
     }
     if let Some(k) = &r.kernel {
         report::kernel_environment(k);
