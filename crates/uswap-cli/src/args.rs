@@ -77,11 +77,13 @@ pub struct CoreArgs {
     #[arg(long, value_name = "MODE", value_parser = |s: &str| s.parse::<SwapCacheMode>())]
     pub swap_cache: Option<SwapCacheMode>,
 
-    /// Swap-in readahead: `none`, `fixed`, `scaling` or `vma` [default: vma]
+    /// Swap-in readahead: `none`, `fixed`, `scaling` or `vma` [default: vma]; the kernel
+    /// backend sets vma_ra_enabled for the run (and has no `fixed`) [default there: as found]
     #[arg(long, value_name = "POLICY", value_parser = |s: &str| s.parse::<ReadaheadPolicy>())]
     pub readahead: Option<ReadaheadPolicy>,
 
-    /// Largest readahead window as a power of two, 0 to 8, like vm.page-cluster [default: 3]
+    /// Largest readahead window as a power of two, 0 to 8, like vm.page-cluster [default: 3];
+    /// the kernel backend sets vm.page-cluster for the run [default there: as found]
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u8).range(0..=8))]
     pub page_cluster: Option<u8>,
 

@@ -2,7 +2,7 @@
 
 use super::{Backend, KERNEL_SWAP_MARGIN};
 use crate::args::{nonzero_size, seconds, CoreArgs, KernelArgs};
-use crate::kernel::{self, child, Environment};
+use crate::kernel::{self, child, tunables, Environment};
 use crate::report;
 use crate::workload::mem::Mapped;
 use crate::workload::random::{self, RandomOutcome, RandomParams};
@@ -151,7 +151,7 @@ fn run_kernel(a: &RandomArgs, params: &RandomParams) -> Result<Report> {
             dir: a.core.swap_dir(),
             own: false,
         }),
-        tunables: Vec::new(),
+        tunables: tunables::for_readahead(a.core.readahead, a.core.page_cluster)?,
     };
     let spec = child::Spec::Random {
         size: a.size,

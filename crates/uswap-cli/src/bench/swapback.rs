@@ -11,11 +11,9 @@ use crate::report;
 use crate::workload::mem::Mapped;
 use crate::workload::swapback::{self, Mode, Order, SwapbackOutcome, SwapbackParams};
 use anyhow::{bail, ensure, Context, Result};
-use clap::{value_parser, Args, ValueEnum};
+use clap::{Args, ValueEnum};
 use serde::Serialize;
-use uswap_core::{
-    ReadaheadPolicy, Region, SwapCacheStats, SwapoffReport, VmStatSnapshot, PAGE_SIZE,
-};
+use uswap_core::{Region, SwapCacheStats, SwapoffReport, VmStatSnapshot, PAGE_SIZE};
 
 #[derive(Args, Debug)]
 pub struct SwapbackArgs {
@@ -36,16 +34,6 @@ pub struct SwapbackArgs {
     /// The order touch mode reads the pages in
     #[arg(long, value_enum, default_value_t = Order::Seq)]
     pub order: Order,
-
-    /// Swap-in readahead: `none`, `fixed` (uswap only), `scaling` or `vma` [default:
-    /// uswap's default (vma); the kernel's setting as found]
-    #[arg(long, value_name = "POLICY", value_parser = |s: &str| s.parse::<ReadaheadPolicy>())]
-    pub readahead: Option<ReadaheadPolicy>,
-
-    /// log2 of the largest readahead window, 0 to 8 (vm.page-cluster on the kernel backend,
-    /// restored afterwards) [default: uswap's default (3); the kernel's setting as found]
-    #[arg(long, value_name = "N", value_parser = value_parser!(u8).range(0..=8))]
-    pub page_cluster: Option<u8>,
 
     /// Which swap runs the workload
     #[arg(long, value_enum, default_value_t = Backend::Uswap)]
@@ -145,14 +133,7 @@ pub fn run(a: &SwapbackArgs) -> Result<()> {
 }
 
 fn run_uswap(a: &SwapbackArgs, params: &SwapbackParams) -> Result<Report> {
-    let mut cfg = a.core.config(a.memory)?;
-    if let Some(policy) = a.readahead {
-        cfg.readahead.policy = policy;
-    }
-    if let Some(pc) = a.page_cluster {
-        cfg.readahead.page_cluster = pc;
-    }
-    cfg.validate().context("bad readahead setting")?;
+    let cfg = a.core.config(a.memory)?;
     let readahead = format!(
         "{}, page-cluster {}",
         cfg.readahead.policy, cfg.readahead.page_cluster
@@ -220,7 +201,7 @@ fn run_kernel(a: &SwapbackArgs, params: &SwapbackParams) -> Result<Report> {
             dir: a.core.swap_dir(),
             own: a.mode == Mode::Swapoff,
         }),
-        tunables: tunables::for_readahead(a.readahead, a.page_cluster)?,
+        tunables: tunables::for_readahead(a.core.readahead, a.core.page_cluster)?,
     };
     let spec = child::Spec::Swapback {
         size: a.size,
