@@ -1,5 +1,6 @@
-//! Value parsers for the command line and the uswap options shared by the bench commands.
+//! Value parsers for the command line and the options shared by the bench commands.
 
+use crate::kernel::KernelSwap;
 use anyhow::{Context, Result};
 use clap::Args;
 use std::path::PathBuf;
@@ -76,17 +77,29 @@ pub struct CoreArgs {
     #[arg(long, value_name = "MODE", value_parser = |s: &str| s.parse::<SwapCacheMode>())]
     pub swap_cache: Option<SwapCacheMode>,
 
-    /// Swap-in readahead: `none`, `fixed`, `scaling` or `vma` [default: vma]
+    /// Swap-in readahead: `none`, `fixed`, `scaling` or `vma` [default: vma]; the kernel
+    /// backend sets vma_ra_enabled for the run (and has no `fixed`) [default there: as found]
     #[arg(long, value_name = "POLICY", value_parser = |s: &str| s.parse::<ReadaheadPolicy>())]
     pub readahead: Option<ReadaheadPolicy>,
 
-    /// Largest readahead window as a power of two, 0 to 8, like vm.page-cluster [default: 3]
+    /// Largest readahead window as a power of two, 0 to 8, like vm.page-cluster [default: 3];
+    /// the kernel backend sets vm.page-cluster for the run [default there: as found]
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u8).range(0..=8))]
     pub page_cluster: Option<u8>,
 
     /// Reclaim watermarks as sizes, e.g. 4M,8M,12M [default: scaled to the memory limit]
     #[arg(long, value_name = "MIN,LOW,HIGH", value_parser = |s: &str| Watermarks::parse(s))]
     pub watermarks: Option<Watermarks>,
+}
+
+/// Settings of `--backend kernel` shared by the bench commands that swap.
+#[derive(Args, Debug, Clone)]
+pub struct KernelArgs {
+    /// The kernel backend's swap: `file` (the swap already on, or else a swap file in
+    /// --swap-dir) or `zram` (a zram device of its own, compressed RAM; the RAM-backed
+    /// counterpart for uswap is --swap-dir /dev/shm)
+    #[arg(long, value_enum, value_name = "KIND", default_value_t = KernelSwap::File)]
+    pub kernel_swap: KernelSwap,
 }
 
 impl CoreArgs {

@@ -49,6 +49,8 @@ enum Bench {
     Fault(bench::fault::FaultArgs),
     /// Cost per page of first-touch, minor and major faults (uswap only)
     Refault(bench::refault::RefaultArgs),
+    /// Time to bring a half-swapped-out set back: touching every page, or swapoff
+    Swapback(bench::swapback::SwapbackArgs),
 }
 
 fn run(cli: Cli) -> Result<()> {
@@ -58,6 +60,7 @@ fn run(cli: Cli) -> Result<()> {
             Bench::Random(a) => bench::random::run(&a),
             Bench::Fault(a) => bench::fault::run(&a),
             Bench::Refault(a) => bench::refault::run(&a),
+            Bench::Swapback(a) => bench::swapback::run(&a),
         },
         Command::KernelChild { spec } => kernel::child::main(&spec),
     }

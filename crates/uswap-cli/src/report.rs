@@ -1,8 +1,10 @@
 //! Formatting results: human-readable tables and JSON.
 
+use crate::kernel::Environment;
 use anyhow::{Context, Result};
 use serde::Serialize;
-use std::io::Write;
+use std::io::{IsTerminal, Write};
+use std::time::{Duration, Instant};
 use uswap_core::{Latency, VmStatSnapshot};
 
 /// Prints one pretty JSON object on stdout (an error, not a panic, if stdout is closed).
@@ -121,6 +123,58 @@ pub fn vmstat(v: &VmStatSnapshot) {
     }
     for line in moved.chunks(4) {
         println!("  {}", line.join("   "));
+    }
+}
+
+/// A progress line on stderr, redrawn at most twice a second, and only on a terminal.
+pub struct Progress {
+    label: &'static str,
+    on: bool,
+    drawn: Option<Instant>,
+}
+
+impl Progress {
+    const EVERY: Duration = Duration::from_millis(500);
+
+    pub fn new(label: &'static str) -> Progress {
+        Progress {
+            label,
+            on: std::io::stderr().is_terminal(),
+            drawn: None,
+        }
+    }
+
+    pub fn update(&mut self, done: u64, total: u64) {
+        let recent = self.drawn.is_some_and(|t| t.elapsed() < Self::EVERY);
+        if !self.on || (recent && done < total) {
+            return;
+        }
+        eprint!(
+            "\r{}: {} of {} pages",
+            self.label,
+            count(done),
+            count(total)
+        );
+        self.drawn = Some(Instant::now());
+    }
+
+    /// Ends the line, if one was drawn.
+    pub fn finish(&mut self) {
+        if self.drawn.take().is_some() {
+            eprintln!();
+        }
+    }
+}
+
+/// How the kernel backend was set up: cgroup, swap, what zram stored, swap settings.
+pub fn kernel_environment(k: &Environment) {
+    println!("kernel: cgroup {}; swap: {}", k.cgroup, k.swap);
+    if let Some(z) = &k.zram {
+        println!("  {}", z.summary());
+    }
+    if !k.tunables.is_empty() {
+        let states: Vec<String> = k.tunables.iter().map(|t| t.to_string()).collect();
+        println!("  {}", states.join(", "));
     }
 }
 

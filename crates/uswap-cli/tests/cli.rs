@@ -99,3 +99,43 @@ fn a_small_random_run_is_verified_clean() {
     // The region was twice the memory: the run must really have swapped.
     assert!(r["uswap"]["vmstat"]["pswpin"].as_u64().unwrap() > 0, "{r}");
 }
+
+#[test]
+fn swapback_refuses_bad_readahead_settings_before_setting_anything_up() {
+    let err = refused(&["bench", "swapback", "--page-cluster", "9"]);
+    assert!(err.contains("--page-cluster") && err.contains('9'), "{err}");
+    let err = refused(&["bench", "swapback", "--readahead", "sideways"]);
+    assert!(err.contains("sideways") && err.contains("scaling"), "{err}");
+    // Refused before the kernel backend makes its cgroup or swap.
+    let err = refused(&[
+        "bench",
+        "swapback",
+        "--backend",
+        "kernel",
+        "--readahead",
+        "fixed",
+    ]);
+    assert!(
+        err.contains("fixed") && err.contains("--backend uswap"),
+        "{err}"
+    );
+    let err = refused(&[
+        "bench",
+        "swapback",
+        "--backend",
+        "kernel",
+        "--readahead",
+        "none",
+        "--page-cluster",
+        "2",
+    ]);
+    assert!(err.contains("page-cluster 0"), "{err}");
+}
+
+#[test]
+fn swapback_refuses_a_set_that_fits_in_memory() {
+    let err = refused(&["bench", "swapback", "--size", "64M", "--memory", "64M"]);
+    assert!(err.contains("--memory") && err.contains("nothing"), "{err}");
+    let err = refused(&["bench", "swapback", "--mode", "off"]);
+    assert!(err.contains("touch") && err.contains("swapoff"), "{err}");
+}

@@ -122,8 +122,8 @@ fn run_uswap(a: &FaultArgs, params: &FaultParams) -> Result<Report> {
 fn run_kernel(a: &FaultArgs, params: &FaultParams) -> Result<Report> {
     let setup = kernel::Setup {
         memory_limit: None,
-        swap_bytes: None,
-        swap_dir: a.core.swap_dir(),
+        swap: None,
+        tunables: Vec::new(),
     };
     let spec = child::Spec::Fault {
         size: a.size,

@@ -3,6 +3,7 @@
 pub mod fault;
 pub mod random;
 pub mod refault;
+pub mod swapback;
 
 use clap::ValueEnum;
 use serde::Serialize;
@@ -16,6 +17,9 @@ pub enum Backend {
     /// The kernel's own swap, in a child process inside a memory cgroup (needs root)
     Kernel,
 }
+
+/// Extra swap beyond the set size for the kernel backend's swap file or zram device.
+pub const KERNEL_SWAP_MARGIN: u64 = 64 << 20;
 
 /// A memory limit with enough room above `bytes` that reclaim never wakes (the default high
 /// watermark is about 1.2% of the limit), for benchmarks of fault cost alone.

@@ -1,8 +1,8 @@
 //! `uswap bench random`: pmbench-like uniform random access on a region larger than memory.
 
-use super::Backend;
-use crate::args::{nonzero_size, seconds, CoreArgs};
-use crate::kernel::{self, child, Environment};
+use super::{Backend, KERNEL_SWAP_MARGIN};
+use crate::args::{nonzero_size, seconds, CoreArgs, KernelArgs};
+use crate::kernel::{self, child, tunables, Environment};
 use crate::report;
 use crate::workload::mem::Mapped;
 use crate::workload::random::{self, RandomOutcome, RandomParams};
@@ -12,9 +12,6 @@ use serde::Serialize;
 use uswap_core::{
     LockClass, Region, SlotAlloc, Stats, SwapCacheMode, SwapCacheStats, VmStatSnapshot, PAGE_SIZE,
 };
-
-/// Extra swap beyond the region size for the kernel backend's swap file.
-const KERNEL_SWAP_MARGIN: u64 = 64 << 20;
 
 #[derive(Args, Debug)]
 pub struct RandomArgs {
@@ -48,6 +45,9 @@ pub struct RandomArgs {
 
     #[command(flatten)]
     pub core: CoreArgs,
+
+    #[command(flatten)]
+    pub kernel: KernelArgs,
 }
 
 #[derive(Serialize)]
@@ -145,8 +145,13 @@ fn run_uswap(a: &RandomArgs, params: &RandomParams) -> Result<Report> {
 fn run_kernel(a: &RandomArgs, params: &RandomParams) -> Result<Report> {
     let setup = kernel::Setup {
         memory_limit: Some(a.memory),
-        swap_bytes: Some(a.core.swap_size.unwrap_or(a.size + KERNEL_SWAP_MARGIN)),
-        swap_dir: a.core.swap_dir(),
+        swap: Some(kernel::SwapPlan {
+            kind: a.kernel.kernel_swap,
+            bytes: a.core.swap_size.unwrap_or(a.size + KERNEL_SWAP_MARGIN),
+            dir: a.core.swap_dir(),
+            own: false,
+        }),
+        tunables: tunables::for_readahead(a.core.readahead, a.core.page_cluster)?,
     };
     let spec = child::Spec::Random {
         size: a.size,
@@ -259,6 +264,6 @@ fn print(r: &Report) {
         report::lockstat(&u.lockstat);
     }
     if let Some(k) = &r.kernel {
-        println!("kernel: cgroup {}; swap: {}", k.cgroup, k.swap);
+        report::kernel_environment(k);
     }
 }

@@ -54,22 +54,25 @@ impl Hierarchy {
     /// The control files to write, in order, for a memory limit (`None`: no limit) with
     /// swapping allowed.
     pub fn settings(&self, limit: Option<u64>) -> Vec<(&'static str, String)> {
-        match self {
+        let swap = match self {
             // memory.memsw.* is left alone: unlimited unless the machine set it.
-            Hierarchy::V1(_) => {
-                let mut s = vec![("memory.swappiness", "60".to_string())];
-                if let Some(bytes) = limit {
-                    s.push(("memory.limit_in_bytes", bytes.to_string()));
-                }
-                s
-            }
-            Hierarchy::V2(_) => vec![
-                ("memory.swap.max", "max".to_string()),
-                (
-                    "memory.max",
-                    limit.map_or("max".to_string(), |b| b.to_string()),
-                ),
-            ],
+            Hierarchy::V1(_) => ("memory.swappiness", "60".to_string()),
+            Hierarchy::V2(_) => ("memory.swap.max", "max".to_string()),
+        };
+        vec![swap, self.limit(limit)]
+    }
+
+    /// The control file and value for a memory limit (`None`: no limit).
+    pub fn limit(&self, limit: Option<u64>) -> (&'static str, String) {
+        match self {
+            Hierarchy::V1(_) => (
+                "memory.limit_in_bytes",
+                limit.map_or("-1".to_string(), |b| b.to_string()),
+            ),
+            Hierarchy::V2(_) => (
+                "memory.max",
+                limit.map_or("max".to_string(), |b| b.to_string()),
+            ),
         }
     }
 }
@@ -78,6 +81,7 @@ impl Hierarchy {
 #[derive(Debug)]
 pub struct Cgroup {
     path: PathBuf,
+    hierarchy: Hierarchy,
 }
 
 impl Cgroup {
@@ -85,7 +89,10 @@ impl Cgroup {
     pub fn create(h: &Hierarchy, name: &str, limit: Option<u64>) -> Result<Cgroup> {
         let path = h.group_path(name);
         fs::create_dir(&path).with_context(|| format!("creating cgroup {}", path.display()))?;
-        let group = Cgroup { path };
+        let group = Cgroup {
+            path,
+            hierarchy: h.clone(),
+        };
         for (file, value) in h.settings(limit) {
             if let Err(e) = group.write(file, &value) {
                 // Best effort: the error that matters is the one being returned.
@@ -98,6 +105,12 @@ impl Cgroup {
 
     pub fn path(&self) -> &Path {
         &self.path
+    }
+
+    /// Changes the memory limit (`None`: no limit).
+    pub fn set_limit(&self, limit: Option<u64>) -> Result<()> {
+        let (file, value) = self.hierarchy.limit(limit);
+        self.write(file, &value)
     }
 
     /// Moves process `pid` (and only it) into the group.
@@ -187,7 +200,7 @@ mod tests {
                 ("memory.limit_in_bytes", "4096".into())
             ]
         );
-        assert_eq!(v1.settings(None), vec![("memory.swappiness", "60".into())]);
+        assert_eq!(v1.settings(None)[1], ("memory.limit_in_bytes", "-1".into()));
         let v2 = Hierarchy::V2("/x".into());
         assert_eq!(
             v2.settings(Some(4096)),
@@ -206,6 +219,8 @@ mod tests {
         let g = Cgroup::create(&h, "uswap-bench-1", Some(1 << 20)).unwrap();
         let read = |f: &str| fs::read_to_string(g.path().join(f)).unwrap();
         assert_eq!(read("memory.limit_in_bytes"), "1048576");
+        g.set_limit(None).unwrap();
+        assert_eq!(read("memory.limit_in_bytes"), "-1");
         g.add_process(1234).unwrap();
         assert_eq!(read("cgroup.procs"), "1234");
         assert!(

@@ -2,12 +2,14 @@
 //!
 //! It waits for one byte on stdin before allocating anything, so that the parent can first
 //! move it into the memory cgroup; then it runs the workload on plain anonymous memory and
-//! prints its report as one JSON line on stdout.
+//! prints its report as one JSON line on stdout. A workload that needs the parent to act
+//! midway (swapback's swapoff mode) prints [`PAUSE`] and waits for another byte.
 
-use super::vmstat::{self, SwapPages};
+use super::vmstat::{self, SwapCounters};
 use crate::workload::fault::{self, FaultOutcome, FaultParams};
 use crate::workload::mem::{AnonMap, Mapped};
 use crate::workload::random::{self, RandomOutcome, RandomParams};
+use crate::workload::swapback::{self, SwapbackOutcome, SwapbackParams};
 use anyhow::{Context, Result};
 use serde::{Deserialize, Serialize};
 use std::io::Read;
@@ -15,12 +17,16 @@ use std::io::Read;
 /// The hidden subcommand name.
 pub const SUBCOMMAND: &str = "__kernel-child";
 
+/// The line the child prints when it waits for the parent to act.
+pub const PAUSE: &str = "paused";
+
 /// What the child is to run.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 #[serde(tag = "workload", rename_all = "lowercase")]
 pub enum Spec {
     Random { size: u64, params: RandomParams },
     Fault { size: u64, params: FaultParams },
+    Swapback { size: u64, params: SwapbackParams },
 }
 
 /// What the child measured.
@@ -29,11 +35,16 @@ pub enum Spec {
 pub enum Report {
     Random {
         outcome: RandomOutcome,
-        /// Machine-wide swap counters over the measured interval.
-        swap: SwapPages,
+        /// Swap counters over the measured interval.
+        swap: SwapCounters,
     },
     Fault {
         outcome: FaultOutcome,
+    },
+    Swapback {
+        outcome: SwapbackOutcome,
+        /// Swap counters over the swap-back phase.
+        swap: SwapCounters,
     },
 }
 
@@ -45,13 +56,21 @@ pub fn command_args(spec: &Spec) -> Vec<String> {
 
 pub fn main(spec_json: &str) -> Result<()> {
     let spec: Spec = serde_json::from_str(spec_json).context("reading the workload spec")?;
-    let mut go = [0u8; 1];
-    std::io::stdin()
-        .read_exact(&mut go)
-        .context("waiting for the parent to start the workload")?;
+    wait_for_parent().context("waiting for the parent to start the workload")?;
     let report = run(spec)?;
     println!("{}", serde_json::to_string(&report)?);
     Ok(())
+}
+
+fn wait_for_parent() -> std::io::Result<()> {
+    let mut go = [0u8; 1];
+    std::io::stdin().read_exact(&mut go)
+}
+
+/// Lets the parent act (stdout is line-buffered, so the line goes out at once).
+fn pause() -> Result<()> {
+    println!("{PAUSE}");
+    wait_for_parent().context("waiting for the parent to go on")
 }
 
 fn anon(size: u64) -> Result<AnonMap> {
@@ -69,6 +88,12 @@ fn run(spec: Spec) -> Result<Report> {
         Spec::Fault { size, params } => {
             let outcome = fault::run(&params, || anon(size), drop)?;
             Ok(Report::Fault { outcome })
+        }
+        Spec::Swapback { size, params } => {
+            let map = anon(size)?;
+            let (outcome, before, after) = swapback::run(map.mem(), &params, vmstat::read, pause)?;
+            let swap = after?.since(&before?);
+            Ok(Report::Swapback { outcome, swap })
         }
     }
 }

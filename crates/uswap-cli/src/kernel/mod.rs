@@ -1,28 +1,56 @@
 //! `--backend kernel`: the same workload in a child process under the kernel's own swap, in
-//! a memory cgroup with the same limit and a swap file on the same file system as uswap's.
+//! a memory cgroup with the same limit, with a swap file on the same file system as uswap's
+//! or a zram device.
 
 mod cgroup;
 pub mod child;
 mod swap;
 mod teardown;
-mod vmstat;
+pub mod tunables;
+pub mod vmstat;
+mod zram;
 
 use anyhow::{bail, Context, Result};
 use cgroup::{Cgroup, Hierarchy};
+use clap::ValueEnum;
 use serde::Serialize;
-use std::io::{Read, Write};
+use std::io::{BufRead, BufReader, Write};
 use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
 use std::process::{self, Child, Command, Stdio};
+use swap::OwnSwap;
+use tunables::{Tunable, TunableState};
+
+/// Which swap device the kernel backend uses.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum KernelSwap {
+    /// The swap already on, or else a swap file of our own in the swap directory
+    File,
+    /// A zram device of our own (compressed RAM), above any swap already on
+    Zram,
+}
 
 /// What the child needs around it.
 pub struct Setup {
     /// The cgroup's memory limit; `None`: no limit.
     pub memory_limit: Option<u64>,
     /// Swap the run may use; `None`: it needs none.
-    pub swap_bytes: Option<u64>,
+    pub swap: Option<SwapPlan>,
+    /// Swap settings to change for the run (restored afterwards); the others are reported
+    /// as found.
+    pub tunables: Vec<(Tunable, String)>,
+}
+
+/// The swap a run needs.
+pub struct SwapPlan {
+    pub kind: KernelSwap,
+    pub bytes: u64,
     /// Where a swap file goes (uswap's swap directory).
-    pub swap_dir: PathBuf,
+    pub dir: PathBuf,
+    /// The run turns its swap off ([`lift_limit_and_swapoff`]), so it must make its own
+    /// instead of reusing swap that is on.
+    pub own: bool,
 }
 
 /// How the kernel was set up, for the report.
@@ -31,19 +59,55 @@ pub struct Environment {
     pub cgroup: String,
     pub memory_limit: Option<u64>,
     pub swap: String,
+    /// What the zram device stored, with `--kernel-swap zram`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub zram: Option<zram::ZramUsage>,
+    /// The swap settings during the run, with the old values of those it changed.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub tunables: Vec<TunableState>,
+}
+
+impl Environment {
+    /// The swap readahead in effect, named as `--readahead` names it.
+    pub fn readahead(&self) -> Option<String> {
+        let value = |name: &str| {
+            let state = self.tunables.iter().find(|t| t.name == name)?;
+            Some(state.value.as_str())
+        };
+        Some(tunables::describe(
+            value(Tunable::PageCluster.name())?,
+            value(Tunable::VmaReadahead.name())?,
+        ))
+    }
 }
 
 /// Runs `spec` in a child under the kernel's swap and returns its report. Everything made
-/// for it is removed before this returns, also on errors and on Ctrl-C.
+/// for it is removed, and every setting changed for it restored, before this returns, also
+/// on errors and on Ctrl-C.
 pub fn run(setup: &Setup, spec: &child::Spec) -> Result<(child::Report, Environment)> {
+    run_paused(setup, spec, || {
+        bail!("the kernel-backend child paused, but this workload has nothing to do then")
+    })
+}
+
+/// [`run`] for a workload that pauses midway: `at_pause` runs while the child waits.
+pub fn run_paused(
+    setup: &Setup,
+    spec: &child::Spec,
+    at_pause: impl FnMut() -> Result<()>,
+) -> Result<(child::Report, Environment)> {
     // SAFETY: geteuid has no preconditions.
     if unsafe { libc::geteuid() } != 0 {
-        bail!("--backend kernel needs root: it creates a memory cgroup and a swap file (run with sudo)");
+        bail!("--backend kernel needs root: it creates a memory cgroup and swap (run with sudo)");
     }
     let _cleanup = teardown::Guard::new()?;
-    let swap = match setup.swap_bytes {
-        Some(bytes) => prepare_swap(&setup.swap_dir, bytes)?,
+    let swap = match &setup.swap {
+        Some(plan) => prepare_swap(plan)?,
         None => "not used".to_string(),
+    };
+    let tunables = match setup.swap {
+        Some(_) => apply_tunables(&setup.tunables)?,
+        None => Vec::new(),
     };
     let hierarchy = Hierarchy::detect(Path::new("/sys/fs/cgroup"))?;
     let name = format!("uswap-bench-{}", process::id());
@@ -53,34 +117,105 @@ pub fn run(setup: &Setup, spec: &child::Spec) -> Result<(child::Report, Environm
         t.cgroup = Some(group);
         Ok(path)
     })?;
-    let report = run_child(spec)?;
+    let report = run_child(spec, at_pause)?;
+    let zram = teardown::with(|t| match &t.swap {
+        Some(OwnSwap::Zram(z)) => Some(z.usage()),
+        _ => None,
+    })
+    .transpose()?;
     let env = Environment {
         cgroup,
         memory_limit: setup.memory_limit,
         swap,
+        zram,
+        tunables,
     };
     Ok((report, env))
 }
 
-/// Reuses swap that is already on, or makes and enables a swap file of `bytes` in `dir`.
-fn prepare_swap(dir: &Path, bytes: u64) -> Result<String> {
+/// For a pause in swapoff mode: lifts the cgroup's memory limit, so the whole set fits in
+/// memory, and turns off the swap this run made (every page on it comes back).
+pub fn lift_limit_and_swapoff() -> Result<()> {
+    let path = teardown::with(|t| -> Result<PathBuf> {
+        let group = t.cgroup.as_ref().context("the cgroup is gone")?;
+        group.set_limit(None)?;
+        t.swap
+            .as_ref()
+            .map(OwnSwap::path)
+            .context("this run made no swap to turn off")
+    })?;
+    // Outside the lock: on Ctrl-C the teardown must not wait for the whole swapoff.
+    swap::turn_off(&path)
+}
+
+/// Sets what `settings` asks for; returns every setting's state.
+fn apply_tunables(settings: &[(Tunable, String)]) -> Result<Vec<TunableState>> {
+    Tunable::ALL
+        .iter()
+        .map(|&tunable| {
+            let found = tunable.read()?;
+            let wanted = settings.iter().find(|(t, _)| *t == tunable);
+            let state = match wanted {
+                Some((_, value)) if *value != found => {
+                    teardown::with(|t| {
+                        t.restore.push((tunable, found.clone()));
+                        tunable.write(value)
+                    })?;
+                    TunableState {
+                        name: tunable.name(),
+                        value: value.clone(),
+                        previous: Some(found),
+                    }
+                }
+                _ => TunableState {
+                    name: tunable.name(),
+                    value: found,
+                    previous: None,
+                },
+            };
+            Ok(state)
+        })
+        .collect()
+}
+
+/// Sets up the swap `plan` asks for; returns what it is, for the report.
+fn prepare_swap(plan: &SwapPlan) -> Result<String> {
     let active = swap::active()?;
-    if !active.is_empty() {
-        let names: Vec<&str> = active.iter().map(|s| s.name.as_str()).collect();
-        let free: u64 = active
-            .iter()
-            .map(|s| (s.size_kib - s.used_kib) * 1024)
-            .sum();
-        let mut note = format!("reusing swap that is already on: {}", names.join(", "));
-        if free < bytes {
-            note += &format!(" (only {free} bytes free; this run may need {bytes})");
-        }
-        return Ok(note);
+    match plan.kind {
+        KernelSwap::File if !active.is_empty() && plan.own => bail!(
+            "this run turns its swap off afterwards, but swap is already on ({}) and \
+             --kernel-swap file would reuse it; turning that off is not ours to do: use \
+             --kernel-swap zram, or turn that swap off first",
+            names(&active)
+        ),
+        KernelSwap::File if !active.is_empty() => Ok(reuse_note(&active, plan.bytes)),
+        KernelSwap::File => make_swap_file(&plan.dir, plan.bytes),
+        KernelSwap::Zram => make_zram(&active, plan.bytes),
     }
+}
+
+fn names(active: &[swap::ActiveSwap]) -> String {
+    let names: Vec<&str> = active.iter().map(|s| s.name.as_str()).collect();
+    names.join(", ")
+}
+
+fn reuse_note(active: &[swap::ActiveSwap], bytes: u64) -> String {
+    let free: u64 = active
+        .iter()
+        .map(|s| (s.size_kib - s.used_kib) * 1024)
+        .sum();
+    let mut note = format!("reusing swap that is already on: {}", names(active));
+    if free < bytes {
+        note += &format!(" (only {free} bytes free; this run may need {bytes})");
+    }
+    note
+}
+
+fn make_swap_file(dir: &Path, bytes: u64) -> Result<String> {
     let path = swap::file_path(dir, process::id());
     teardown::with(|t| {
-        t.swap_file = Some(path.clone());
-        swap::create_and_enable(&path, bytes)
+        t.swap = Some(OwnSwap::File(path.clone()));
+        swap::create_file_and_enable(&path, bytes)
     })?;
     Ok(format!(
         "swap file {} of {} MiB (removed afterwards)",
@@ -89,8 +224,37 @@ fn prepare_swap(dir: &Path, bytes: u64) -> Result<String> {
     ))
 }
 
-/// Starts the child, moves it into the cgroup, lets it go and collects its report.
-fn run_child(spec: &child::Spec) -> Result<child::Report> {
+/// A zram device of `bytes`, at a priority above the swap already on so that it takes every
+/// page this run swaps out.
+fn make_zram(active: &[swap::ActiveSwap], bytes: u64) -> Result<String> {
+    let priority = swap::priority_above(active);
+    let (device, algorithm) = teardown::with(|t| -> Result<_> {
+        let zram = zram::Zram::add()?;
+        t.swap = Some(OwnSwap::Zram(zram));
+        let algorithm = zram.configure(bytes)?;
+        swap::format_and_enable(&zram.dev_path(), priority)?;
+        Ok((zram.dev_path(), algorithm))
+    })?;
+    let mut note = format!(
+        "zram device {} of {} MiB, {algorithm} (removed afterwards)",
+        device.display(),
+        bytes >> 20
+    );
+    if let Some(p) = priority {
+        note += &format!(
+            "; priority {p}, above the swap already on: {}",
+            names(active)
+        );
+    }
+    Ok(note)
+}
+
+/// Starts the child, moves it into the cgroup, lets it go (and on at each pause, after
+/// `at_pause`) and collects its report.
+fn run_child(
+    spec: &child::Spec,
+    mut at_pause: impl FnMut() -> Result<()>,
+) -> Result<child::Report> {
     let exe = std::env::current_exe().context("finding the uswap binary to run the child")?;
     let mut child = teardown::with(|t| -> Result<Child> {
         let group = t.cgroup.as_ref().context("the cgroup is gone")?;
@@ -106,14 +270,19 @@ fn run_child(spec: &child::Spec) -> Result<child::Report> {
     })?;
     let mut stdin = child.stdin.take().context("child stdin")?;
     stdin.write_all(b"g").context("starting the child")?;
+    let stdout = BufReader::new(child.stdout.take().context("child stdout")?);
+    let mut last = String::new();
+    for line in stdout.lines() {
+        let line = line.context("reading the child's report")?;
+        if line == child::PAUSE {
+            at_pause()?;
+            // A child that died meanwhile is reported below, from its exit status.
+            let _ = stdin.write_all(b"g");
+        } else if !line.trim().is_empty() {
+            last = line;
+        }
+    }
     drop(stdin);
-    let mut out = String::new();
-    child
-        .stdout
-        .take()
-        .context("child stdout")?
-        .read_to_string(&mut out)
-        .context("reading the child's report")?;
     let status = child.wait().context("waiting for the child")?;
     teardown::with(|t| t.child = None);
     if status.signal() == Some(libc::SIGKILL) {
@@ -125,10 +294,5 @@ fn run_child(spec: &child::Spec) -> Result<child::Report> {
     if !status.success() {
         bail!("the kernel-backend child failed ({status}); its messages are above");
     }
-    let line = out
-        .lines()
-        .rev()
-        .find(|l| !l.trim().is_empty())
-        .unwrap_or("");
-    serde_json::from_str(line).with_context(|| format!("reading the child's report {line:?}"))
+    serde_json::from_str(&last).with_context(|| format!("reading the child's report {last:?}"))
 }

@@ -1,9 +1,13 @@
-//! The kernel's swap for the kernel backend: reuse swap that is on, or make a swap file.
+//! The kernel's swap for the kernel backend: what is on, a swap file of our own, and the
+//! swap tools.
 
+use super::zram::Zram;
 use anyhow::{bail, Context, Result};
+use std::ffi::{CString, OsStr};
 use std::fs::{self, OpenOptions};
 use std::io::{self, Write};
 use std::os::fd::AsRawFd;
+use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -14,6 +18,7 @@ pub struct ActiveSwap {
     pub name: String,
     pub size_kib: u64,
     pub used_kib: u64,
+    pub priority: i32,
 }
 
 pub fn parse_proc_swaps(text: &str) -> Vec<ActiveSwap> {
@@ -25,6 +30,7 @@ pub fn parse_proc_swaps(text: &str) -> Vec<ActiveSwap> {
                 name: f.first()?.to_string(),
                 size_kib: f.get(2)?.parse().ok()?,
                 used_kib: f.get(3)?.parse().ok()?,
+                priority: f.get(4)?.parse().ok()?,
             })
         })
         .collect()
@@ -35,30 +41,94 @@ pub fn active() -> Result<Vec<ActiveSwap>> {
     Ok(parse_proc_swaps(&text))
 }
 
+fn is_active(path: &Path) -> Result<bool> {
+    Ok(active()?.iter().any(|s| Path::new(&s.name) == path))
+}
+
+/// A priority above every swap in `active` (none needed when nothing is on), so the kernel
+/// fills a new device before any other.
+pub fn priority_above(active: &[ActiveSwap]) -> Option<i32> {
+    let highest = active.iter().map(|s| s.priority).max()?;
+    Some(highest.saturating_add(1).clamp(0, MAX_PRIORITY))
+}
+
+/// The highest priority `swapon -p` takes.
+const MAX_PRIORITY: i32 = 32767;
+
+/// Swap this run made, to be turned off and removed afterwards.
+#[derive(Debug)]
+pub enum OwnSwap {
+    File(PathBuf),
+    Zram(Zram),
+}
+
+impl OwnSwap {
+    /// What `swapon`/`swapoff` are given.
+    pub fn path(&self) -> PathBuf {
+        match self {
+            OwnSwap::File(path) => path.clone(),
+            OwnSwap::Zram(z) => z.dev_path(),
+        }
+    }
+
+    /// Turns it off if it is on, then deletes it.
+    pub fn remove(&self) -> Result<()> {
+        let path = self.path();
+        if is_active(&path)? {
+            turn_off(&path)?;
+        }
+        match self {
+            OwnSwap::File(path) => match fs::remove_file(path) {
+                Err(e) if e.kind() != io::ErrorKind::NotFound => {
+                    Err(e).with_context(|| format!("removing swap file {}", path.display()))
+                }
+                _ => Ok(()),
+            },
+            OwnSwap::Zram(z) => z.remove(),
+        }
+    }
+
+    /// How to undo it by hand, for a warning when [`OwnSwap::remove`] failed.
+    pub fn manual_removal(&self) -> String {
+        match self {
+            OwnSwap::File(path) => format!("swapoff {0}; rm {0}", path.display()),
+            OwnSwap::Zram(z) => z.manual_removal(),
+        }
+    }
+}
+
 /// Where the swap file for process `pid` goes.
 pub fn file_path(dir: &Path, pid: u32) -> PathBuf {
     dir.join(format!("uswap-kernel-swap-{pid}"))
 }
 
 /// Creates a swap file of `bytes` at `path` (which must not exist) and turns it on.
-pub fn create_and_enable(path: &Path, bytes: u64) -> Result<()> {
+pub fn create_file_and_enable(path: &Path, bytes: u64) -> Result<()> {
     allocate(path, bytes).with_context(|| format!("creating swap file {}", path.display()))?;
-    run_tool("mkswap", path)?;
-    run_tool("swapon", path)
+    format_and_enable(path, None)
 }
 
-/// Turns the swap file off (if it is on) and removes it.
-pub fn disable_and_remove(path: &Path) -> Result<()> {
-    let on = active()?.iter().any(|s| Path::new(&s.name) == path);
-    if on {
-        run_tool("swapoff", path)?;
+/// Runs `mkswap` on `path`, then `swapon` (with `priority` if given).
+pub fn format_and_enable(path: &Path, priority: Option<i32>) -> Result<()> {
+    run_tool("mkswap", &[path.as_os_str()])?;
+    match priority {
+        Some(p) => run_tool(
+            "swapon",
+            &["-p".as_ref(), p.to_string().as_ref(), path.as_ref()],
+        ),
+        None => run_tool("swapon", &[path.as_os_str()]),
     }
-    match fs::remove_file(path) {
-        Err(e) if e.kind() != io::ErrorKind::NotFound => {
-            Err(e).with_context(|| format!("removing swap file {}", path.display()))
-        }
-        _ => Ok(()),
+}
+
+/// swapoff(2) on `path`: returns once every page on it is back in memory.
+pub fn turn_off(path: &Path) -> Result<()> {
+    let c_path = CString::new(path.as_os_str().as_bytes()).context("a path with a NUL byte")?;
+    // SAFETY: a valid NUL-terminated path.
+    if unsafe { libc::swapoff(c_path.as_ptr()) } != 0 {
+        return Err(io::Error::last_os_error())
+            .with_context(|| format!("swapoff {}", path.display()));
     }
+    Ok(())
 }
 
 /// A file of real blocks (swap files must have no holes), mode 0600.
@@ -88,22 +158,23 @@ fn allocate(path: &Path, bytes: u64) -> io::Result<()> {
     file.sync_all()
 }
 
-/// Runs mkswap/swapon/swapoff on `path`, from /usr/sbin or /sbin when PATH lacks them.
-fn run_tool(tool: &str, path: &Path) -> Result<()> {
+/// Runs mkswap/swapon with `args`, from /usr/sbin or /sbin when PATH lacks them.
+fn run_tool(tool: &str, args: &[&OsStr]) -> Result<()> {
     let program = ["/usr/sbin", "/sbin"]
         .iter()
         .map(|dir| Path::new(dir).join(tool))
         .find(|p| p.exists())
         .unwrap_or_else(|| PathBuf::from(tool));
     let out = Command::new(&program)
-        .arg(path)
+        .args(args)
         .output()
         .with_context(|| format!("running {}", program.display()))?;
     if !out.status.success() {
+        let shown: Vec<_> = args.iter().map(|a| a.to_string_lossy()).collect();
         bail!(
             "`{} {}` failed ({}): {}",
             program.display(),
-            path.display(),
+            shown.join(" "),
             out.status,
             String::from_utf8_lossy(&out.stderr).trim()
         );
@@ -119,16 +190,40 @@ mod tests {
     fn proc_swaps_lines_are_parsed_and_the_header_skipped() {
         let text = "Filename\t\t\t\tType\t\tSize\t\tUsed\t\tPriority\n\
                     /dev/zram0                              partition\t4194300\t\t1024\t\t100\n\
+                    /swapfile                               file\t1024\t\t0\t\t-2\n\
                     /tmp/swap file                          file\tbad\n";
         assert_eq!(
             parse_proc_swaps(text),
-            vec![ActiveSwap {
-                name: "/dev/zram0".into(),
-                size_kib: 4194300,
-                used_kib: 1024
-            }]
+            vec![
+                ActiveSwap {
+                    name: "/dev/zram0".into(),
+                    size_kib: 4194300,
+                    used_kib: 1024,
+                    priority: 100
+                },
+                ActiveSwap {
+                    name: "/swapfile".into(),
+                    size_kib: 1024,
+                    used_kib: 0,
+                    priority: -2
+                }
+            ]
         );
         assert!(parse_proc_swaps("Filename\tType\tSize\tUsed\tPriority\n").is_empty());
+    }
+
+    #[test]
+    fn a_new_device_goes_above_every_active_one() {
+        let on = |priority| ActiveSwap {
+            name: "x".into(),
+            size_kib: 1,
+            used_kib: 0,
+            priority,
+        };
+        assert_eq!(priority_above(&[]), None);
+        assert_eq!(priority_above(&[on(-2), on(-3)]), Some(0));
+        assert_eq!(priority_above(&[on(-2), on(100)]), Some(101));
+        assert_eq!(priority_above(&[on(MAX_PRIORITY)]), Some(MAX_PRIORITY));
     }
 
     #[test]

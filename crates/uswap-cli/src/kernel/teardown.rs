@@ -5,11 +5,11 @@
 //! thread keeps the lock while it cleans up and exits, so the main thread cannot go on.
 
 use super::cgroup::Cgroup;
-use super::swap;
+use super::swap::OwnSwap;
+use super::tunables::Tunable;
 use anyhow::{Context, Result};
 use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
 use signal_hook::iterator::Signals;
-use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, MutexGuard};
 use std::thread;
@@ -18,15 +18,18 @@ use std::thread;
 pub struct Teardown {
     /// The running child's pid.
     pub child: Option<u32>,
-    /// A swap file this process created (turned on or not yet).
-    pub swap_file: Option<PathBuf>,
+    /// Swap this process created (turned on or not yet).
+    pub swap: Option<OwnSwap>,
     pub cgroup: Option<Cgroup>,
+    /// Settings this process changed, with their old values, in the order changed.
+    pub restore: Vec<(Tunable, String)>,
 }
 
 static STATE: Mutex<Teardown> = Mutex::new(Teardown {
     child: None,
-    swap_file: None,
+    swap: None,
     cgroup: None,
+    restore: Vec::new(),
 });
 
 static SIGNALS_WATCHED: AtomicBool = AtomicBool::new(false);
@@ -42,8 +45,9 @@ pub fn with<T>(f: impl FnOnce(&mut Teardown) -> T) -> T {
 }
 
 impl Teardown {
-    /// Kills the child, then removes the swap file and the cgroup (the child must be gone
-    /// first: swapoff and rmdir wait for or fail on its memory and membership).
+    /// Kills the child, then removes the swap and the cgroup (the child must be gone first:
+    /// swapoff and rmdir wait for or fail on its memory and membership), then puts the
+    /// settings back.
     fn run(&mut self) {
         if let Some(pid) = self.child.take() {
             // SAFETY: plain system calls on a child of this process.
@@ -52,11 +56,11 @@ impl Teardown {
                 libc::waitpid(pid as libc::pid_t, std::ptr::null_mut(), 0);
             }
         }
-        if let Some(path) = self.swap_file.take() {
-            if let Err(e) = swap::disable_and_remove(&path) {
+        if let Some(swap) = self.swap.take() {
+            if let Err(e) = swap.remove() {
                 eprintln!(
-                    "warning: {e:#}. Remove it by hand: swapoff {0}; rm {0}",
-                    path.display()
+                    "warning: {e:#}. Remove it by hand: {}",
+                    swap.manual_removal()
                 );
             }
         }
@@ -65,6 +69,14 @@ impl Teardown {
                 eprintln!(
                     "warning: cannot remove cgroup {0}: {e}. Remove it by hand: rmdir {0}",
                     group.path().display()
+                );
+            }
+        }
+        while let Some((tunable, old)) = self.restore.pop() {
+            if let Err(e) = tunable.write(&old) {
+                eprintln!(
+                    "warning: {e:#}. Restore it by hand: echo {old} > {}",
+                    tunable.path()
                 );
             }
         }
@@ -82,7 +94,7 @@ impl Guard {
             thread::spawn(move || {
                 if let Some(signal) = signals.forever().next() {
                     let mut state = lock();
-                    eprintln!("interrupted: removing the swap file and cgroup this run made");
+                    eprintln!("interrupted: removing the swap and cgroup this run made, restoring settings");
                     state.run();
                     std::process::exit(128 + signal);
                 }

@@ -45,6 +45,23 @@ impl Mem {
         }
     }
 
+    /// How many of the pages are in memory now (mincore: swapped-out pages are not).
+    pub fn resident_pages(&self) -> io::Result<u64> {
+        let mut in_core = vec![0u8; self.pages];
+        // SAFETY: the range is valid per `new`'s contract; the vector has a byte per page.
+        let r = unsafe {
+            libc::mincore(
+                self.ptr.cast(),
+                self.pages * PAGE_SIZE,
+                in_core.as_mut_ptr(),
+            )
+        };
+        if r != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(in_core.iter().filter(|&&b| b & 1 != 0).count() as u64)
+    }
+
     /// The first byte of page `p`, for workloads that touch one byte per page.
     pub fn byte(&self, p: usize) -> &AtomicU8 {
         assert!(p < self.pages, "page {p} out of range");
@@ -119,7 +136,9 @@ mod tests {
         let mem = map.mem();
         assert_eq!(mem.pages(), 4);
         assert_eq!(mem.page(3)[WORDS - 1].load(Relaxed), 0);
+        assert_eq!(mem.resident_pages().unwrap(), 1, "only the page read");
         mem.page(2)[5].store(42, Relaxed);
         assert_eq!(mem.page(2)[5].load(Relaxed), 42);
+        assert_eq!(mem.resident_pages().unwrap(), 2);
     }
 }

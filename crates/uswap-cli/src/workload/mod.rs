@@ -6,3 +6,4 @@ pub mod mem;
 pub mod pattern;
 pub mod random;
 pub mod rng;
+pub mod swapback;

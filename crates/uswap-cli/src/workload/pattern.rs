@@ -9,6 +9,9 @@ use super::rng::splitmix64;
 use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 
+/// Verify errors printed in detail; the rest are only counted.
+const ERRORS_SHOWN: u64 = 5;
+
 pub fn mix(page: u64, word: usize) -> u64 {
     splitmix64((page << 12) | word as u64)
 }
@@ -98,6 +101,41 @@ pub fn check_page(words: &[AtomicU64], page: u64, version: u32) -> Vec<Mismatch>
         }
     }
     bad
+}
+
+/// Counts verify errors and prints the first few in detail (on stderr, so `--json` output
+/// stays clean).
+pub struct ErrorLog {
+    what: &'static str,
+    count: AtomicU64,
+}
+
+impl ErrorLog {
+    pub fn new(what: &'static str) -> Self {
+        ErrorLog {
+            what,
+            count: AtomicU64::new(0),
+        }
+    }
+
+    pub fn check(&self, result: Result<(), Mismatch>) {
+        if let Err(m) = result {
+            self.report(&m, 1);
+        }
+    }
+
+    pub fn report(&self, m: &Mismatch, wrong_words: usize) {
+        if self.count.fetch_add(1, Relaxed) < ERRORS_SHOWN {
+            eprintln!(
+                "verify error ({}): {m} ({wrong_words} wrong words)",
+                self.what
+            );
+        }
+    }
+
+    pub fn count(&self) -> u64 {
+        self.count.load(Relaxed)
+    }
 }
 
 #[cfg(test)]

@@ -7,21 +7,18 @@
 //! may show. A final pass checks every word of every page.
 
 use super::mem::{Mem, WORDS};
-use super::pattern::{self, Mismatch};
+use super::pattern::{self, ErrorLog};
 use super::rng::Rng;
 use serde::{Deserialize, Serialize};
 use std::ops::Range;
 use std::sync::atomic::Ordering::{AcqRel, Acquire, Relaxed, Release};
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64};
+use std::sync::atomic::{AtomicBool, AtomicU32};
 use std::thread;
 use std::time::{Duration, Instant};
 use uswap_core::stats::{new_histogram, record, Latency};
 
 /// The final pass uses at least this many threads, so a swap device sees some queue depth.
 const MIN_VERIFY_THREADS: usize = 4;
-
-/// Verify errors printed in detail; the rest are only counted.
-const ERRORS_SHOWN: u64 = 5;
 
 #[derive(Clone, Copy, Debug, Serialize, Deserialize, PartialEq)]
 pub struct RandomParams {
@@ -190,41 +187,6 @@ fn for_page_ranges(pages: usize, threads: usize, work: impl Fn(Range<usize>) + S
             s.spawn(move || work(start..(start + chunk).min(pages)));
         }
     });
-}
-
-/// Counts verify errors and prints the first few in detail (on stderr, so `--json` output
-/// stays clean).
-struct ErrorLog {
-    what: &'static str,
-    count: AtomicU64,
-}
-
-impl ErrorLog {
-    fn new(what: &'static str) -> Self {
-        ErrorLog {
-            what,
-            count: AtomicU64::new(0),
-        }
-    }
-
-    fn check(&self, result: Result<(), Mismatch>) {
-        if let Err(m) = result {
-            self.report(&m, 1);
-        }
-    }
-
-    fn report(&self, m: &Mismatch, wrong_words: usize) {
-        if self.count.fetch_add(1, Relaxed) < ERRORS_SHOWN {
-            eprintln!(
-                "verify error ({}): {m} ({wrong_words} wrong words)",
-                self.what
-            );
-        }
-    }
-
-    fn count(&self) -> u64 {
-        self.count.load(Relaxed)
-    }
 }
 
 #[cfg(test)]

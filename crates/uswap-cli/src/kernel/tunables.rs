@@ -1,0 +1,165 @@
+//! The kernel's swap readahead settings: `vm.page-cluster` and VMA readahead.
+
+use anyhow::{bail, Context, Result};
+use serde::Serialize;
+use std::fs;
+use uswap_core::ReadaheadPolicy;
+
+/// A machine-wide setting the kernel backend may change for a run (and restores after it).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Tunable {
+    /// log2 of the most pages one swap-in reads.
+    PageCluster,
+    /// VMA-based readahead (`true`) or the cluster-based, hit-scaled one (`false`).
+    VmaReadahead,
+}
+
+impl Tunable {
+    pub const ALL: [Tunable; 2] = [Tunable::PageCluster, Tunable::VmaReadahead];
+
+    pub fn path(self) -> &'static str {
+        match self {
+            Tunable::PageCluster => "/proc/sys/vm/page-cluster",
+            Tunable::VmaReadahead => "/sys/kernel/mm/swap/vma_ra_enabled",
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Tunable::PageCluster => "vm.page-cluster",
+            Tunable::VmaReadahead => "vma_ra_enabled",
+        }
+    }
+
+    pub fn read(self) -> Result<String> {
+        let text = fs::read_to_string(self.path())
+            .with_context(|| format!("reading {} ({})", self.name(), self.path()))?;
+        Ok(text.trim().to_string())
+    }
+
+    pub fn write(self, value: &str) -> Result<()> {
+        fs::write(self.path(), value)
+            .with_context(|| format!("setting {} to {value} ({})", self.name(), self.path()))
+    }
+}
+
+/// A setting as it was during the run, for the report.
+#[derive(Clone, Debug, Serialize, PartialEq, Eq)]
+pub struct TunableState {
+    pub name: &'static str,
+    pub value: String,
+    /// The value before the run, when the run changed it (restored afterwards).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub previous: Option<String>,
+}
+
+impl std::fmt::Display for TunableState {
+    fn fmt(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        write!(f, "{} {}", self.name, self.value)?;
+        match &self.previous {
+            Some(old) => write!(f, " (set; was {old})"),
+            None => write!(f, " (as found)"),
+        }
+    }
+}
+
+/// The settings that give the kernel a readahead `policy` and `page_cluster`; what is not
+/// given is left as it is. The kernel has no `fixed` policy, and `none` is page-cluster 0.
+pub fn for_readahead(
+    policy: Option<ReadaheadPolicy>,
+    page_cluster: Option<u8>,
+) -> Result<Vec<(Tunable, String)>> {
+    let mut settings = Vec::new();
+    match policy {
+        None => {}
+        Some(ReadaheadPolicy::Fixed) => bail!(
+            "--readahead fixed does not exist in the kernel (the seed's fixed-window policy \
+             was never merged): use --backend uswap for it, or vma, scaling or none"
+        ),
+        Some(ReadaheadPolicy::None) => {
+            if page_cluster.is_some_and(|pc| pc != 0) {
+                bail!(
+                    "--readahead none is page-cluster 0 in the kernel: leave out \
+                     --page-cluster or give 0"
+                );
+            }
+            return Ok(vec![(Tunable::PageCluster, "0".to_string())]);
+        }
+        Some(ReadaheadPolicy::Vma) => settings.push((Tunable::VmaReadahead, "true".to_string())),
+        Some(ReadaheadPolicy::Scaling) => {
+            settings.push((Tunable::VmaReadahead, "false".to_string()))
+        }
+    }
+    if let Some(pc) = page_cluster {
+        settings.push((Tunable::PageCluster, pc.to_string()));
+    }
+    Ok(settings)
+}
+
+/// The readahead in effect from the two settings' values, as `--readahead` names it.
+pub fn describe(page_cluster: &str, vma_ra_enabled: &str) -> String {
+    let policy = match (page_cluster, vma_ra_enabled) {
+        ("0", _) => "none",
+        (_, "true" | "1") => "vma",
+        _ => "scaling",
+    };
+    format!("{policy}, page-cluster {page_cluster}")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn set(policy: Option<ReadaheadPolicy>, pc: Option<u8>) -> Result<Vec<(Tunable, String)>> {
+        for_readahead(policy, pc)
+    }
+
+    #[test]
+    fn policies_map_to_the_kernels_settings() {
+        assert!(set(None, None).unwrap().is_empty());
+        assert_eq!(
+            set(None, Some(5)).unwrap(),
+            vec![(Tunable::PageCluster, "5".into())]
+        );
+        assert_eq!(
+            set(Some(ReadaheadPolicy::Vma), Some(2)).unwrap(),
+            vec![
+                (Tunable::VmaReadahead, "true".into()),
+                (Tunable::PageCluster, "2".into())
+            ]
+        );
+        assert_eq!(
+            set(Some(ReadaheadPolicy::Scaling), None).unwrap(),
+            vec![(Tunable::VmaReadahead, "false".into())]
+        );
+        assert_eq!(
+            set(Some(ReadaheadPolicy::None), Some(0)).unwrap(),
+            vec![(Tunable::PageCluster, "0".into())]
+        );
+    }
+
+    #[test]
+    fn fixed_and_a_contradiction_are_refused() {
+        let err = set(Some(ReadaheadPolicy::Fixed), None).unwrap_err();
+        assert!(err.to_string().contains("never merged"), "{err}");
+        let err = set(Some(ReadaheadPolicy::None), Some(3)).unwrap_err();
+        assert!(err.to_string().contains("page-cluster 0"), "{err}");
+    }
+
+    #[test]
+    fn the_policy_in_effect_is_named() {
+        assert_eq!(describe("3", "true"), "vma, page-cluster 3");
+        assert_eq!(describe("3", "false"), "scaling, page-cluster 3");
+        assert_eq!(describe("0", "true"), "none, page-cluster 0");
+    }
+
+    #[test]
+    fn a_state_says_whether_it_was_changed() {
+        let s = TunableState {
+            name: "vm.page-cluster",
+            value: "0".into(),
+            previous: Some("3".into()),
+        };
+        assert_eq!(s.to_string(), "vm.page-cluster 0 (set; was 3)");
+    }
+}
