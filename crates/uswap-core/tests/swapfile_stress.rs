@@ -134,7 +134,10 @@ fn stress_with(io: IoMode, faults: Option<FaultPlan>, slot_alloc: SlotAlloc) {
     }
     assert!(owners.iter().all(|o| !o.load(Ordering::SeqCst)));
     let classes: Vec<_> = dev.lockstat().iter().map(|c| c.name).collect();
-    assert_eq!(classes, ["swap_cache", "swap_scan", "swap_cluster", "swap_lists"]);
+    assert_eq!(
+        classes,
+        ["swap_cache", "swap_scan", "swap_cluster", "swap_lists"]
+    );
     drop(dev);
     assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
 }
