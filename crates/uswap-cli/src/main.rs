@@ -67,6 +67,11 @@ fn run(cli: Cli) -> Result<()> {
 }
 
 fn main() -> ExitCode {
+    // Output piped into `head` ends the program quietly, as for other command-line tools,
+    // instead of a panic in println!. Everything the benchmarks set up is torn down before
+    // they print their reports.
+    // SAFETY: restoring the default disposition of SIGPIPE, before any thread starts.
+    unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
     match run(Cli::parse()) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {

@@ -586,13 +586,15 @@ impl FaultPath {
         true
     }
 
-    /// Looks `slot` up in the swap cache (a swap-in's first step). A hit on a page brought
-    /// in by readahead is credited to readahead.
+    /// Looks `slot` up in the swap cache (a swap-in's first step). A hit tells the
+    /// readahead policy; one on a page brought in by readahead is credited to it.
     fn cache_lookup(&self, slot: u32) -> Option<crate::swap_state::CacheEntry> {
         let found = self.mm().swap().cache().lookup(slot);
-        if found.is_some_and(|e| e.readahead) {
-            self.readahead.hit();
-            self.mm().vmstat().swap_ra_hit.fetch_add(1, Relaxed);
+        if let Some(e) = found {
+            self.readahead.cache_hit(e.page as usize, e.readahead);
+            if e.readahead {
+                self.mm().vmstat().swap_ra_hit.fetch_add(1, Relaxed);
+            }
         }
         found
     }

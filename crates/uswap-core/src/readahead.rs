@@ -85,9 +85,15 @@ impl ReadaheadState {
         }
     }
 
-    /// A readahead page was used.
-    pub fn hit(&self) {
-        self.hits.fetch_add(1, Relaxed);
+    /// A fault found `page` in the swap cache; `readahead` when readahead had put it there
+    /// and this is its first use. As in the kernel, any hit moves the vma policy's last
+    /// fault address (so the next miss of a forward walk reads ahead of it, not around
+    /// it), and a readahead hit counts toward the next window.
+    pub fn cache_hit(&self, page: usize, readahead: bool) {
+        self.prev_page.store(page, Relaxed);
+        if readahead {
+            self.hits.fetch_add(1, Relaxed);
+        }
     }
 
     /// The window for a swap-in of `slot` at `page` of a region of `pages` pages.
@@ -340,9 +346,9 @@ mod tests {
             Window::None,
             "first fault, no history"
         );
-        s.hit();
-        s.hit();
-        s.hit();
+        s.cache_hit(0, true);
+        s.cache_hit(0, true);
+        s.cache_hit(0, true);
         assert_eq!(
             s.window(300, 0, 10),
             Window::Slots {
@@ -369,21 +375,21 @@ mod tests {
             "forward: ahead of the fault"
         );
         for _ in 0..40 {
-            s.hit();
+            s.cache_hit(51, true);
         }
         assert_eq!(
             s.window(0, 52, 1000),
             Window::Pages { start: 52, end: 84 },
             "capped at 32 pages"
         );
-        s.hit();
+        s.cache_hit(52, true);
         assert_eq!(
             s.window(0, 51, 1000),
             Window::Pages { start: 36, end: 52 },
             "backward: behind it, at least half the last window"
         );
-        s.hit();
-        s.hit();
+        s.cache_hit(0, true);
+        s.cache_hit(0, true);
         assert_eq!(
             s.window(0, 990, 1000),
             Window::Pages {
@@ -397,7 +403,7 @@ mod tests {
     #[test]
     fn a_switch_takes_effect_and_forgets_the_history() {
         let s = state(ReadaheadPolicy::Vma, 3);
-        s.hit();
+        s.cache_hit(0, true);
         let fixed = Readahead {
             policy: ReadaheadPolicy::Fixed,
             page_cluster: 2,
