@@ -64,7 +64,8 @@ pub struct CoreArgs {
     #[arg(long, value_name = "PAGES")]
     pub fault_around: Option<usize>,
 
-    /// Swap I/O: `uring` or `pread`
+    /// Swap I/O: `auto` (io_uring on a disk, pread for a file in memory), `uring` or
+    /// `pread` [default: auto]
     #[arg(long, value_name = "MODE", value_parser = |s: &str| s.parse::<IoMode>())]
     pub io: Option<IoMode>,
 

@@ -61,7 +61,8 @@ impl std::fmt::Display for SwapDir {
         {
             let io = match io {
                 IoMode::Uring => "io_uring",
-                IoMode::Pread => "pread",
+                IoMode::Pread if backing.in_memory() => "pread (auto: the file is in memory)",
+                IoMode::Pread | IoMode::Auto => "pread",
             };
             write!(
                 f,

@@ -12,7 +12,7 @@ use crate::config::Readahead;
 use crate::lru::LruList;
 use crate::mm::Mm;
 use crate::page::{Kind, PageLock};
-use crate::readahead::{read_around, ReadaheadState};
+use crate::readahead::{read_around, Destination, ReadaheadState};
 use crate::stats::FaultKind;
 use crate::vmscan::Reclaim;
 use crate::PAGE_SIZE;
@@ -98,7 +98,7 @@ impl FaultPath {
             let lock = self.mm().pages().lock(page);
             let outcome = match lock.kind() {
                 Kind::Inactive => self.activate(lock, start, true).unwrap_or(Outcome::Retry),
-                Kind::Swapped => self.swap_in(lock, start),
+                Kind::Swapped => self.swap_in(lock, start, Destination::Map),
                 _ => Outcome::Resolved,
             };
             if outcome != Outcome::Retry {
@@ -142,7 +142,7 @@ impl FaultPath {
                 .first_touch(lock, start, true)
                 .unwrap_or(Outcome::Retry),
             Kind::Inactive => self.activate(lock, start, true).unwrap_or(Outcome::Retry),
-            Kind::Swapped => self.swap_in(lock, start),
+            Kind::Swapped => self.swap_in(lock, start, Destination::Park),
             Kind::Poisoned => {
                 drop(lock);
                 Outcome::Fatal
@@ -434,7 +434,8 @@ impl FaultPath {
     /// page is charged: the reclaim that makes room may need exactly that slot. Data that
     /// is read is never lost: a page that cannot be charged goes back to a slot (and the
     /// access fails loudly), or, with no slot either, is mapped over the limit.
-    fn swap_in(&self, mut lock: PageLock<'_>, start: Instant) -> Outcome {
+    /// Pages read ahead go to `readahead` (parked for a fault, or mapped for swapoff).
+    fn swap_in(&self, mut lock: PageLock<'_>, start: Instant, readahead: Destination) -> Outcome {
         let mm = self.mm();
         let slot = lock.state().slot().expect("a swapped page has a slot");
         let cached = mm.swap().cache().lookup(slot);
@@ -446,9 +447,19 @@ impl FaultPath {
         );
         let mut buf = mm.take_bounce(true).expect("may allocate");
         let window = self.readahead.window(slot, lock.page(), mm.pages().len());
+        let dst = (slot, buf.as_mut_ptr());
         // SAFETY: the buffer is one aligned page we own.
-        if let Err(e) = unsafe { read_around(&self.reclaim, &lock, slot, window, buf.as_mut_ptr()) }
-        {
+        let read = unsafe {
+            read_around(
+                &self.reclaim,
+                &self.readahead,
+                &lock,
+                dst,
+                window,
+                readahead,
+            )
+        };
+        if let Err(e) = read {
             drop(buf);
             let counter = match e {
                 crate::swapfile::ReadError::Checksum { .. } => &mm.vmstat().verify_errors,

@@ -151,20 +151,34 @@ impl ReadaheadState {
     }
 }
 
+/// Where the pages a readahead reads go.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Destination {
+    /// Parked inactive in staging frames, in the swap cache with the readahead marker, for
+    /// their own faults to find (a swap-in).
+    Park,
+    /// Mapped into the region at once, dirty, their slots freed (swapoff, which maps every
+    /// page anyway: parking would cost a second copy and a TLB flush per page for
+    /// nothing). Each counts as a readahead hit, as the kernel's swapoff finds the page it
+    /// read ahead in the swap cache at the next page table entry.
+    Map,
+}
+
 /// Reads the faulting page's `slot` into `dst` and, in the same submission, the swapped
-/// pages of `window` into staging frames, parking them inactive with the readahead marker.
-/// Only pages whose lock is free are read ahead, and only as many as the budget grants
-/// without reclaiming. The result is the faulting page's read; a readahead page that fails
-/// is simply left swapped, for its own fault to read and report.
+/// pages of `window`, which go to `dest`. Only pages whose lock is free are read ahead,
+/// and only as many as the budget grants without reclaiming. Runs of adjacent pages are
+/// placed with one ioctl each. The result is the faulting page's read; a readahead page
+/// that fails is simply left swapped, for its own fault to read and report.
 ///
 /// # Safety
 /// `dst` must be valid for writing 4096 bytes, and page-aligned.
 pub(crate) unsafe fn read_around(
     reclaim: &Reclaim,
+    state: &ReadaheadState,
     fault: &PageLock<'_>,
-    slot: u32,
+    (slot, dst): (u32, *mut u8),
     window: Window,
-    dst: *mut u8,
+    dest: Destination,
 ) -> Result<(), ReadError> {
     let mm = reclaim.mm();
     let mut ahead = gather(reclaim, fault.page(), window);
@@ -173,50 +187,95 @@ pub(crate) unsafe fn read_around(
         n => reclaim.charge_without_reclaim(n as u64).unwrap_or(0) as usize,
     };
     ahead.truncate(granted);
-    let frames = mm.staging().alloc_many(ahead.len());
-    mm.budget().uncharge((ahead.len() - frames.len()) as u64);
-    ahead.truncate(frames.len());
+    let frames = match dest {
+        Destination::Park => mm.staging().alloc_many(ahead.len()),
+        Destination::Map => Vec::new(),
+    };
+    if dest == Destination::Park {
+        mm.budget().uncharge((ahead.len() - frames.len()) as u64);
+        ahead.truncate(frames.len());
+    }
     if ahead.is_empty() {
         return mm.swap().read_page(slot, dst);
     }
-    // Staging frames cannot be read into (a kernel write to a missing page there fails):
-    // the window is read into one buffer and copied in.
+    // In address order, so adjacent pages (given adjacent frames) form runs.
+    ahead.sort_by_key(|l| l.page());
+    // Staging frames cannot be read into (a kernel write to a missing page there fails),
+    // nor can the region: the window is read into one buffer and copied in.
     let mut bounce = vec![0u8; (ahead.len() + 1) * PAGE_SIZE];
     let base = bounce
         .as_mut_ptr()
         .add(bounce.as_ptr().align_offset(PAGE_SIZE));
+    let buf = |i: usize| base.add(i * PAGE_SIZE);
     let mut batch = vec![(slot, dst)];
     batch.extend(
         ahead
             .iter()
             .enumerate()
-            .map(|(i, l)| (l.state().slot().expect("swapped"), base.add(i * PAGE_SIZE))),
+            .map(|(i, l)| (l.state().slot().expect("swapped"), buf(i))),
     );
     let mut results = mm.swap().read_pages(&batch).into_iter();
     let faulting = results.next().expect("one result per page");
+    let read_ok: Vec<bool> = results.map(|r| r.is_ok()).collect();
+    let frame = |i: usize| frames.get(i).copied();
+    let mut placed = vec![false; ahead.len()];
+    let mut i = 0;
+    while i < ahead.len() {
+        if !read_ok[i] {
+            i += 1;
+            continue;
+        }
+        let mut end = i + 1;
+        while end < ahead.len()
+            && read_ok[end]
+            && ahead[end].page() == ahead[end - 1].page() + 1
+            && (dest == Destination::Map || frame(end) == frame(end - 1).map(|f| f + 1))
+        {
+            end += 1;
+        }
+        let len = (end - i) * PAGE_SIZE;
+        let copied = match dest {
+            Destination::Park => {
+                let to = mm.staging().addr(frames[i]);
+                mm.staging_uffd().copy(to, buf(i), len, false)
+            }
+            Destination::Map => {
+                let to = mm.page_addr(ahead[i].page());
+                mm.uffd().copy(to, buf(i), len, false)
+            }
+        };
+        let done = match copied {
+            Ok(()) => end - i,
+            Err(p) => p.done / PAGE_SIZE,
+        };
+        placed[i..i + done].fill(true);
+        i = end;
+    }
     let mut read = 0;
-    for (i, ((mut lock, frame), result)) in ahead.into_iter().zip(frames).zip(results).enumerate() {
-        let placed = result.is_ok()
-            && mm
-                .staging_uffd()
-                .copy(
-                    mm.staging().addr(frame),
-                    base.add(i * PAGE_SIZE),
-                    PAGE_SIZE,
-                    false,
-                )
-                .is_ok();
-        if !placed {
-            mm.staging().release(frame);
+    for (i, mut lock) in ahead.into_iter().enumerate() {
+        if !placed[i] {
+            if let Some(f) = frame(i) {
+                mm.staging().release(f);
+            }
             mm.budget().uncharge(1);
             continue;
         }
-        let page = lock.page();
-        let ra_slot = lock.state().slot().expect("swapped");
-        mm.swap().cache().add(ra_slot, mm.cache_entry(page, true));
-        mm.lru().add(LruList::Inactive, [page]);
-        lock.read_ahead(frame);
         read += 1;
+        let (page, ra_slot) = (lock.page(), lock.state().slot().expect("swapped"));
+        match dest {
+            Destination::Park => {
+                mm.swap().cache().add(ra_slot, mm.cache_entry(page, true));
+                mm.lru().add(LruList::Inactive, [page]);
+                lock.read_ahead(frames[i]);
+            }
+            Destination::Map => {
+                mm.release_slot(ra_slot);
+                mm.lru().add(LruList::Active, [page]);
+                lock.swap_in(None);
+                state.cache_hit(page, true);
+                mm.vmstat().swap_ra_hit.fetch_add(1, Relaxed);
+            }
+        }
     }
     mm.vmstat().swap_ra.fetch_add(read, Relaxed);
     mm.vmstat().pswpin.fetch_add(read, Relaxed);

@@ -98,11 +98,12 @@ pub(crate) struct IoEngine {
 }
 
 impl IoEngine {
-    /// An engine for `requested`; io_uring falls back to pread when it cannot be set up.
-    /// `align` is the file's direct I/O offset alignment (1 for buffered I/O).
+    /// An engine for `requested` (resolved: not `Auto`); io_uring falls back to pread when
+    /// it cannot be set up. `align` is the file's direct I/O offset alignment (1 for
+    /// buffered I/O).
     pub(crate) fn new(requested: IoMode, faults: Option<FaultPlan>, align: usize) -> IoEngine {
         let rings = match requested {
-            IoMode::Uring => RingPool::probe(),
+            IoMode::Uring | IoMode::Auto => RingPool::probe(),
             IoMode::Pread => None,
         };
         IoEngine {

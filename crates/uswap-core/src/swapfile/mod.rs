@@ -149,7 +149,7 @@ impl SwapDevice {
         };
         Ok(Arc::new(SwapDevice {
             file,
-            io: IoEngine::new(cfg.io, cfg.faults, align),
+            io: IoEngine::new(cfg.io.resolve(backing.in_memory()), cfg.faults, align),
             direct,
             backing,
             counters: Counters::default(),
