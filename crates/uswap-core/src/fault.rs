@@ -12,7 +12,7 @@ use crate::config::Readahead;
 use crate::lru::LruList;
 use crate::mm::Mm;
 use crate::page::{Kind, PageLock};
-use crate::readahead::{read_around, Destination, ReadaheadState};
+use crate::readahead::{read_around, Destination, ReadaheadState, Window};
 use crate::stats::FaultKind;
 use crate::vmscan::Reclaim;
 use crate::PAGE_SIZE;
@@ -98,7 +98,7 @@ impl FaultPath {
             let lock = self.mm().pages().lock(page);
             let outcome = match lock.kind() {
                 Kind::Inactive => self.activate(lock, start, true).unwrap_or(Outcome::Retry),
-                Kind::Swapped => self.swap_in(lock, start, Destination::Map),
+                Kind::Swapped => self.swap_in(lock, start, Destination::MapDirty),
                 _ => Outcome::Resolved,
             };
             if outcome != Outcome::Retry {
@@ -142,7 +142,7 @@ impl FaultPath {
                 .first_touch(lock, start, true)
                 .unwrap_or(Outcome::Retry),
             Kind::Inactive => self.activate(lock, start, true).unwrap_or(Outcome::Retry),
-            Kind::Swapped => self.swap_in(lock, start, Destination::Park),
+            Kind::Swapped => self.swap_in(lock, start, Destination::MapClean),
             Kind::Poisoned => {
                 drop(lock);
                 Outcome::Fatal
@@ -420,7 +420,10 @@ impl FaultPath {
         mm.lru().add(LruList::Active, [lock.page()]);
         lock.activate();
         drop(lock);
-        if copied {
+        if copied && report {
+            mm.staging().release_later(frame);
+        } else if copied {
+            // In a signal handler, which must not allocate (a flush does).
             mm.staging().release(frame);
         } else {
             mm.staging().release_empty(frame);
@@ -434,7 +437,8 @@ impl FaultPath {
     /// page is charged: the reclaim that makes room may need exactly that slot. Data that
     /// is read is never lost: a page that cannot be charged goes back to a slot (and the
     /// access fails loudly), or, with no slot either, is mapped over the limit.
-    /// Pages read ahead go to `readahead` (parked for a fault, or mapped for swapoff).
+    /// Pages read ahead are mapped as `readahead` says (clean for a fault, dirty for
+    /// swapoff).
     fn swap_in(&self, mut lock: PageLock<'_>, start: Instant, readahead: Destination) -> Outcome {
         let mm = self.mm();
         let slot = lock.state().slot().expect("a swapped page has a slot");
@@ -446,7 +450,11 @@ impl FaultPath {
             lock.page()
         );
         let mut buf = mm.take_bounce(true).expect("may allocate");
-        let window = self.readahead.window(slot, lock.page(), mm.pages().len());
+        let window = self
+            .readahead
+            .window(slot, lock.page(), mm.pages().len(), |last| {
+                self.mark_readahead_used(last)
+            });
         let dst = (slot, buf.as_mut_ptr());
         // SAFETY: the buffer is one aligned page we own.
         let read = unsafe {
@@ -595,6 +603,25 @@ impl FaultPath {
         mm.own_slot(slot, lock.page());
         lock.rehome(slot);
         true
+    }
+
+    /// Marks the pages readahead mapped in `window` used (the walk went through it) and
+    /// says how many were.
+    fn mark_readahead_used(&self, window: Window) -> u32 {
+        let mm = self.mm();
+        let (cache, region) = (mm.swap().cache(), mm.region_id());
+        let used = match window {
+            Window::None => 0,
+            Window::Pages { start, end } => (start..end)
+                .filter_map(|p| mm.pages().peek(p).0.slot())
+                .filter(|&s| cache.mark_used(s, region))
+                .count(),
+            Window::Slots { first, last } => (first..=last)
+                .filter(|&s| cache.mark_used(s, region))
+                .count(),
+        };
+        mm.vmstat().swap_ra_hit.fetch_add(used as u64, Relaxed);
+        used as u32
     }
 
     /// Looks `slot` up in the swap cache (a swap-in's first step). A hit tells the

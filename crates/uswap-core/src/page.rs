@@ -307,13 +307,6 @@ impl PageLock<'_> {
         self.become_(Kind::Active, None, slot);
     }
 
-    /// Readahead read a swapped page into staging `frame`: it is inactive (unmapped, data
-    /// in memory) and keeps its slot (clean).
-    pub fn read_ahead(&mut self, frame: u32) {
-        self.expect(&[Kind::Swapped], "read_ahead");
-        self.become_(Kind::Inactive, Some(frame), self.state.slot());
-    }
-
     /// Swapoff: a resident page gives up its slot (it is dirty from now on). Returns the
     /// slot to free.
     pub fn forget_slot(&mut self) -> Option<u32> {

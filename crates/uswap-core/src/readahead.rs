@@ -40,6 +40,19 @@ pub(crate) enum Window {
     Pages { start: usize, end: usize },
 }
 
+impl Window {
+    /// Whether a fault at `slot`/`page` comes right after this window, either way.
+    fn is_followed_by(self, slot: u32, page: usize) -> bool {
+        match self {
+            Window::None => false,
+            Window::Slots { first, last } => {
+                slot == last.wrapping_add(1) || slot.wrapping_add(1) == first
+            }
+            Window::Pages { start, end } => page == end || page + 1 == start,
+        }
+    }
+}
+
 /// The readahead setting and what it learned, for one region.
 pub(crate) struct ReadaheadState {
     /// Policy (low byte) and page-cluster (second byte).
@@ -50,6 +63,8 @@ pub(crate) struct ReadaheadState {
     prev_slot: AtomicU32,
     prev_page: AtomicUsize,
     prev_window: AtomicU32,
+    /// The last window read (for inferring the use of its pages).
+    last: std::sync::Mutex<Window>,
 }
 
 impl ReadaheadState {
@@ -60,6 +75,7 @@ impl ReadaheadState {
             prev_slot: AtomicU32::new(u32::MAX),
             prev_page: AtomicUsize::new(usize::MAX),
             prev_window: AtomicU32::new(0),
+            last: std::sync::Mutex::new(Window::None),
         };
         s.set(setting);
         s
@@ -73,6 +89,7 @@ impl ReadaheadState {
             .expect("a listed policy") as u32;
         self.hits.store(0, Relaxed);
         self.prev_window.store(0, Relaxed);
+        *crate::sync::lock_std(&self.last) = Window::None;
         self.setting
             .store(policy | (u32::from(setting.page_cluster) << 8), Relaxed);
     }
@@ -96,8 +113,32 @@ impl ReadaheadState {
         }
     }
 
-    /// The window for a swap-in of `slot` at `page` of a region of `pages` pages.
-    pub fn window(&self, slot: u32, page: usize, pages: usize) -> Window {
+    /// The window for a swap-in of `slot` at `page` of a region of `pages` pages. When the
+    /// fault comes right after the last window, in either direction, the walk went through
+    /// it: `used` is called with that window, marks its pages used and says how many there
+    /// were, and they count as hits before the new window is sized.
+    pub fn window(
+        &self,
+        slot: u32,
+        page: usize,
+        pages: usize,
+        used: impl FnOnce(Window) -> u32,
+    ) -> Window {
+        let last = *crate::sync::lock_std(&self.last);
+        if last.is_followed_by(slot, page) {
+            self.hits.fetch_add(used(last), Relaxed);
+            // The last page the walk used, as a swap cache hit there would have recorded.
+            if let Window::Pages { start, end } = last {
+                let prev = if page == end { end - 1 } else { start };
+                self.prev_page.store(prev, Relaxed);
+            }
+        }
+        let window = self.size_window(slot, page, pages);
+        *crate::sync::lock_std(&self.last) = window;
+        window
+    }
+
+    fn size_window(&self, slot: u32, page: usize, pages: usize) -> Window {
         let setting = self.get();
         match setting.policy {
             ReadaheadPolicy::None => Window::None,
@@ -151,24 +192,25 @@ impl ReadaheadState {
     }
 }
 
-/// Where the pages a readahead reads go.
+/// What happens to the pages a readahead reads, besides the faulting one.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Destination {
-    /// Parked inactive in staging frames, in the swap cache with the readahead marker, for
-    /// their own faults to find (a swap-in).
-    Park,
-    /// Mapped into the region at once, dirty, their slots freed (swapoff, which maps every
-    /// page anyway: parking would cost a second copy and a TLB flush per page for
-    /// nothing). Each counts as a readahead hit, as the kernel's swapoff finds the page it
-    /// read ahead in the swap cache at the next page table entry.
-    Map,
+    /// A swap-in: mapped around the fault, clean (write-protected, slot kept, in the swap
+    /// cache with the readahead marker), so using one costs no fault. The kernel leaves
+    /// them unmapped in its swap cache, where a touch is a cheap minor fault; here a fault
+    /// is a round trip through a handler (20 µs in thread mode), so uswap maps around, as
+    /// the kernel's `filemap_map_pages` does for file pages. Since using such a page raises
+    /// no fault, a use is inferred: see [`ReadaheadState::window`].
+    MapClean,
+    /// Swapoff, which maps every page anyway: mapped dirty, slots freed, each counted used.
+    MapDirty,
 }
 
 /// Reads the faulting page's `slot` into `dst` and, in the same submission, the swapped
-/// pages of `window`, which go to `dest`. Only pages whose lock is free are read ahead,
-/// and only as many as the budget grants without reclaiming. Runs of adjacent pages are
-/// placed with one ioctl each. The result is the faulting page's read; a readahead page
-/// that fails is simply left swapped, for its own fault to read and report.
+/// pages of `window`, and maps them as `dest` says. Only pages whose lock is free are
+/// read ahead, and only as many as the budget grants without reclaiming. Runs of adjacent
+/// pages are mapped with one ioctl each. The result is the faulting page's read; a
+/// readahead page that fails is simply left swapped, for its own fault to read and report.
 ///
 /// # Safety
 /// `dst` must be valid for writing 4096 bytes, and page-aligned.
@@ -187,21 +229,13 @@ pub(crate) unsafe fn read_around(
         n => reclaim.charge_without_reclaim(n as u64).unwrap_or(0) as usize,
     };
     ahead.truncate(granted);
-    let frames = match dest {
-        Destination::Park => mm.staging().alloc_many(ahead.len()),
-        Destination::Map => Vec::new(),
-    };
-    if dest == Destination::Park {
-        mm.budget().uncharge((ahead.len() - frames.len()) as u64);
-        ahead.truncate(frames.len());
-    }
     if ahead.is_empty() {
         return mm.swap().read_page(slot, dst);
     }
-    // In address order, so adjacent pages (given adjacent frames) form runs.
+    // In address order, so adjacent pages form runs.
     ahead.sort_by_key(|l| l.page());
-    // Staging frames cannot be read into (a kernel write to a missing page there fails),
-    // nor can the region: the window is read into one buffer and copied in.
+    // The region cannot be read into (a kernel write to a missing page there faults):
+    // the window is read into one buffer and copied in.
     let mut bounce = vec![0u8; (ahead.len() + 1) * PAGE_SIZE];
     let base = bounce
         .as_mut_ptr()
@@ -217,8 +251,11 @@ pub(crate) unsafe fn read_around(
     let mut results = mm.swap().read_pages(&batch).into_iter();
     let faulting = results.next().expect("one result per page");
     let read_ok: Vec<bool> = results.map(|r| r.is_ok()).collect();
-    let frame = |i: usize| frames.get(i).copied();
-    let mut placed = vec![false; ahead.len()];
+    // A clean page must be mapped write-protected to learn of its first write; without
+    // that (or with swap nearly full) it is mapped dirty, its slot freed.
+    let clean =
+        dest == Destination::MapClean && mm.caps().write_protect && !mm.swap().nearly_full();
+    let mut mapped = vec![false; ahead.len()];
     let mut i = 0;
     while i < ahead.len() {
         if !read_ok[i] {
@@ -226,55 +263,36 @@ pub(crate) unsafe fn read_around(
             continue;
         }
         let mut end = i + 1;
-        while end < ahead.len()
-            && read_ok[end]
-            && ahead[end].page() == ahead[end - 1].page() + 1
-            && (dest == Destination::Map || frame(end) == frame(end - 1).map(|f| f + 1))
-        {
+        while end < ahead.len() && read_ok[end] && ahead[end].page() == ahead[end - 1].page() + 1 {
             end += 1;
         }
-        let len = (end - i) * PAGE_SIZE;
-        let copied = match dest {
-            Destination::Park => {
-                let to = mm.staging().addr(frames[i]);
-                mm.staging_uffd().copy(to, buf(i), len, false)
-            }
-            Destination::Map => {
-                let to = mm.page_addr(ahead[i].page());
-                mm.uffd().copy(to, buf(i), len, false)
-            }
-        };
-        let done = match copied {
+        let to = mm.page_addr(ahead[i].page());
+        let done = match mm.uffd().copy(to, buf(i), (end - i) * PAGE_SIZE, clean) {
             Ok(()) => end - i,
             Err(p) => p.done / PAGE_SIZE,
         };
-        placed[i..i + done].fill(true);
+        mapped[i..i + done].fill(true);
         i = end;
     }
     let mut read = 0;
     for (i, mut lock) in ahead.into_iter().enumerate() {
-        if !placed[i] {
-            if let Some(f) = frame(i) {
-                mm.staging().release(f);
-            }
+        if !mapped[i] {
             mm.budget().uncharge(1);
             continue;
         }
         read += 1;
         let (page, ra_slot) = (lock.page(), lock.state().slot().expect("swapped"));
-        match dest {
-            Destination::Park => {
-                mm.swap().cache().add(ra_slot, mm.cache_entry(page, true));
-                mm.lru().add(LruList::Inactive, [page]);
-                lock.read_ahead(frames[i]);
-            }
-            Destination::Map => {
-                mm.release_slot(ra_slot);
-                mm.lru().add(LruList::Active, [page]);
-                lock.swap_in(None);
-                state.cache_hit(page, true);
-                mm.vmstat().swap_ra_hit.fetch_add(1, Relaxed);
-            }
+        mm.lru().add(LruList::Active, [page]);
+        if clean {
+            mm.swap().cache().add(ra_slot, mm.cache_entry(page, true));
+            lock.swap_in(Some(ra_slot));
+        } else {
+            mm.release_slot(ra_slot);
+            lock.swap_in(None);
+        }
+        if dest == Destination::MapDirty {
+            state.cache_hit(page, true);
+            mm.vmstat().swap_ra_hit.fetch_add(1, Relaxed);
         }
     }
     mm.vmstat().swap_ra.fetch_add(read, Relaxed);
@@ -360,7 +378,7 @@ mod tests {
         let s = state(ReadaheadPolicy::Fixed, 3);
         for _ in 0..3 {
             assert_eq!(
-                s.window(21, 0, 100),
+                s.size_window(21, 0, 100),
                 Window::Slots {
                     first: 16,
                     last: 23
@@ -371,13 +389,13 @@ mod tests {
             policy: ReadaheadPolicy::Fixed,
             page_cluster: 0,
         });
-        assert_eq!(s.window(21, 0, 100), Window::None);
+        assert_eq!(s.size_window(21, 0, 100), Window::None);
     }
 
     #[test]
     fn none_reads_nothing_more() {
         assert_eq!(
-            state(ReadaheadPolicy::None, 8).window(5, 5, 100),
+            state(ReadaheadPolicy::None, 8).size_window(5, 5, 100),
             Window::None
         );
     }
@@ -401,7 +419,7 @@ mod tests {
 
         let s = state(ReadaheadPolicy::Scaling, 3);
         assert_eq!(
-            s.window(100, 0, 10),
+            s.size_window(100, 0, 10),
             Window::None,
             "first fault, no history"
         );
@@ -409,14 +427,14 @@ mod tests {
         s.cache_hit(0, true);
         s.cache_hit(0, true);
         assert_eq!(
-            s.window(300, 0, 10),
+            s.size_window(300, 0, 10),
             Window::Slots {
                 first: 296,
                 last: 303
             }
         );
         assert_eq!(
-            s.window(700, 0, 10),
+            s.size_window(700, 0, 10),
             Window::Slots {
                 first: 700,
                 last: 703
@@ -427,9 +445,9 @@ mod tests {
     #[test]
     fn the_vma_window_follows_the_direction_of_the_walk() {
         let s = state(ReadaheadPolicy::Vma, 8);
-        assert_eq!(s.window(0, 50, 1000), Window::None, "no history yet");
+        assert_eq!(s.size_window(0, 50, 1000), Window::None, "no history yet");
         assert_eq!(
-            s.window(0, 51, 1000),
+            s.size_window(0, 51, 1000),
             Window::Pages { start: 51, end: 53 },
             "forward: ahead of the fault"
         );
@@ -437,25 +455,58 @@ mod tests {
             s.cache_hit(51, true);
         }
         assert_eq!(
-            s.window(0, 52, 1000),
+            s.size_window(0, 52, 1000),
             Window::Pages { start: 52, end: 84 },
             "capped at 32 pages"
         );
         s.cache_hit(52, true);
         assert_eq!(
-            s.window(0, 51, 1000),
+            s.size_window(0, 51, 1000),
             Window::Pages { start: 36, end: 52 },
             "backward: behind it, at least half the last window"
         );
         s.cache_hit(0, true);
         s.cache_hit(0, true);
         assert_eq!(
-            s.window(0, 990, 1000),
+            s.size_window(0, 990, 1000),
             Window::Pages {
                 start: 987,
                 end: 995
             },
             "a jump: centred, clipped to the region"
+        );
+    }
+
+    #[test]
+    fn a_fault_right_after_the_last_window_counts_its_pages_used() {
+        let s = state(ReadaheadPolicy::Vma, 3);
+        let mut offered = Vec::new();
+        let mut walk = |page| {
+            s.window(0, page, 1000, |w| {
+                offered.push(w);
+                7
+            })
+        };
+        assert_eq!(walk(10), Window::None);
+        assert_eq!(walk(11), Window::Pages { start: 11, end: 13 });
+        // The walk went through 11..13 and faults at 13: the window's pages were used.
+        assert_eq!(
+            walk(13),
+            Window::Pages { start: 13, end: 21 },
+            "7 hits: 8 pages"
+        );
+        assert_eq!(
+            walk(500),
+            Window::Pages {
+                start: 499,
+                end: 503
+            },
+            "a jump: no credit"
+        );
+        assert_eq!(
+            offered,
+            vec![Window::Pages { start: 11, end: 13 }],
+            "only the window the walk came through is offered"
         );
     }
 
@@ -469,6 +520,9 @@ mod tests {
         };
         s.set(fixed);
         assert_eq!(s.get(), fixed);
-        assert_eq!(s.window(9, 0, 10), Window::Slots { first: 8, last: 11 });
+        assert_eq!(
+            s.size_window(9, 0, 10),
+            Window::Slots { first: 8, last: 11 }
+        );
     }
 }

@@ -9,9 +9,14 @@ use crate::lockstat::{LockClass, StatMutex};
 use crate::mapping::Mapping;
 use crate::PAGE_SIZE;
 
+/// Frames whose memory is freed together (see [`Staging::release_later`]).
+const DEFERRED_BATCH: usize = 64;
+
 pub struct Staging {
     map: Mapping,
     free: StatMutex<Vec<u32>>,
+    /// Frames emptied by a copy, waiting to have their memory freed in one batch.
+    deferred: StatMutex<Vec<u32>>,
     /// Frames handed to the free list so far (the highest memory limit yet).
     frames: std::sync::atomic::AtomicU32,
 }
@@ -25,6 +30,7 @@ impl Staging {
         Ok(Staging {
             map,
             free: StatMutex::new(free),
+            deferred: StatMutex::new(Vec::with_capacity(DEFERRED_BATCH)),
             frames: (frames as u32).into(),
         })
     }
@@ -53,6 +59,9 @@ impl Staging {
     /// Up to `n` frames; frames released together come back together and in order, so a
     /// batch of pages can often be moved into them with one UFFDIO_MOVE.
     pub fn alloc_many(&self, n: usize) -> Vec<u32> {
+        if self.free_list().len() < n {
+            self.flush_deferred();
+        }
         let mut free = self.free_list();
         let take = n.min(free.len());
         let at = free.len() - take;
@@ -73,6 +82,33 @@ impl Staging {
         self.free_list().push(frame);
     }
 
+    /// Returns a frame whose page was copied away, freeing its memory later, with
+    /// [`DEFERRED_BATCH`] others: one MADV_DONTNEED (one TLB flush, an IPI to every CPU
+    /// running the process) per run of adjacent frames instead of one per frame. Until then
+    /// the frame is on neither list and its stale copy costs memory outside the budget,
+    /// at most 256 KiB.
+    pub fn release_later(&self, frame: u32) {
+        let full = {
+            let mut deferred = self.deferred.lock();
+            deferred.push(frame);
+            deferred.len() >= DEFERRED_BATCH
+        };
+        if full {
+            self.flush_deferred();
+        }
+    }
+
+    /// Frees the memory of the frames [`Staging::release_later`] holds back.
+    pub fn flush_deferred(&self) {
+        let frames = std::mem::replace(
+            &mut *self.deferred.lock(),
+            Vec::with_capacity(DEFERRED_BATCH),
+        );
+        if !frames.is_empty() {
+            self.release_all(frames);
+        }
+    }
+
     /// Frees the memory of many frames with one MADV_DONTNEED per run of adjacent frames
     /// (each call is a TLB flush, an IPI to every CPU running the process), then returns
     /// them to the free list.
@@ -85,9 +121,11 @@ impl Staging {
         self.free_list().extend(frames);
     }
 
-    /// The frames on the free list (for the invariant walker).
+    /// The frames on the free list or waiting to be freed (for the invariant walker).
     pub fn free_frames(&self) -> Vec<u32> {
-        self.free_list().clone()
+        let mut frames = self.free_list().clone();
+        frames.extend(self.deferred.lock().iter());
+        frames
     }
 
     /// All frames, free or holding a page.
@@ -103,7 +141,7 @@ impl Staging {
 
     /// The statistics of the free-list lock.
     pub fn lockstat(&self) -> LockClass {
-        LockClass::sum("staging", [&self.free])
+        LockClass::sum("staging", [&self.free, &self.deferred])
     }
 }
 
@@ -120,6 +158,28 @@ mod tests {
         assert_eq!(s.alloc_many(3), vec![2, 3, 4]);
         assert_eq!(s.alloc_many(9), vec![5, 6]);
         assert!(s.alloc_many(1).is_empty());
+    }
+
+    #[test]
+    fn frames_released_later_are_freed_in_a_batch_or_when_needed() {
+        let s = Staging::new(4, 4).unwrap();
+        let frames = s.alloc_many(4);
+        for &f in &frames {
+            // SAFETY: the frame is ours and mapped.
+            unsafe { *(s.addr(f) as *mut u8) = 9 };
+        }
+        s.release_later(frames[1]);
+        s.release_later(frames[2]);
+        assert_eq!(s.free_frames().len(), 2, "counted as free");
+        assert_eq!(
+            s.alloc_many(1).len(),
+            1,
+            "short: the deferred frames are freed first"
+        );
+        for f in s.alloc_many(4) {
+            // SAFETY: as above; their memory was freed.
+            assert_eq!(unsafe { *(s.addr(f) as *const u8) }, 0);
+        }
     }
 
     #[test]

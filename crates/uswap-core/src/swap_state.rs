@@ -102,6 +102,8 @@ struct Space {
 
 pub struct SwapCache {
     mode: SwapCacheMode,
+    /// Slots of the device.
+    slots: u64,
     spaces: Box<[StatMutex<Space>]>,
 }
 
@@ -120,6 +122,7 @@ impl SwapCache {
         };
         SwapCache {
             mode,
+            slots,
             spaces: spaces.into_boxed_slice(),
         }
     }
@@ -208,6 +211,26 @@ impl SwapCache {
             *word &= !READAHEAD;
         }
         Some(found)
+    }
+
+    /// Readahead's inferred use of a page it mapped (see `readahead.rs`): if `slot` is
+    /// cached for region `region` with the readahead marker, clears the marker and counts a
+    /// lookup that hit a readahead page. False (nothing counted) otherwise, also for a slot
+    /// past the device's end.
+    pub fn mark_used(&self, slot: SlotId, region: u32) -> bool {
+        if u64::from(slot) >= self.slots {
+            return false;
+        }
+        self.with(slot, |word, stats| match CacheEntry::decode(*word) {
+            Some(e) if e.region == region && e.readahead => {
+                *word &= !READAHEAD;
+                stats.lookups += 1;
+                stats.hits += 1;
+                stats.readahead_hits += 1;
+                true
+            }
+            _ => false,
+        })
     }
 
     /// Whether `slot` is cached, without counting a lookup (readahead's check).

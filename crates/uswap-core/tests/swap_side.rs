@@ -57,9 +57,12 @@ fn a_sequential_swap_back_reads_ahead_by_each_policy_and_loses_nothing() {
                 ReadaheadPolicy::Fixed => assert!(v.swap_ra >= 400, "{what}"),
                 _ => assert!(v.swap_ra >= 256, "{what}"),
             }
-            assert_eq!(
-                v.swap_ra_hit, v.swap_ra,
-                "a sequential walk uses all: {what}"
+            // A walk through mapped readahead pages raises no fault: their use is inferred
+            // when the next miss follows the window (in the region, or on the device for
+            // the slot policies, where a cluster boundary can break the sequence).
+            assert!(
+                v.swap_ra_hit * 10 >= v.swap_ra * 9 && v.swap_ra_hit <= v.swap_ra,
+                "a sequential walk uses nearly all: {what}"
             );
             assert_eq!(s.swap_cache.readahead_hits, v.swap_ra_hit, "{what}");
             assert_eq!(v.pgmajfault + v.swap_ra, 512, "{what}");
