@@ -13,10 +13,12 @@
 //!   `SWAP_RA_ORDER_CEILING`); placed ahead of a forward walk, behind a backward one,
 //!   centred otherwise. It reads the slots those pages hold, wherever they are.
 //!
-//! Pages read ahead are parked inactive in staging frames, charged to the budget, and
-//! added to the swap cache with the readahead marker. A later fault that finds one counts a
-//! hit, which widens the next window. State is per region (the kernel keeps the hit count
-//! per system for `scaling` and per vma for `vma`).
+//! Pages read ahead are charged to the budget, mapped around the fault (clean, write-
+//! protected) and added to the swap cache with the readahead marker (see
+//! [`Destination::MapClean`] for why they are mapped). Their use raises no fault, so it is
+//! inferred: a miss right after the last window means the walk went through it, and its
+//! marked pages count as hits, which widen the next window. State is per region (the
+//! kernel keeps the hit count per system for `scaling` and per vma for `vma`).
 
 use crate::config::{Readahead, ReadaheadPolicy};
 use crate::lru::LruList;
