@@ -160,6 +160,7 @@ impl Region {
             poison: probe.has(uffd::FEATURE_POISON),
         };
         let map = Mapping::new(pages as usize * PAGE_SIZE)?;
+        // No more pages can be parked than the region has, whatever the limit.
         let staging = Staging::new(limit, pages.min(MAX_FRAMES))?;
         let zap_scratch = Mapping::new(ZAP_PAGES * PAGE_SIZE)?;
         // Every range is registered with the same modes: UFFDIO_MOVE needs both sides with

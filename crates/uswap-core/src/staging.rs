@@ -22,8 +22,9 @@ pub struct Staging {
 }
 
 impl Staging {
-    /// `frames` frames now, room for `max_frames`.
+    /// `frames` frames now (at most `max_frames`), room for `max_frames`.
     pub fn new(frames: u64, max_frames: u64) -> Result<Self> {
+        let frames = frames.min(max_frames);
         let map = Mapping::new(max_frames as usize * PAGE_SIZE)?;
         let mut free = Vec::with_capacity(frames as usize);
         free.extend((0..frames as u32).rev());
@@ -158,6 +159,14 @@ mod tests {
         assert_eq!(s.alloc_many(3), vec![2, 3, 4]);
         assert_eq!(s.alloc_many(9), vec![5, 6]);
         assert!(s.alloc_many(1).is_empty());
+    }
+
+    #[test]
+    fn frames_never_outnumber_the_room_reserved() {
+        let s = Staging::new(8, 4).unwrap();
+        assert_eq!((s.frames(), s.alloc_many(10).len()), (4, 4));
+        s.grow(100);
+        assert_eq!(s.frames(), 4, "growth stops at the room reserved");
     }
 
     #[test]
