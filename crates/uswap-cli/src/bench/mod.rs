@@ -5,8 +5,11 @@ pub mod random;
 pub mod refault;
 pub mod swapback;
 
+use crate::report;
+use anyhow::{ensure, Result};
 use clap::ValueEnum;
 use serde::Serialize;
+use uswap_core::PAGE_SIZE;
 
 /// Which swap runs the workload.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Serialize)]
@@ -16,6 +19,29 @@ pub enum Backend {
     Uswap,
     /// The kernel's own swap, in a child process inside a memory cgroup (needs root)
     Kernel,
+}
+
+/// The pages of a `--size` the workloads can address: at least one, and few enough for the
+/// page header's 32-bit page number.
+pub fn set_pages(size: u64) -> Result<u64> {
+    let pages = size / PAGE_SIZE as u64;
+    ensure!(pages >= 1, "--size {size} is smaller than one page (4 KiB)");
+    ensure!(
+        pages <= u32::MAX as u64,
+        "--size {} is too large: at most 16 TiB",
+        report::size(size)
+    );
+    Ok(pages)
+}
+
+/// Prints a report as JSON or as a table (`print`).
+pub fn emit<R: Serialize>(r: &R, json: bool, print: impl Fn(&R)) -> Result<()> {
+    if json {
+        report::json(r)
+    } else {
+        print(r);
+        Ok(())
+    }
 }
 
 /// Extra swap beyond the set size for the kernel backend's swap file or zram device.

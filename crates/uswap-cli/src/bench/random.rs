@@ -10,7 +10,7 @@ use anyhow::{bail, ensure, Context, Result};
 use clap::{value_parser, Args};
 use serde::Serialize;
 use uswap_core::{
-    LockClass, Region, SlotAlloc, Stats, SwapCacheMode, SwapCacheStats, VmStatSnapshot, PAGE_SIZE,
+    LockClass, Region, SlotAlloc, Stats, SwapCacheMode, SwapCacheStats, VmStatSnapshot,
 };
 
 #[derive(Args, Debug)]
@@ -87,18 +87,7 @@ struct UswapDetail {
 }
 
 pub fn run(a: &RandomArgs) -> Result<()> {
-    let pages = a.size / PAGE_SIZE as u64;
-    ensure!(
-        pages >= 1,
-        "--size {} is smaller than one page (4 KiB)",
-        a.size
-    );
-    // The page header keeps the page number in 32 bits.
-    ensure!(
-        pages <= u32::MAX as u64,
-        "--size {} is too large: at most 16 TiB",
-        report::size(a.size)
-    );
+    super::set_pages(a.size)?;
     let params = RandomParams {
         threads: a.threads as usize,
         write_pct: a.write_pct,
@@ -108,11 +97,7 @@ pub fn run(a: &RandomArgs) -> Result<()> {
         Backend::Uswap => run_uswap(a, &params)?,
         Backend::Kernel => run_kernel(a, &params)?,
     };
-    if a.json {
-        report::json(&r)?;
-    } else {
-        print(&r);
-    }
+    super::emit(&r, a.json, print)?;
     ensure!(
         r.verify_errors == 0,
         "{} verify errors: pages did not come back as they were written",

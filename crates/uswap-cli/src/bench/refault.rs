@@ -108,11 +108,7 @@ pub fn run(a: &RefaultArgs) -> Result<()> {
         verify_errors: phases.iter().map(|p| p.wrong_bytes).sum(),
         phases,
     };
-    if a.json {
-        report::json(&r)?;
-    } else {
-        print(&r);
-    }
+    super::emit(&r, a.json, print)?;
     ensure!(
         r.verify_errors == 0,
         "{} pages read back wrong",

@@ -13,7 +13,7 @@ use crate::workload::swapback::{self, Mode, Order, SwapbackOutcome, SwapbackPara
 use anyhow::{bail, ensure, Context, Result};
 use clap::{Args, ValueEnum};
 use serde::Serialize;
-use uswap_core::{Region, SwapCacheStats, SwapoffReport, VmStatSnapshot, PAGE_SIZE};
+use uswap_core::{Region, SwapCacheStats, SwapoffReport, VmStatSnapshot};
 
 #[derive(Args, Debug)]
 pub struct SwapbackArgs {
@@ -92,18 +92,7 @@ struct UswapDetail {
 type PhaseCounts = (u64, u64, u64);
 
 pub fn run(a: &SwapbackArgs) -> Result<()> {
-    let pages = a.size / PAGE_SIZE as u64;
-    ensure!(
-        pages >= 1,
-        "--size {} is smaller than one page (4 KiB)",
-        a.size
-    );
-    // The page header keeps the page number in 32 bits.
-    ensure!(
-        pages <= u32::MAX as u64,
-        "--size {} is too large: at most 16 TiB",
-        report::size(a.size)
-    );
+    super::set_pages(a.size)?;
     ensure!(
         a.memory < a.size,
         "--memory {} is not below --size {}: nothing would be swapped out (use about half \
@@ -119,11 +108,7 @@ pub fn run(a: &SwapbackArgs) -> Result<()> {
         Backend::Uswap => run_uswap(a, &params)?,
         Backend::Kernel => run_kernel(a, &params)?,
     };
-    if a.json {
-        report::json(&r)?;
-    } else {
-        print(&r);
-    }
+    super::emit(&r, a.json, print)?;
     ensure!(
         r.verify_errors == 0,
         "{} verify errors: pages did not come back as they were written",
