@@ -26,6 +26,15 @@ pub fn seconds(text: &str) -> Result<f64, String> {
     }
 }
 
+/// `on` or `off`.
+pub fn on_off(text: &str) -> Result<bool, String> {
+    match text {
+        "on" => Ok(true),
+        "off" => Ok(false),
+        _ => Err("use `on` or `off`".to_string()),
+    }
+}
+
 /// A directory that exists.
 pub fn existing_dir(text: &str) -> Result<PathBuf, String> {
     let path = PathBuf::from(text);
@@ -88,6 +97,10 @@ pub struct CoreArgs {
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u8).range(0..=8))]
     pub page_cluster: Option<u8>,
 
+    /// Per-CPU charge stocks in front of the memory budget: `on` or `off` [default: on]
+    #[arg(long, value_name = "ON|OFF", value_parser = on_off)]
+    pub pcp: Option<bool>,
+
     /// Reclaim watermarks as sizes, e.g. 4M,8M,12M [default: scaled to the memory limit]
     #[arg(long, value_name = "MIN,LOW,HIGH", value_parser = |s: &str| Watermarks::parse(s))]
     pub watermarks: Option<Watermarks>,
@@ -146,6 +159,9 @@ impl CoreArgs {
             cfg.swap.swap_cache = mode;
         }
         cfg.readahead = self.readahead();
+        if let Some(pcp) = self.pcp {
+            cfg.pcp = pcp;
+        }
         cfg.validate().context("bad uswap option")?;
         Ok(cfg)
     }
@@ -213,6 +229,14 @@ mod tests {
         assert!(core(&["--watermarks", "1M,2M"]).is_err());
         assert!(core(&["--swap-dir", "/nonexistent/dir"]).is_err());
         assert!(core(&["--page-cluster", "9"]).is_err());
+        assert!(core(&["--pcp", "maybe"]).is_err());
+        assert!(
+            !core(&["--pcp", "off"])
+                .unwrap()
+                .config(64 << 20)
+                .unwrap()
+                .pcp
+        );
         assert!(core(&["--readahead", "sideways"]).is_err());
         assert!(core(&["--slot-alloc", "global"]).is_err());
         let err = core(&["--handlers", "0"])

@@ -1,33 +1,108 @@
 //! The resident budget ([mm/page_alloc.c]'s free-page count against the watermarks): the
 //! region's resident pages (active + inactive + being filled) against its memory limit. A
-//! lock-free counter; `vmscan` decides what to do when it runs short.
+//! lock-free counter, with a per-CPU stock of pages charged ahead in front of it (on with
+//! `Config::pcp`); `vmscan` decides what to do when it runs short.
 
 use crate::sync::AtomicU64;
+use crossbeam_utils::CachePadded;
+use serde::Serialize;
 use std::sync::atomic::Ordering::Relaxed;
+
+/// One CPU's stock of pages charged ahead, and its counters (kept per CPU, so counting
+/// shares no line either).
+#[derive(Default)]
+struct Stock {
+    pages: AtomicU64,
+    /// Charges served from the stock alone.
+    hits: AtomicU64,
+    /// Charges and uncharges that had to touch the shared counter.
+    shared: AtomicU64,
+}
+
+/// What the per-CPU stocks did, summed over CPUs.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct StockStats {
+    /// Charges served from a CPU's stock, touching no shared counter.
+    pub stock_hits: u64,
+    /// Charges and uncharges by a stock that touched the shared counter (refills and
+    /// returns; 0 with stocks off, where every charge and uncharge does).
+    pub shared_updates: u64,
+    /// Times every stock was drained back because the budget ran short.
+    pub drains: u64,
+}
 
 pub struct Budget {
     limit: AtomicU64,
-    resident: AtomicU64,
+    /// Pages charged: the resident ones and those held in per-CPU stocks.
+    charged: AtomicU64,
+    /// Per-CPU stocks (the memcg charge stock): a charge served from its CPU's stock
+    /// touches no shared counter. Empty when stocks are off.
+    stocks: Box<[CachePadded<Stock>]>,
+    /// Pages a stock is refilled with, and twice what it may keep.
+    batch: u64,
+    drains: AtomicU64,
 }
 
+/// Pages a stock takes at a time (the kernel's memcg stock takes 64).
+const STOCK_BATCH: u64 = 32;
+
 impl Budget {
-    pub fn new(limit: u64) -> Self {
+    /// A budget of `limit` pages, with a stock for each of `cpus` CPUs (0: none). Stocks
+    /// hold at most a sixteenth of the limit in all, so a small limit gets small stocks.
+    pub fn new(limit: u64, cpus: usize) -> Self {
+        let batch = match cpus {
+            0 => 0,
+            n => STOCK_BATCH.min(limit / 32 / n as u64),
+        };
+        let cpus = if batch == 0 { 0 } else { cpus };
         Budget {
             limit: AtomicU64::new(limit),
-            resident: AtomicU64::new(0),
+            charged: AtomicU64::new(0),
+            stocks: (0..cpus)
+                .map(|_| CachePadded::new(Stock::default()))
+                .collect(),
+            batch,
+            drains: AtomicU64::new(0),
         }
     }
 
-    /// Charges up to `want` pages; returns how many were granted (0 when the budget is spent).
+    /// Charges up to `want` pages; returns how many were granted (0 when the budget is
+    /// spent). Served from this CPU's stock when it holds enough.
     pub fn try_charge(&self, want: u64) -> u64 {
-        let mut cur = self.resident.load(Relaxed);
+        self.try_charge_on(crate::cpu::current(), want)
+    }
+
+    fn try_charge_on(&self, cpu: usize, want: u64) -> u64 {
+        let Some(stock) = self.stock(cpu) else {
+            return self.charge_shared(want);
+        };
+        let taken = take_up_to(&stock.pages, want);
+        if taken == want {
+            stock.hits.fetch_add(1, Relaxed);
+            return want;
+        }
+        stock.shared.fetch_add(1, Relaxed);
+        let need = want - taken;
+        let got = self.charge_shared(need + self.batch);
+        if got >= need {
+            stock.pages.fetch_add(got - need, Relaxed);
+            return want;
+        }
+        // Short: every stock gives its pages back, and the rest of the limit is tried.
+        self.drain_stocks();
+        taken + got + self.charge_shared(need - got)
+    }
+
+    /// Charges the shared counter alone: up to `want` pages.
+    fn charge_shared(&self, want: u64) -> u64 {
+        let mut cur = self.charged.load(Relaxed);
         loop {
             let got = want.min(self.limit().saturating_sub(cur));
             if got == 0 {
                 return 0;
             }
             match self
-                .resident
+                .charged
                 .compare_exchange_weak(cur, cur + got, Relaxed, Relaxed)
             {
                 Ok(_) => return got,
@@ -39,21 +114,61 @@ impl Budget {
     /// Charges pages past the limit: for data that has nowhere else to go (see
     /// `FaultPath::swap_in`). Reclaim brings the budget back under the limit.
     pub fn overdraw(&self, pages: u64) {
-        self.resident.fetch_add(pages, Relaxed);
+        self.charged.fetch_add(pages, Relaxed);
     }
 
+    /// Gives pages back, to this CPU's stock while it holds less than twice a batch.
     pub fn uncharge(&self, pages: u64) {
-        let before = self.resident.fetch_sub(pages, Relaxed);
-        debug_assert!(before >= pages, "uncharging more pages than are resident");
+        self.uncharge_on(crate::cpu::current(), pages);
     }
 
+    fn uncharge_on(&self, cpu: usize, pages: u64) {
+        let Some(stock) = self.stock(cpu) else {
+            let before = self.charged.fetch_sub(pages, Relaxed);
+            debug_assert!(before >= pages, "uncharging more pages than are resident");
+            return;
+        };
+        let held = stock.pages.fetch_add(pages, Relaxed) + pages;
+        if held > 2 * self.batch {
+            let back = take_up_to(&stock.pages, held - self.batch);
+            if back > 0 {
+                stock.shared.fetch_add(1, Relaxed);
+                self.charged.fetch_sub(back, Relaxed);
+            }
+        }
+    }
+
+    /// Returns every stocked page to the shared counter.
+    pub fn drain_stocks(&self) {
+        if self.stocks.is_empty() {
+            return;
+        }
+        self.drains.fetch_add(1, Relaxed);
+        for stock in self.stocks.iter() {
+            let pages = stock.pages.swap(0, Relaxed);
+            if pages > 0 {
+                self.charged.fetch_sub(pages, Relaxed);
+            }
+        }
+    }
+
+    fn stock(&self, cpu: usize) -> Option<&Stock> {
+        match self.stocks.len() {
+            0 => None,
+            n => Some(&self.stocks[cpu % n]),
+        }
+    }
+
+    /// Pages resident: charged and not in a stock. Exact when nothing charges meanwhile.
     pub fn resident(&self) -> u64 {
-        self.resident.load(Relaxed)
+        let stocked: u64 = self.stocks.iter().map(|s| s.pages.load(Relaxed)).sum();
+        self.charged.load(Relaxed).saturating_sub(stocked)
     }
 
-    /// Free pages under the limit (0 while overdrawn).
+    /// Free pages under the limit (0 while overdrawn). Stocked pages count as used, as
+    /// the kernel's memcg counts its stocks: at most a sixteenth of the limit.
     pub fn free(&self) -> u64 {
-        self.limit().saturating_sub(self.resident())
+        self.limit().saturating_sub(self.charged.load(Relaxed))
     }
 
     pub fn limit(&self) -> u64 {
@@ -65,6 +180,32 @@ impl Budget {
     pub fn set_limit(&self, pages: u64) {
         self.limit.store(pages, Relaxed);
     }
+
+    pub fn stock_stats(&self) -> StockStats {
+        let sum = |f: fn(&Stock) -> &AtomicU64| -> u64 {
+            self.stocks.iter().map(|s| f(s).load(Relaxed)).sum()
+        };
+        StockStats {
+            stock_hits: sum(|s| &s.hits),
+            shared_updates: sum(|s| &s.shared),
+            drains: self.drains.load(Relaxed),
+        }
+    }
+}
+
+/// Takes up to `want` from `counter` (never below zero); returns what it took.
+fn take_up_to(counter: &AtomicU64, want: u64) -> u64 {
+    let mut cur = counter.load(Relaxed);
+    loop {
+        let take = want.min(cur);
+        if take == 0 {
+            return 0;
+        }
+        match counter.compare_exchange_weak(cur, cur - take, Relaxed, Relaxed) {
+            Ok(_) => return take,
+            Err(now) => cur = now,
+        }
+    }
 }
 
 #[cfg(all(test, not(loom)))]
@@ -73,7 +214,7 @@ mod tests {
 
     #[test]
     fn budget_grants_at_most_the_limit() {
-        let b = Budget::new(10);
+        let b = Budget::new(10, 0);
         assert_eq!(b.try_charge(4), 4);
         assert_eq!(b.try_charge(8), 6);
         assert_eq!(b.try_charge(1), 0);
@@ -82,8 +223,73 @@ mod tests {
     }
 
     #[test]
+    fn a_stock_serves_charges_and_touches_the_shared_counter_once_per_batch() {
+        let b = Budget::new(100_000, 2);
+        for _ in 0..320 {
+            assert_eq!(b.try_charge_on(0, 1), 1);
+        }
+        assert_eq!(b.resident(), 320);
+        let s = b.stock_stats();
+        assert_eq!(s.stock_hits + s.shared_updates, 320);
+        assert!(s.shared_updates <= 10, "{s:?}");
+        for _ in 0..320 {
+            b.uncharge_on(1, 1);
+        }
+        assert_eq!(b.resident(), 0);
+        assert!(
+            b.free() >= 100_000 - 2 * 2 * STOCK_BATCH,
+            "stocks hold little"
+        );
+        b.drain_stocks();
+        assert_eq!(b.free(), 100_000);
+    }
+
+    #[test]
+    fn a_short_budget_takes_back_every_stock_before_it_refuses() {
+        let b = Budget::new(1024, 2);
+        assert_eq!(b.try_charge_on(0, 1), 1, "CPU 0 stocks a batch beside it");
+        let mut granted = 0;
+        loop {
+            match b.try_charge_on(1, 5) {
+                0 => break,
+                n => granted += n,
+            }
+        }
+        assert_eq!(granted, 1023, "the whole limit, CPU 0's stock included");
+        assert_eq!(b.resident(), 1024);
+        assert!(b.stock_stats().drains > 0);
+    }
+
+    #[test]
+    fn small_limits_get_no_stock() {
+        assert_eq!(Budget::new(32, 2).stocks.len(), 0);
+        assert!(Budget::new(1 << 20, 2).batch > 0);
+    }
+
+    #[test]
+    fn stress_stocked_charges_never_exceed_the_limit_and_all_come_back() {
+        let b = Budget::new(4096, 4);
+        std::thread::scope(|s| {
+            for t in 0..4usize {
+                let b = &b;
+                s.spawn(move || {
+                    for i in 0..50_000usize {
+                        let cpu = (t + i / 1000) % 4;
+                        let got = b.try_charge_on(cpu, 1 + (i % 7) as u64);
+                        assert!(b.charged.load(Relaxed) <= 4096);
+                        b.uncharge_on((cpu + 1) % 4, got);
+                    }
+                });
+            }
+        });
+        assert_eq!(b.resident(), 0);
+        b.drain_stocks();
+        assert_eq!(b.charged.load(Relaxed), 0);
+    }
+
+    #[test]
     fn stress_concurrent_charges_never_exceed_the_limit() {
-        let b = Budget::new(1000);
+        let b = Budget::new(1000, 0);
         std::thread::scope(|s| {
             for _ in 0..4 {
                 s.spawn(|| {
@@ -107,7 +313,7 @@ mod loom_tests {
     #[test]
     fn concurrent_charges_never_exceed_the_limit_and_all_come_back() {
         loom::model(|| {
-            let b = std::sync::Arc::new(Budget::new(3));
+            let b = std::sync::Arc::new(Budget::new(3, 0));
             let threads: Vec<_> = (0..2)
                 .map(|_| {
                     let b = b.clone();
@@ -126,6 +332,31 @@ mod loom_tests {
             );
             b.uncharge(3);
             assert_eq!(b.resident(), 0);
+        });
+    }
+
+    #[test]
+    fn stocked_charges_on_two_cpus_never_exceed_the_limit_and_all_come_back() {
+        loom::model(|| {
+            // A limit of 64 on 2 CPUs gives batches of one page.
+            let b = std::sync::Arc::new(Budget::new(64, 2));
+            let threads: Vec<_> = (0..2)
+                .map(|cpu| {
+                    let b = b.clone();
+                    loom::thread::spawn(move || {
+                        let got = b.try_charge_on(cpu, 2);
+                        assert!(b.charged.load(Relaxed) <= 64);
+                        b.uncharge_on(1 - cpu, got);
+                        got
+                    })
+                })
+                .collect();
+            for t in threads {
+                assert_eq!(t.join().unwrap(), 2);
+            }
+            assert_eq!(b.resident(), 0);
+            b.drain_stocks();
+            assert_eq!(b.charged.load(Relaxed), 0);
         });
     }
 }

@@ -448,6 +448,9 @@ pub struct Config {
     pub reclaim_batch: usize,
     /// Swap-in readahead at creation; changeable later with `Region::set_readahead`.
     pub readahead: Readahead,
+    /// Per-CPU stocks in front of the resident budget (the memcg charge stock) and per-CPU
+    /// lists in front of the staging frame list (the page allocator's per-CPU lists).
+    pub pcp: bool,
 }
 
 impl Config {
@@ -463,6 +466,7 @@ impl Config {
             inactive_percent: 10,
             reclaim_batch: 32,
             readahead: Readahead::default(),
+            pcp: true,
         }
     }
 

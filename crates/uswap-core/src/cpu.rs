@@ -1,6 +1,12 @@
 //! The CPU the calling thread runs on, for per-CPU structures. A thread can migrate right
 //! after asking, so the answer is a hint for spreading load, never a lock.
 
+/// CPUs this process may run on (1 when the kernel cannot tell), for sizing per-CPU
+/// structures.
+pub fn count() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get())
+}
+
 /// Current CPU number (0 when the kernel cannot tell).
 pub fn current() -> usize {
     // SAFETY: sched_getcpu has no preconditions.

@@ -28,6 +28,7 @@ pub mod uffd;
 mod vma;
 mod vmscan;
 
+pub use budget::StockStats;
 pub use config::{
     parse_size, Config, FaultMode, FaultPlan, IoMode, Readahead, ReadaheadPolicy, SlotAlloc,
     SwapCacheMode, SwapConfig, SwapLocation, Watermarks,

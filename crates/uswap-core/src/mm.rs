@@ -123,6 +123,8 @@ pub(crate) struct Parts {
     pub mode: FaultMode,
     pub fault_around: usize,
     pub bounce_buffers: usize,
+    /// Per-CPU stocks and lists in front of the shared budget and frame lists.
+    pub pcp: bool,
 }
 
 pub(crate) struct Mm {
@@ -174,7 +176,7 @@ impl Mm {
             zeros: Mapping::new(p.fault_around * PAGE_SIZE)?,
             pages: PageTable::new(pages),
             lru: Lru::new(pages),
-            budget: Budget::new(p.limit),
+            budget: Budget::new(p.limit, if p.pcp { crate::cpu::count() } else { 0 }),
             bounce: BouncePool::new(p.bounce_buffers),
             pagemap: std::fs::File::open("/proc/self/pagemap").ok(),
             uffd: p.uffd,

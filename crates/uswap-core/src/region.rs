@@ -186,6 +186,7 @@ impl Region {
             mode: cfg.fault_mode,
             fault_around: cfg.fault_around,
             bounce_buffers: cfg.handler_threads + 2,
+            pcp: cfg.pcp,
         })?;
         let reclaim = Reclaim::new(mm, cfg.watermarks, cfg.inactive_percent, cfg.reclaim_batch);
         let fault = Arc::new(FaultPath::new(reclaim, cfg.fault_around, cfg.readahead));
@@ -250,6 +251,7 @@ impl Region {
             io: mm.swap().io_stats(),
             swap_cache: mm.swap().cache().stats(),
             readahead: self.fault.readahead.get(),
+            charge_stock: mm.budget().stock_stats(),
             lockstat: [mm.lru().lockstat(), mm.staging().lockstat()]
                 .into_iter()
                 .chain(mm.swap().lockstat())

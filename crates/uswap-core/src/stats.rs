@@ -200,6 +200,8 @@ pub struct Stats {
     pub swap_cache: crate::swap_state::SwapCacheStats,
     /// The swap-in readahead in force.
     pub readahead: crate::config::Readahead,
+    /// What the per-CPU charge stocks saved (with `Config::pcp`).
+    pub charge_stock: crate::budget::StockStats,
     /// Lock statistics of the region's locks and its swap device's, one line per lock class.
     pub lockstat: Vec<crate::lockstat::LockClass>,
 }

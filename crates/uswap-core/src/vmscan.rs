@@ -148,6 +148,10 @@ impl Reclaim {
         let mut round = 0u32;
         loop {
             if budget.free() < self.marks.min() {
+                // Pages stocked on other CPUs count as used: take them back first.
+                budget.drain_stocks();
+            }
+            if budget.free() < self.marks.min() {
                 self.mm.vmstat().direct_reclaim.fetch_add(1, Relaxed);
                 self.shrink();
             }
@@ -416,6 +420,7 @@ fn kswapd(r: &Reclaim) {
             continue;
         }
         r.mm.vmstat().kswapd_wake.fetch_add(1, Relaxed);
+        budget.drain_stocks();
         while budget.free() < r.marks.high() && !r.mm.shutting_down() {
             if r.shrink() == 0 {
                 // Nothing reclaimable right now (all pages busy, or swap full): back off.
