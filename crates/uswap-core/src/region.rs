@@ -161,7 +161,8 @@ impl Region {
         };
         let map = Mapping::new(pages as usize * PAGE_SIZE)?;
         // No more pages can be parked than the region has, whatever the limit.
-        let staging = Staging::new(limit, pages.min(MAX_FRAMES))?;
+        let cpus = if cfg.pcp { crate::cpu::count() } else { 0 };
+        let staging = Staging::new(limit, pages.min(MAX_FRAMES), cpus)?;
         let zap_scratch = Mapping::new(ZAP_PAGES * PAGE_SIZE)?;
         // Every range is registered with the same modes: UFFDIO_MOVE needs both sides with
         // the same page protection, and the destination registered with the ioctl's fd.
@@ -252,8 +253,8 @@ impl Region {
             swap_cache: mm.swap().cache().stats(),
             readahead: self.fault.readahead.get(),
             charge_stock: mm.budget().stock_stats(),
-            lockstat: [mm.lru().lockstat(), mm.staging().lockstat()]
-                .into_iter()
+            lockstat: std::iter::once(mm.lru().lockstat())
+                .chain(mm.staging().lockstat())
                 .chain(mm.swap().lockstat())
                 .collect(),
         }

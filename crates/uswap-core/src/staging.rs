@@ -3,18 +3,35 @@
 //! memory. One frame per page of the memory limit, handed out from a free list. The
 //! mapping is reserved for the largest limit the region can be given (its size), so raising
 //! the limit only adds frames to the free list.
+//!
+//! With `pcp` on, per-CPU lists sit in front of the shared free list, as the page
+//! allocator's per-CPU page lists sit in front of its zone free lists: a single frame is
+//! freed to, and a small batch taken from, the list of the CPU the thread runs on, without
+//! the shared lock. Each list has a lock of its own (seed 004), so a CPU short of frames
+//! drains the others directly instead of asking their owners (the kernel's lists were
+//! protected by disabling interrupts, which only the owner can do, and drained with IPIs).
+//! Lock order: a per-CPU list, then the shared list.
 
 use crate::error::Result;
 use crate::lockstat::{LockClass, StatMutex};
 use crate::mapping::Mapping;
 use crate::PAGE_SIZE;
+use crossbeam_utils::CachePadded;
 
 /// Frames whose memory is freed together (see [`Staging::release_later`]).
 const DEFERRED_BATCH: usize = 64;
 
+/// Frames a per-CPU list takes from, or gives back to, the shared list at a time (the
+/// kernel's `pcp->batch`), and how many it may hold (`pcp->high`).
+const PCP_BATCH: usize = 16;
+const PCP_HIGH: usize = 6 * PCP_BATCH;
+
 pub struct Staging {
     map: Mapping,
     free: StatMutex<Vec<u32>>,
+    /// Per-CPU free lists (empty with `pcp` off), each with room for `PCP_HIGH + 1` frames
+    /// so freeing to one never allocates.
+    pcp: Box<[CachePadded<StatMutex<Vec<u32>>>]>,
     /// Frames emptied by a copy, waiting to have their memory freed in one batch.
     deferred: StatMutex<Vec<u32>>,
     /// Frames handed to the free list so far (the highest memory limit yet).
@@ -22,8 +39,9 @@ pub struct Staging {
 }
 
 impl Staging {
-    /// `frames` frames now (at most `max_frames`), room for `max_frames`.
-    pub fn new(frames: u64, max_frames: u64) -> Result<Self> {
+    /// `frames` frames now (at most `max_frames`), room for `max_frames`, and a per-CPU
+    /// list for each of `cpus` CPUs (0: none).
+    pub fn new(frames: u64, max_frames: u64, cpus: usize) -> Result<Self> {
         let frames = frames.min(max_frames);
         let map = Mapping::new(max_frames as usize * PAGE_SIZE)?;
         let mut free = Vec::with_capacity(frames as usize);
@@ -31,6 +49,9 @@ impl Staging {
         Ok(Staging {
             map,
             free: StatMutex::new(free),
+            pcp: (0..cpus)
+                .map(|_| CachePadded::new(StatMutex::new(Vec::with_capacity(PCP_HIGH + 1))))
+                .collect(),
             deferred: StatMutex::new(Vec::with_capacity(DEFERRED_BATCH)),
             frames: (frames as u32).into(),
         })
@@ -42,7 +63,10 @@ impl Staging {
         let mut free = self.free_list();
         let have = self.frames.load(std::sync::atomic::Ordering::Relaxed);
         if frames > have {
-            free.reserve_exact((frames - have) as usize);
+            // Room for every frame, so pushing back a frame in use never allocates (the
+            // SIGBUS handler frees frames).
+            let len = free.len();
+            free.reserve_exact((frames as usize).saturating_sub(len));
             free.extend((have..frames).rev());
             self.frames
                 .store(frames, std::sync::atomic::Ordering::Relaxed);
@@ -57,30 +81,91 @@ impl Staging {
         self.map.addr() + frame as usize * PAGE_SIZE
     }
 
-    /// Up to `n` frames; frames released together come back together and in order, so a
-    /// batch of pages can often be moved into them with one UFFDIO_MOVE.
+    /// Up to `n` frames, in ascending order, so a batch of adjacent pages can often be
+    /// moved into them with one UFFDIO_MOVE. A small batch comes from this CPU's list.
     pub fn alloc_many(&self, n: usize) -> Vec<u32> {
+        let mut frames = match self.local_list() {
+            Some(list) if n <= PCP_BATCH => self.alloc_local(list, n),
+            _ => self.alloc_shared(n),
+        };
+        frames.sort_unstable();
+        frames
+    }
+
+    /// From a per-CPU list, refilled with a batch from the shared list when short.
+    fn alloc_local(&self, list: &StatMutex<Vec<u32>>, n: usize) -> Vec<u32> {
+        let mut local = list.lock();
+        if local.len() < n {
+            let mut free = self.free_list();
+            let take = (PCP_BATCH + n - local.len()).min(free.len());
+            let at = free.len() - take;
+            local.extend(free.drain(at..));
+        }
+        if local.len() < n {
+            // The shared list is short too: take what the other lists hold.
+            drop(local);
+            return self.alloc_shared(n);
+        }
+        let at = local.len() - n;
+        local.split_off(at)
+    }
+
+    /// From the shared list; when it is short, the deferred frames are freed and every
+    /// per-CPU list drained into it first.
+    fn alloc_shared(&self, n: usize) -> Vec<u32> {
         if self.free_list().len() < n {
             self.flush_deferred();
+            self.drain_pcp();
         }
         let mut free = self.free_list();
         let take = n.min(free.len());
         let at = free.len() - take;
-        let mut frames = free.split_off(at);
-        frames.reverse();
-        frames
+        free.split_off(at)
+    }
+
+    /// Moves every per-CPU list's frames to the shared list, locking each list in turn,
+    /// whichever CPU owns it.
+    pub fn drain_pcp(&self) {
+        for list in self.pcp.iter() {
+            let mut local = list.lock();
+            if !local.is_empty() {
+                self.free_list().extend(local.drain(..));
+            }
+        }
+    }
+
+    /// Puts a free frame on this CPU's list (giving a batch back to the shared list when it
+    /// holds more than `PCP_HIGH`), or on the shared list. Allocates nothing.
+    fn free_frame(&self, frame: u32) {
+        let Some(list) = self.local_list() else {
+            self.free_list().push(frame);
+            return;
+        };
+        let mut local = list.lock();
+        local.push(frame);
+        if local.len() > PCP_HIGH {
+            let at = local.len() - PCP_BATCH;
+            self.free_list().extend(local.drain(at..));
+        }
+    }
+
+    fn local_list(&self) -> Option<&StatMutex<Vec<u32>>> {
+        match self.pcp.len() {
+            0 => None,
+            n => Some(&self.pcp[crate::cpu::current() % n]),
+        }
     }
 
     /// Returns a frame whose page was moved away (nothing to free).
     pub fn release_empty(&self, frame: u32) {
-        self.free_list().push(frame);
+        self.free_frame(frame);
     }
 
     /// Returns a frame after freeing its memory, so the next MOVE finds it empty.
     /// Allocates nothing (the SIGBUS handler uses it).
     pub fn release(&self, frame: u32) {
         self.map.discard(frame as usize, 1);
-        self.free_list().push(frame);
+        self.free_frame(frame);
     }
 
     /// Returns a frame whose page was copied away, freeing its memory later, with
@@ -122,10 +207,13 @@ impl Staging {
         self.free_list().extend(frames);
     }
 
-    /// The frames on the free list or waiting to be freed (for the invariant walker).
+    /// The frames on the free lists or waiting to be freed (for the invariant walker).
     pub fn free_frames(&self) -> Vec<u32> {
         let mut frames = self.free_list().clone();
         frames.extend(self.deferred.lock().iter());
+        for list in self.pcp.iter() {
+            frames.extend(list.lock().iter());
+        }
         frames
     }
 
@@ -140,9 +228,12 @@ impl Staging {
         self.free.lock()
     }
 
-    /// The statistics of the free-list lock.
-    pub fn lockstat(&self) -> LockClass {
-        LockClass::sum("staging", [&self.free, &self.deferred])
+    /// The statistics of the shared free-list locks, and of the per-CPU lists' locks.
+    pub fn lockstat(&self) -> [LockClass; 2] {
+        [
+            LockClass::sum("staging", [&self.free, &self.deferred]),
+            LockClass::sum("staging_pcp", self.pcp.iter().map(|l| &**l)),
+        ]
     }
 }
 
@@ -152,7 +243,7 @@ mod tests {
 
     #[test]
     fn frames_released_together_come_back_in_order() {
-        let s = Staging::new(8, 8).unwrap();
+        let s = Staging::new(8, 8, 0).unwrap();
         let all = s.alloc_many(8);
         assert_eq!(all, (0..8).collect::<Vec<u32>>());
         s.release_all(vec![6, 2, 3, 5, 4]);
@@ -162,8 +253,42 @@ mod tests {
     }
 
     #[test]
+    fn per_cpu_lists_keep_single_frames_and_are_drained_when_the_shared_list_is_short() {
+        let s = Staging::new(64, 64, 2).unwrap();
+        let all = s.alloc_many(64);
+        assert_eq!(all.len(), 64);
+        for &f in &all {
+            s.release_empty(f);
+        }
+        assert_eq!(
+            s.free_list().len(),
+            0,
+            "single frames went to the per-CPU lists"
+        );
+        assert_eq!(s.free_frames().len(), 64, "and count as free");
+        let some = s.alloc_many(3);
+        assert!(some.windows(2).all(|w| w[0] < w[1]), "{some:?}");
+        let rest = s.alloc_many(100);
+        assert_eq!(rest.len(), 61, "a big batch drains every list");
+        let s2 = s.lockstat();
+        assert_eq!((s2[1].name, s2[1].locks), ("staging_pcp", 2));
+    }
+
+    #[test]
+    fn growth_leaves_room_for_every_frame() {
+        let s = Staging::new(100, 1000, 0).unwrap();
+        let in_use = s.alloc_many(90);
+        s.grow(1000);
+        assert!(s.free_list().capacity() >= 1000);
+        for f in in_use {
+            s.release_empty(f);
+        }
+        assert_eq!(s.free_frames().len(), 1000);
+    }
+
+    #[test]
     fn frames_never_outnumber_the_room_reserved() {
-        let s = Staging::new(8, 4).unwrap();
+        let s = Staging::new(8, 4, 0).unwrap();
         assert_eq!((s.frames(), s.alloc_many(10).len()), (4, 4));
         s.grow(100);
         assert_eq!(s.frames(), 4, "growth stops at the room reserved");
@@ -171,7 +296,7 @@ mod tests {
 
     #[test]
     fn frames_released_later_are_freed_in_a_batch_or_when_needed() {
-        let s = Staging::new(4, 4).unwrap();
+        let s = Staging::new(4, 4, 0).unwrap();
         let frames = s.alloc_many(4);
         for &f in &frames {
             // SAFETY: the frame is ours and mapped.
@@ -193,7 +318,7 @@ mod tests {
 
     #[test]
     fn staging_frames_are_unique_and_come_back_empty() {
-        let s = Staging::new(2, 4).unwrap();
+        let s = Staging::new(2, 4, 0).unwrap();
         assert_eq!(s.alloc_many(10).len(), 2);
         s.release_all(vec![0, 1]);
         s.grow(4);
