@@ -115,9 +115,16 @@ impl FaultPath {
         if !lock.state().is_resident() {
             return false;
         }
+        let active = lock.kind() == Kind::Active;
         match lock.forget_slot() {
             Some(slot) => {
                 self.mm().release_slot(slot);
+                if active && self.mm().caps().write_protect {
+                    // Dirty from now on: its writes must not fault (in SIGBUS mode without
+                    // pagemap, a write fault on a page with no slot could not be told).
+                    let addr = self.mm().page_addr(page);
+                    let _ = self.mm().uffd().write_protect(addr, PAGE_SIZE, false);
+                }
                 true
             }
             None => false,

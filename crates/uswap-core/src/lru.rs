@@ -52,6 +52,12 @@ impl Lists {
         self.heads[list as usize].push_front(&mut self.nodes, page);
         self.nodes.0[page as usize].list = list as u8;
     }
+
+    fn push_tail(&mut self, list: LruList, page: u32) {
+        self.unlink(page);
+        self.heads[list as usize].push_back(&mut self.nodes, page);
+        self.nodes.0[page as usize].list = list as u8;
+    }
 }
 
 impl Lru {
@@ -82,6 +88,14 @@ impl Lru {
         let mut l = self.lock();
         for p in pages {
             l.push_head(list, p as u32);
+        }
+    }
+
+    /// Puts pages at the tail of `list` (first to be taken), off any list they are on.
+    pub fn add_tail(&self, list: LruList, pages: impl IntoIterator<Item = usize>) {
+        let mut l = self.lock();
+        for p in pages {
+            l.push_tail(list, p as u32);
         }
     }
 

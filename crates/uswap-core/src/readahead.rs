@@ -226,10 +226,7 @@ pub(crate) unsafe fn read_around(
 ) -> Result<(), ReadError> {
     let mm = reclaim.mm();
     let mut ahead = gather(reclaim, fault.page(), window);
-    let granted = match ahead.len() {
-        0 => 0,
-        n => reclaim.charge_without_reclaim(n as u64).unwrap_or(0) as usize,
-    };
+    let granted = reclaim.charge_spare(ahead.len() as u64) as usize;
     ahead.truncate(granted);
     if ahead.is_empty() {
         return mm.swap().read_page(slot, dst);
@@ -284,7 +281,9 @@ pub(crate) unsafe fn read_around(
         }
         read += 1;
         let (page, ra_slot) = (lock.page(), lock.state().slot().expect("swapped"));
-        mm.lru().add(LruList::Active, [page]);
+        // Speculative pages wait at the tail, first in line to be aged, as the kernel puts
+        // them on the inactive list; a use keeps them mapped.
+        mm.lru().add_tail(LruList::Active, [page]);
         if clean {
             mm.swap().cache().add(ra_slot, mm.cache_entry(page, true));
             lock.swap_in(Some(ra_slot));

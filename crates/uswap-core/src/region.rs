@@ -295,6 +295,7 @@ impl Region {
     /// Switches swap-in readahead while the region is in use (the seed's sysfs knob): the
     /// next swap-in uses the new policy and page-cluster.
     pub fn set_readahead(&self, readahead: Readahead) -> Result<()> {
+        let _quiet = Quiet::new();
         readahead.validate()?;
         self.fault.readahead.set(readahead);
         Ok(())
@@ -304,6 +305,7 @@ impl Region {
     /// reclaim (kswapd is woken; faults reclaim directly meanwhile) and needs the swap to
     /// hold what no longer fits; a higher one lets more pages stay resident.
     pub fn set_memory_limit(&self, bytes: u64) -> Result<()> {
+        let _quiet = Quiet::new();
         let mut cfg = Config::new(bytes);
         cfg.watermarks = self.watermarks;
         cfg.validate()?;
@@ -327,23 +329,28 @@ impl Region {
     /// whole region's data (see [`Region::set_memory_limit`]). Pages that cannot be read
     /// back are reported (their accesses fail loudly) and counted in the result.
     pub fn swapoff(&self, progress: &mut dyn FnMut(u64, u64)) -> Result<SwapoffReport> {
+        let _quiet = Quiet::new();
         let start = std::time::Instant::now();
         let mm = self.fault.mm();
-        let pages = mm.pages().len();
-        let out: Vec<usize> = (0..pages)
-            .filter(|&p| matches!(mm.pages().peek(p).0.kind(), Kind::Swapped | Kind::Inactive))
+        let out_of_memory =
+            |p: usize| matches!(mm.pages().peek(p).0.kind(), Kind::Swapped | Kind::Inactive);
+        let out: Vec<usize> = (0..mm.pages().len())
+            .filter(|&p| out_of_memory(p))
             .collect();
         let swapped = out
             .iter()
             .filter(|&&p| mm.pages().peek(p).0.kind() == Kind::Swapped)
             .count() as u64;
-        let need = mm.budget().resident() + swapped;
+        // Room above the high watermark too: below it kswapd would push pages out again.
+        let need = mm.budget().resident() + swapped + self.fault.reclaim().high_watermark();
         if need > mm.budget().limit() {
             return Err(Error::invalid(
                 "memory limit",
                 format!(
-                    "swapoff needs {} MiB resident ({swapped} pages are out on swap) but the                      limit is {} MiB: raise it with set_memory_limit first",
-                    (need * PAGE_SIZE as u64) >> 20,
+                    "swapoff needs {} MiB of limit ({swapped} pages are out on swap, plus the \
+                     reclaim watermark) but the limit is {} MiB: raise it with \
+                     set_memory_limit first",
+                    (need * PAGE_SIZE as u64).div_ceil(1 << 20),
                     (mm.budget().limit() * PAGE_SIZE as u64) >> 20
                 ),
             ));
@@ -362,8 +369,23 @@ impl Region {
                 last = std::time::Instant::now();
             }
         }
-        for p in 0..pages {
+        for p in 0..mm.pages().len() {
             report.slots_freed += u64::from(self.fault.forget_slot(p));
+        }
+        // Like the kernel's try_to_unuse, swapoff is done only when nothing is left out: the
+        // program may have pushed pages out meanwhile (faulting in more than the room left).
+        let left = (0..mm.pages().len())
+            .filter(|&p| mm.pages().peek(p).0.kind() == Kind::Swapped)
+            .count();
+        if left > 0 {
+            return Err(Error::invalid(
+                "memory limit",
+                format!(
+                    "swapoff brought {} pages back but {left} went out again meanwhile (the \
+                     program used more memory): raise the limit and call swapoff again",
+                    report.pages
+                ),
+            ));
         }
         progress(total, total);
         report.seconds = start.elapsed().as_secs_f64();

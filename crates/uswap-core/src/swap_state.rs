@@ -154,15 +154,23 @@ impl SwapCache {
         f: impl FnOnce(&mut u64, &mut SwapCacheStats) -> R,
     ) -> R {
         let trunk = &mut space.trunks[within];
-        let entries = trunk
-            .entries
-            .get_or_insert_with(|| vec![0; TRUNK_SLOTS as usize].into_boxed_slice());
-        f(&mut entries[index], &mut trunk.stats)
+        match &mut trunk.entries {
+            Some(entries) => f(&mut entries[index], &mut trunk.stats),
+            // A trunk never added to holds nothing; only an add allocates its table (the
+            // other operations run in the SIGBUS handler too, which must not allocate).
+            None => f(&mut 0, &mut trunk.stats),
+        }
     }
 
     /// Adds `slot`, whose data is now in memory as `entry`'s page. Its page lock is held.
     pub fn add(&self, slot: SlotId, entry: CacheEntry) {
-        self.with(slot, |word, stats| Self::insert(slot, word, stats, entry));
+        let (space, within, index) = self.position(slot);
+        let mut space = self.spaces[space].lock();
+        let trunk = &mut space.trunks[within];
+        let entries = trunk
+            .entries
+            .get_or_insert_with(|| vec![0; TRUNK_SLOTS as usize].into_boxed_slice());
+        Self::insert(slot, &mut entries[index], &mut trunk.stats, entry);
     }
 
     fn insert(slot: SlotId, word: &mut u64, stats: &mut SwapCacheStats, entry: CacheEntry) {

@@ -176,6 +176,12 @@ impl FaultPath {
         let list = mm.lru().list_of(a);
         mm.lru().remove(a);
         let moved = src.unmap();
+        if moved.kind() != Kind::Active {
+            // The kernel moved no page table entry here, so nothing may be mapped; a page
+            // that is was filled by a fault or readahead that raced this mremap's events
+            // (the kernel accepts fills once they are read): stale data, taken out.
+            self.reclaim().zap(b..b + 1);
+        }
         if let Some(slot) = moved.slot() {
             mm.own_slot(slot, b);
             if moved.is_resident() {

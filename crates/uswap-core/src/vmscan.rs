@@ -130,6 +130,22 @@ impl Reclaim {
         &self.mm
     }
 
+    /// The high watermark in pages: kswapd reclaims until this many are free.
+    pub fn high_watermark(&self) -> u64 {
+        self.marks.high()
+    }
+
+    /// Charges up to `want` pages without reclaiming and without taking the free pages
+    /// under the low watermark (readahead's charge: speculative pages must not eat the
+    /// reserve the faulting page and others need).
+    pub fn charge_spare(&self, want: u64) -> u64 {
+        let spare = self.mm.budget().free().saturating_sub(self.marks.low());
+        match want.min(spare) {
+            0 => 0,
+            n => self.mm.budget().try_charge(n),
+        }
+    }
+
     /// A new memory limit, in pages: the budget, the staging frames and the watermarks
     /// follow it, and kswapd is woken to bring a lowered budget under it.
     pub fn set_limit(&self, pages: u64) {
@@ -153,7 +169,11 @@ impl Reclaim {
             }
             if budget.free() < self.marks.min() {
                 self.mm.vmstat().direct_reclaim.fetch_add(1, Relaxed);
-                self.shrink();
+                if self.shrink() > 0 {
+                    // Reclaim is making progress (a lowered limit being reached, say):
+                    // out of memory is only declared when it stops.
+                    deadline = None;
+                }
             }
             let got = budget.try_charge(want);
             if budget.free() < self.marks.low() {

@@ -216,6 +216,12 @@ fn swapoff_brings_every_page_back_and_frees_every_slot() {
         }
         let after = region.stats().vmstat.since(&before);
         assert_eq!(after.pswpin, 0, "{policy}: nothing left to read: {after:?}");
+        // Every page gave up its slot, so it is dirty: writing raises no fault.
+        for p in 0..pages {
+            unsafe { common::fill(region.as_ptr(), p, 3) };
+        }
+        let writes = region.stats().vmstat.since(&before);
+        assert_eq!(writes.pgfault, 0, "{policy}: {writes:?}");
         region.check_invariants().unwrap();
     }
 }
