@@ -5,8 +5,8 @@ use anyhow::{Context, Result};
 use clap::Args;
 use std::path::PathBuf;
 use uswap_core::{
-    parse_size, Config, FaultMode, IoMode, Readahead, ReadaheadPolicy, SlotAlloc, SwapCacheMode,
-    SwapLocation, Watermarks,
+    parse_size, Config, FaultMode, IoMode, LruLockMode, Readahead, ReadaheadPolicy, SlotAlloc,
+    SwapCacheMode, SwapLocation, Watermarks,
 };
 
 /// A byte size such as `4096`, `64K`, `512M`, `2G`; zero is refused.
@@ -97,7 +97,12 @@ pub struct CoreArgs {
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u8).range(0..=8))]
     pub page_cluster: Option<u8>,
 
-    /// Per-CPU charge stocks in front of the memory budget: `on` or `off` [default: on]
+    /// LRU lock: `mutex`, `spin`, or `rwlock` (single-page adds and removes shared, with
+    /// SMP-safe list operations) [default: mutex]
+    #[arg(long, value_name = "MODE", value_parser = |s: &str| s.parse::<LruLockMode>())]
+    pub lru_lock: Option<LruLockMode>,
+
+    /// Per-CPU charge stocks and free-frame lists: `on` or `off` [default: on]
     #[arg(long, value_name = "ON|OFF", value_parser = on_off)]
     pub pcp: Option<bool>,
 
@@ -161,6 +166,9 @@ impl CoreArgs {
         cfg.readahead = self.readahead();
         if let Some(pcp) = self.pcp {
             cfg.pcp = pcp;
+        }
+        if let Some(mode) = self.lru_lock {
+            cfg.lru_lock = mode;
         }
         cfg.validate().context("bad uswap option")?;
         Ok(cfg)

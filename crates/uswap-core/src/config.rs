@@ -170,6 +170,19 @@ named_modes! {
 }
 
 named_modes! {
+    /// How the LRU lists are locked (seed 001).
+    LruLockMode, "LRU lock" {
+        /// One mutex, taken for every operation.
+        Mutex = "mutex",
+        /// One spinlock, taken for every operation.
+        Spin = "spin",
+        /// A two-mode lock: single-page adds and removes take it shared and use SMP-safe
+        /// list operations; batch isolation takes it exclusive.
+        RwLock = "rwlock",
+    }
+}
+
+named_modes! {
     /// How the swap cache is locked (seed 000).
     SwapCacheMode, "swap cache" {
         /// One lock for the whole device.
@@ -448,6 +461,8 @@ pub struct Config {
     pub reclaim_batch: usize,
     /// Swap-in readahead at creation; changeable later with `Region::set_readahead`.
     pub readahead: Readahead,
+    /// How the LRU lists are locked.
+    pub lru_lock: LruLockMode,
     /// Per-CPU stocks in front of the resident budget (the memcg charge stock) and per-CPU
     /// lists in front of the staging frame list (the page allocator's per-CPU lists).
     pub pcp: bool,
@@ -467,6 +482,7 @@ impl Config {
             reclaim_batch: 32,
             readahead: Readahead::default(),
             pcp: true,
+            lru_lock: LruLockMode::Mutex,
         }
     }
 

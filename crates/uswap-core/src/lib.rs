@@ -30,8 +30,8 @@ mod vmscan;
 
 pub use budget::StockStats;
 pub use config::{
-    parse_size, Config, FaultMode, FaultPlan, IoMode, Readahead, ReadaheadPolicy, SlotAlloc,
-    SwapCacheMode, SwapConfig, SwapLocation, Watermarks,
+    parse_size, Config, FaultMode, FaultPlan, IoMode, LruLockMode, Readahead, ReadaheadPolicy,
+    SlotAlloc, SwapCacheMode, SwapConfig, SwapLocation, Watermarks,
 };
 pub use error::{Error, Result};
 pub use lockstat::{LockClass, LockStat};

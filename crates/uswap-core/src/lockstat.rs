@@ -7,9 +7,10 @@
 //! the clock, twice. Counters live in each lock, not per lock class, so sharded locks do
 //! not share a counter line and contend on it; owners sum their locks' counters when asked.
 
-use crate::sync::{Mutex, MutexGuard};
+use crate::sync::{AtomicBool, Mutex, MutexGuard, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use serde::Serialize;
-use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::atomic::AtomicU64;
+use std::sync::atomic::Ordering::{Acquire, Relaxed, Release};
 use std::time::Instant;
 
 /// The statistics of one lock, or of a class of locks summed.
@@ -67,9 +68,9 @@ pub struct LockClass {
 
 impl LockClass {
     /// Sums `locks` into one class line.
-    pub(crate) fn sum<'a, T: 'a>(
+    pub(crate) fn sum<'a, L: Counted + 'a>(
         name: &'static str,
-        locks: impl IntoIterator<Item = &'a StatMutex<T>>,
+        locks: impl IntoIterator<Item = &'a L>,
     ) -> LockClass {
         let mut class = LockClass {
             name,
@@ -93,38 +94,66 @@ impl LockClass {
     }
 }
 
-/// A mutex that keeps its [`LockStat`]. Poison is tolerated, as with `sync::lock`.
-pub(crate) struct StatMutex<T> {
-    inner: Mutex<T>,
+/// A lock that keeps a [`LockStat`].
+pub(crate) trait Counted {
+    fn stat(&self) -> LockStat;
+}
+
+/// The counters every kind of lock here keeps.
+#[derive(Default)]
+struct Counters {
     acquisitions: AtomicU64,
     contended: AtomicU64,
     wait_ns_total: AtomicU64,
     wait_ns_max: AtomicU64,
 }
 
+impl Counters {
+    fn acquired(&self) {
+        self.acquisitions.fetch_add(1, Relaxed);
+    }
+
+    /// A contended acquisition that waited since `start`.
+    fn waited(&self, start: Instant) {
+        let ns = start.elapsed().as_nanos() as u64;
+        self.contended.fetch_add(1, Relaxed);
+        self.wait_ns_total.fetch_add(ns, Relaxed);
+        self.wait_ns_max.fetch_max(ns, Relaxed);
+    }
+
+    fn stat(&self) -> LockStat {
+        LockStat {
+            acquisitions: self.acquisitions.load(Relaxed),
+            contended: self.contended.load(Relaxed),
+            wait_ns_total: self.wait_ns_total.load(Relaxed),
+            wait_ns_max: self.wait_ns_max.load(Relaxed),
+        }
+    }
+}
+
+/// A mutex that keeps its [`LockStat`]. Poison is tolerated, as with `sync::lock`.
+pub(crate) struct StatMutex<T> {
+    inner: Mutex<T>,
+    counters: Counters,
+}
+
 impl<T> StatMutex<T> {
     pub(crate) fn new(value: T) -> StatMutex<T> {
         StatMutex {
             inner: Mutex::new(value),
-            acquisitions: AtomicU64::new(0),
-            contended: AtomicU64::new(0),
-            wait_ns_total: AtomicU64::new(0),
-            wait_ns_max: AtomicU64::new(0),
+            counters: Counters::default(),
         }
     }
 
     /// Takes the lock, waiting if it is held.
     pub(crate) fn lock(&self) -> MutexGuard<'_, T> {
-        let guard = match self.try_lock() {
-            Some(guard) => return guard,
-            None => {
-                let start = Instant::now();
-                let guard = crate::sync::lock(&self.inner);
-                self.record_wait(start.elapsed().as_nanos() as u64);
-                guard
-            }
-        };
-        self.acquisitions.fetch_add(1, Relaxed);
+        if let Some(guard) = self.try_lock() {
+            return guard;
+        }
+        let start = Instant::now();
+        let guard = crate::sync::lock(&self.inner);
+        self.counters.waited(start);
+        self.counters.acquired();
         guard
     }
 
@@ -135,23 +164,119 @@ impl<T> StatMutex<T> {
             Err(std::sync::TryLockError::Poisoned(e)) => e.into_inner(),
             Err(std::sync::TryLockError::WouldBlock) => return None,
         };
-        self.acquisitions.fetch_add(1, Relaxed);
+        self.counters.acquired();
         Some(guard)
     }
+}
 
-    fn record_wait(&self, ns: u64) {
-        self.contended.fetch_add(1, Relaxed);
-        self.wait_ns_total.fetch_add(ns, Relaxed);
-        self.wait_ns_max.fetch_max(ns, Relaxed);
+impl<T> Counted for StatMutex<T> {
+    fn stat(&self) -> LockStat {
+        self.counters.stat()
+    }
+}
+
+/// A spinlock that keeps its [`LockStat`]: a waiter spins (then yields) instead of
+/// sleeping in the kernel.
+pub(crate) struct StatSpin {
+    held: AtomicBool,
+    counters: Counters,
+}
+
+pub(crate) struct SpinGuard<'a>(&'a StatSpin);
+
+impl Drop for SpinGuard<'_> {
+    fn drop(&mut self) {
+        self.0.held.store(false, Release);
+    }
+}
+
+impl StatSpin {
+    pub(crate) fn new() -> StatSpin {
+        StatSpin {
+            held: AtomicBool::new(false),
+            counters: Counters::default(),
+        }
     }
 
-    pub(crate) fn stat(&self) -> LockStat {
-        LockStat {
-            acquisitions: self.acquisitions.load(Relaxed),
-            contended: self.contended.load(Relaxed),
-            wait_ns_total: self.wait_ns_total.load(Relaxed),
-            wait_ns_max: self.wait_ns_max.load(Relaxed),
+    pub(crate) fn lock(&self) -> SpinGuard<'_> {
+        if !self.try_take() {
+            let start = Instant::now();
+            let mut round = 0;
+            while !self.try_take() {
+                crate::sync::backoff(round);
+                round += 1;
+            }
+            self.counters.waited(start);
         }
+        self.counters.acquired();
+        SpinGuard(self)
+    }
+
+    fn try_take(&self) -> bool {
+        !self.held.load(Relaxed)
+            && self
+                .held
+                .compare_exchange(false, true, Acquire, Relaxed)
+                .is_ok()
+    }
+}
+
+impl Counted for StatSpin {
+    fn stat(&self) -> LockStat {
+        self.counters.stat()
+    }
+}
+
+/// A reader-writer lock used as a two-mode lock (seed 001): shared by code that keeps
+/// itself consistent with finer means, exclusive for code that needs the whole structure.
+/// Keeps one [`LockStat`] for both modes.
+pub(crate) struct StatRwLock {
+    inner: RwLock<()>,
+    counters: Counters,
+}
+
+impl StatRwLock {
+    pub(crate) fn new() -> StatRwLock {
+        StatRwLock {
+            inner: RwLock::new(()),
+            counters: Counters::default(),
+        }
+    }
+
+    pub(crate) fn shared(&self) -> RwLockReadGuard<'_, ()> {
+        let guard = match self.inner.try_read() {
+            Ok(g) => g,
+            Err(std::sync::TryLockError::Poisoned(e)) => e.into_inner(),
+            Err(std::sync::TryLockError::WouldBlock) => {
+                let start = Instant::now();
+                let g = self.inner.read().unwrap_or_else(|e| e.into_inner());
+                self.counters.waited(start);
+                g
+            }
+        };
+        self.counters.acquired();
+        guard
+    }
+
+    pub(crate) fn exclusive(&self) -> RwLockWriteGuard<'_, ()> {
+        let guard = match self.inner.try_write() {
+            Ok(g) => g,
+            Err(std::sync::TryLockError::Poisoned(e)) => e.into_inner(),
+            Err(std::sync::TryLockError::WouldBlock) => {
+                let start = Instant::now();
+                let g = self.inner.write().unwrap_or_else(|e| e.into_inner());
+                self.counters.waited(start);
+                g
+            }
+        };
+        self.counters.acquired();
+        guard
+    }
+}
+
+impl Counted for StatRwLock {
+    fn stat(&self) -> LockStat {
+        self.counters.stat()
     }
 }
 

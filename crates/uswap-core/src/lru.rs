@@ -1,11 +1,37 @@
-//! Active and inactive LRU lists of one region ([mm/swap.c], `lruvec`): intrusive lists
-//! over page numbers under one lock (the kernel's `lru_lock`). Heads are the most recently
-//! added; reclaim takes from the tails. Lock order: see `page.rs`.
+//! Active and inactive LRU lists of one region ([mm/swap.c], `lruvec`): circular doubly
+//! linked lists over page numbers, each with a sentinel node, under the LRU lock (the
+//! kernel's `lru_lock`). Heads are the most recently added; reclaim takes from the tails.
+//! Lock order: see `page.rs`.
+//!
+//! The lock has three modes (`Config::lru_lock`, seed 001):
+//! - `mutex` and `spin`: every operation takes the lock exclusively (a sleeping mutex, or a
+//!   spinlock whose waiters never sleep).
+//! - `rwlock`: a two-mode lock. Adding one page at the head and removing one page take it
+//!   **shared** and use SMP-safe list operations, so several threads work on the lists at
+//!   once; isolating a batch from the tail, adding at the tail and walking take it
+//!   **exclusive**.
+//!
+//! # SMP-safe list operations
+//!
+//! Each node (pages and sentinels) carries a lock bit beside its list number. A shared-mode
+//! operation locks the nodes whose links it changes, always with try-locks and, when one
+//! fails, by letting go of everything and trying again, so it never waits while holding a
+//! node lock and cannot deadlock:
+//! - remove `x`: lock `x`, then its `prev` and `next` (stable once `x` is locked: changing
+//!   them needs `x`), relink them, clear `x`.
+//! - add `x` at the head of list `L`: lock `x`, the sentinel `S` of `L` and `S.next`,
+//!   link `x` between them.
+//!
+//! Two removals of adjacent nodes, or a removal beside an add, contend for the node they
+//! share; one goes first. Exclusive-mode operations run with no shared one in flight, so
+//! they change links with plain (relaxed) stores and set no node locks. The walker checks
+//! links, list numbers and lengths.
 
-use crate::list::{Link, Links, ListHead};
-use crate::lockstat::{LockClass, StatMutex};
+use crate::config::LruLockMode;
+use crate::lockstat::{LockClass, StatMutex, StatRwLock, StatSpin};
 use crate::page::{PageLock, PageTable};
-use crate::sync::MutexGuard;
+use crate::sync::{AtomicU32, AtomicUsize};
+use std::sync::atomic::Ordering::{Acquire, Relaxed, Release};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum LruList {
@@ -13,115 +39,199 @@ pub enum LruList {
     Inactive = 1,
 }
 
-const OFF_LIST: u8 = u8::MAX;
+const LISTS: [LruList; 2] = [LruList::Active, LruList::Inactive];
 
-#[derive(Clone, Copy)]
+/// The list number of a node on no list.
+const OFF_LIST: u32 = 0xff;
+/// The node lock bit, beside the list number in `Node::state`.
+const LOCKED: u32 = 1 << 8;
+/// The link of a node on no list.
+const NIL: u32 = u32::MAX;
+
 struct Node {
-    link: Link,
-    list: u8,
+    prev: AtomicU32,
+    next: AtomicU32,
+    /// List number (`OFF_LIST`: none) and `LOCKED`.
+    state: AtomicU32,
 }
 
-struct Nodes(Vec<Node>);
-
-impl Links for Nodes {
-    fn link(&mut self, i: u32) -> &mut Link {
-        &mut self.0[i as usize].link
-    }
+enum LruLock {
+    Mutex(StatMutex<()>),
+    Spin(StatSpin),
+    TwoMode(StatRwLock),
 }
 
-struct Lists {
-    nodes: Nodes,
-    heads: [ListHead; 2],
+/// A held LRU lock; `smp` when it is shared and the SMP-safe operations must be used.
+struct Held<'a> {
+    _guard: Guard<'a>,
+    smp: bool,
+}
+
+#[allow(dead_code)] // the guards are held for their Drop
+enum Guard<'a> {
+    Mutex(crate::sync::MutexGuard<'a, ()>),
+    Spin(crate::lockstat::SpinGuard<'a>),
+    Shared(crate::sync::RwLockReadGuard<'a, ()>),
+    Exclusive(crate::sync::RwLockWriteGuard<'a, ()>),
 }
 
 pub struct Lru {
-    lists: StatMutex<Lists>,
-}
-
-impl Lists {
-    fn unlink(&mut self, page: u32) {
-        let list = self.nodes.0[page as usize].list;
-        if list != OFF_LIST {
-            self.heads[list as usize].remove(&mut self.nodes, page);
-            self.nodes.0[page as usize].list = OFF_LIST;
-        }
-    }
-
-    fn push_head(&mut self, list: LruList, page: u32) {
-        self.unlink(page);
-        self.heads[list as usize].push_front(&mut self.nodes, page);
-        self.nodes.0[page as usize].list = list as u8;
-    }
-
-    fn push_tail(&mut self, list: LruList, page: u32) {
-        self.unlink(page);
-        self.heads[list as usize].push_back(&mut self.nodes, page);
-        self.nodes.0[page as usize].list = list as u8;
-    }
+    /// Pages `0..pages`, then the sentinel of each list.
+    nodes: Box<[Node]>,
+    pages: u32,
+    lens: [AtomicUsize; 2],
+    lock: LruLock,
 }
 
 impl Lru {
-    pub fn new(pages: usize) -> Self {
-        let off = Node {
-            link: Link::UNLINKED,
-            list: OFF_LIST,
-        };
+    pub fn new(pages: usize, mode: LruLockMode) -> Self {
+        let pages = pages as u32;
+        let nodes: Box<[Node]> = (0..pages + 2)
+            .map(|i| {
+                // A sentinel starts as an empty circle: linked to itself.
+                let link = if i >= pages { i } else { NIL };
+                let list = if i >= pages { i - pages } else { OFF_LIST };
+                Node {
+                    prev: AtomicU32::new(link),
+                    next: AtomicU32::new(link),
+                    state: AtomicU32::new(list),
+                }
+            })
+            .collect();
         Lru {
-            lists: StatMutex::new(Lists {
-                nodes: Nodes(vec![off; pages]),
-                heads: [ListHead::EMPTY; 2],
-            }),
+            nodes,
+            pages,
+            lens: [AtomicUsize::new(0), AtomicUsize::new(0)],
+            lock: match mode {
+                LruLockMode::Mutex => LruLock::Mutex(StatMutex::new(())),
+                LruLockMode::Spin => LruLock::Spin(StatSpin::new()),
+                LruLockMode::RwLock => LruLock::TwoMode(StatRwLock::new()),
+            },
         }
     }
 
-    fn lock(&self) -> MutexGuard<'_, Lists> {
-        self.lists.lock()
+    /// The lock for an operation that needs the whole list.
+    fn exclusive(&self) -> Held<'_> {
+        let guard = match &self.lock {
+            LruLock::Mutex(m) => Guard::Mutex(m.lock()),
+            LruLock::Spin(s) => Guard::Spin(s.lock()),
+            LruLock::TwoMode(rw) => Guard::Exclusive(rw.exclusive()),
+        };
+        Held {
+            _guard: guard,
+            smp: false,
+        }
     }
 
-    /// The statistics of the list lock.
-    pub fn lockstat(&self) -> LockClass {
-        LockClass::sum("lru", [&self.lists])
+    /// The lock for a single-page add or remove: shared in `rwlock` mode.
+    fn shared(&self) -> Held<'_> {
+        match &self.lock {
+            LruLock::TwoMode(rw) => Held {
+                _guard: Guard::Shared(rw.shared()),
+                smp: true,
+            },
+            _ => self.exclusive(),
+        }
     }
 
     /// Puts pages at the head of `list`, taking them off any list they are on.
     pub fn add(&self, list: LruList, pages: impl IntoIterator<Item = usize>) {
-        let mut l = self.lock();
+        let held = self.shared();
         for p in pages {
-            l.push_head(list, p as u32);
+            let p = p as u32;
+            if held.smp {
+                if self.list_number(p) != OFF_LIST {
+                    self.smp_unlink(p);
+                }
+                self.smp_add_head(list, p);
+            } else {
+                self.unlink(p);
+                self.link_after(self.sentinel(list), p, list);
+            }
         }
     }
 
     /// Puts pages at the tail of `list` (first to be taken), off any list they are on.
     pub fn add_tail(&self, list: LruList, pages: impl IntoIterator<Item = usize>) {
-        let mut l = self.lock();
+        let _held = self.exclusive();
         for p in pages {
-            l.push_tail(list, p as u32);
+            let p = p as u32;
+            self.unlink(p);
+            let tail = self.nodes[self.sentinel(list) as usize].prev.load(Relaxed);
+            self.link_after(tail, p, list);
         }
     }
 
     pub fn remove(&self, page: usize) {
-        self.lock().unlink(page as u32);
+        let page = page as u32;
+        let held = self.shared();
+        if held.smp {
+            if self.list_number(page) != OFF_LIST {
+                self.smp_unlink(page);
+            }
+        } else {
+            self.unlink(page);
+        }
     }
 
     pub fn len(&self, list: LruList) -> usize {
-        self.lock().heads[list as usize].len
+        self.lens[list as usize].load(Relaxed)
     }
 
     /// The list `page` is on, if any.
     pub fn list_of(&self, page: usize) -> Option<LruList> {
-        match self.lock().nodes.0[page].list {
-            0 => Some(LruList::Active),
-            1 => Some(LruList::Inactive),
-            _ => None,
+        LISTS
+            .into_iter()
+            .find(|&l| self.list_number(page as u32) == l as u32)
+    }
+
+    /// The statistics of the LRU lock.
+    pub fn lockstat(&self) -> LockClass {
+        match &self.lock {
+            LruLock::Mutex(m) => LockClass::sum("lru", [m]),
+            LruLock::Spin(s) => LockClass::sum("lru", [s]),
+            LruLock::TwoMode(rw) => LockClass::sum("lru", [rw]),
         }
     }
 
-    /// Every page of `list`, head to tail, with the list's links checked (for the
-    /// invariant walker).
+    /// Every page of `list`, head to tail, with the list's links, list numbers and length
+    /// checked (for the invariant walker).
     pub fn members(&self, list: LruList) -> Result<Vec<u32>, String> {
-        let mut l = self.lock();
-        let head = l.heads[list as usize];
-        head.walk(&mut l.nodes)
+        let _held = self.exclusive();
+        let sentinel = self.sentinel(list);
+        let (mut members, mut prev) = (Vec::new(), sentinel);
+        let mut at = self.nodes[sentinel as usize].next.load(Relaxed);
+        while at != sentinel {
+            if at >= self.pages || members.len() > self.pages as usize {
+                return Err(format!("{list:?} list: bad link {prev} -> {at}"));
+            }
+            let node = &self.nodes[at as usize];
+            if node.prev.load(Relaxed) != prev {
+                return Err(format!(
+                    "{list:?} list: page {at}'s back link is not {prev}"
+                ));
+            }
+            if node.state.load(Relaxed) != list as u32 {
+                return Err(format!(
+                    "{list:?} list: page {at} has list state {:#x}",
+                    node.state.load(Relaxed)
+                ));
+            }
+            members.push(at);
+            prev = at;
+            at = node.next.load(Relaxed);
+        }
+        if self.nodes[sentinel as usize].prev.load(Relaxed) != prev {
+            return Err(format!("{list:?} list: the tail is not {prev}"));
+        }
+        if members.len() != self.len(list) {
+            return Err(format!(
+                "{list:?} list: {} members but length {}",
+                members.len(),
+                self.len(list)
+            ));
+        }
+        Ok(members)
     }
 
     /// Takes up to `max` pages from the tail of `list` whose page lock is free, locked and off
@@ -134,19 +244,142 @@ impl Lru {
         max: usize,
         out: &mut Vec<PageLock<'t>>,
     ) {
-        let mut l = self.lock();
-        let mut budget = l.heads[list as usize].len;
+        let _held = self.exclusive();
+        let sentinel = self.sentinel(list);
+        let mut budget = self.len(list);
         let wanted = out.len() + max;
         while out.len() < wanted && budget > 0 {
             budget -= 1;
-            let page = l.heads[list as usize].tail;
+            let page = self.nodes[sentinel as usize].prev.load(Relaxed);
+            self.unlink(page);
             match pages.try_lock(page as usize) {
-                Some(lock) => {
-                    l.unlink(page);
-                    out.push(lock);
-                }
-                None => l.push_head(list, page),
+                Some(lock) => out.push(lock),
+                None => self.link_after(sentinel, page, list),
             }
+        }
+    }
+
+    fn sentinel(&self, list: LruList) -> u32 {
+        self.pages + list as u32
+    }
+
+    fn list_number(&self, node: u32) -> u32 {
+        self.nodes[node as usize].state.load(Acquire) & !LOCKED
+    }
+
+    // Exclusive-mode operations: no shared one is in flight, no node lock is set.
+
+    /// Links `x` (on no list) after node `at` of `list`.
+    fn link_after(&self, at: u32, x: u32, list: LruList) {
+        let next = self.nodes[at as usize].next.load(Relaxed);
+        let node = &self.nodes[x as usize];
+        node.prev.store(at, Relaxed);
+        node.next.store(next, Relaxed);
+        node.state.store(list as u32, Relaxed);
+        self.nodes[at as usize].next.store(x, Relaxed);
+        self.nodes[next as usize].prev.store(x, Relaxed);
+        self.lens[list as usize].fetch_add(1, Relaxed);
+    }
+
+    /// Takes `x` off its list, if it is on one.
+    fn unlink(&self, x: u32) {
+        let node = &self.nodes[x as usize];
+        let list = node.state.load(Relaxed);
+        if list == OFF_LIST {
+            return;
+        }
+        let (prev, next) = (node.prev.load(Relaxed), node.next.load(Relaxed));
+        self.nodes[prev as usize].next.store(next, Relaxed);
+        self.nodes[next as usize].prev.store(prev, Relaxed);
+        node.prev.store(NIL, Relaxed);
+        node.next.store(NIL, Relaxed);
+        node.state.store(OFF_LIST, Relaxed);
+        self.lens[list as usize].fetch_sub(1, Relaxed);
+    }
+
+    // Shared-mode (SMP-safe) operations: see the module comment.
+
+    fn try_lock_node(&self, i: u32) -> bool {
+        let state = &self.nodes[i as usize].state;
+        let s = state.load(Relaxed);
+        s & LOCKED == 0
+            && state
+                .compare_exchange(s, s | LOCKED, Acquire, Relaxed)
+                .is_ok()
+    }
+
+    fn unlock_node(&self, i: u32) {
+        self.nodes[i as usize].state.fetch_and(!LOCKED, Release);
+    }
+
+    /// Locks `nodes` in order with try-locks; on a failure lets go of those it took.
+    fn try_lock_all(&self, nodes: &[u32]) -> bool {
+        for (taken, &n) in nodes.iter().enumerate() {
+            if !self.try_lock_node(n) {
+                nodes[..taken]
+                    .iter()
+                    .rev()
+                    .for_each(|&m| self.unlock_node(m));
+                return false;
+            }
+        }
+        true
+    }
+
+    /// Takes `x` (on a list, its page lock held by the caller) off its list.
+    fn smp_unlink(&self, x: u32) {
+        let node = &self.nodes[x as usize];
+        let mut round = 0;
+        loop {
+            if self.try_lock_node(x) {
+                // Stable now: changing x's neighbours' links to x needs x's lock.
+                let (prev, next) = (node.prev.load(Relaxed), node.next.load(Relaxed));
+                let others: &[u32] = if prev == next { &[prev] } else { &[prev, next] };
+                if self.try_lock_all(others) {
+                    self.nodes[prev as usize].next.store(next, Relaxed);
+                    self.nodes[next as usize].prev.store(prev, Relaxed);
+                    node.prev.store(NIL, Relaxed);
+                    node.next.store(NIL, Relaxed);
+                    let list = node.state.load(Relaxed) & !LOCKED;
+                    self.lens[list as usize].fetch_sub(1, Relaxed);
+                    others.iter().rev().for_each(|&m| self.unlock_node(m));
+                    node.state.store(OFF_LIST, Release);
+                    return;
+                }
+                self.unlock_node(x);
+            }
+            crate::sync::backoff(round);
+            round += 1;
+        }
+    }
+
+    /// Links `x` (on no list, its page lock held by the caller) at the head of `list`.
+    fn smp_add_head(&self, list: LruList, x: u32) {
+        let sentinel = self.sentinel(list);
+        let node = &self.nodes[x as usize];
+        let mut round = 0;
+        loop {
+            if self.try_lock_all(&[x, sentinel]) {
+                // The sentinel's next is stable now; an empty list's is the sentinel.
+                let first = self.nodes[sentinel as usize].next.load(Relaxed);
+                if first == sentinel || self.try_lock_node(first) {
+                    node.prev.store(sentinel, Relaxed);
+                    node.next.store(first, Relaxed);
+                    self.nodes[first as usize].prev.store(x, Relaxed);
+                    self.nodes[sentinel as usize].next.store(x, Relaxed);
+                    self.lens[list as usize].fetch_add(1, Relaxed);
+                    if first != sentinel {
+                        self.unlock_node(first);
+                    }
+                    self.unlock_node(sentinel);
+                    node.state.store(list as u32, Release);
+                    return;
+                }
+                self.unlock_node(sentinel);
+                self.unlock_node(x);
+            }
+            crate::sync::backoff(round);
+            round += 1;
         }
     }
 }
@@ -154,6 +387,7 @@ impl Lru {
 #[cfg(all(test, not(loom)))]
 mod tests {
     use super::*;
+    use crate::config::LruLockMode;
 
     fn isolate(lru: &Lru, t: &PageTable, list: LruList, max: usize) -> Vec<usize> {
         let mut out = Vec::new();
@@ -163,63 +397,118 @@ mod tests {
 
     #[test]
     fn isolation_takes_oldest_first_and_skips_locked_pages() {
-        let t = PageTable::new(8);
-        let lru = Lru::new(8);
-        lru.add(LruList::Active, [0, 1, 2, 3]);
-        lru.add(LruList::Inactive, [4, 5]);
-        let held = t.lock(1);
-        assert_eq!(isolate(&lru, &t, LruList::Active, 2), vec![0, 2]);
-        drop(held);
-        assert_eq!(lru.len(LruList::Active), 2);
-        assert_eq!(lru.members(LruList::Active).unwrap(), vec![1, 3]);
-        assert_eq!(isolate(&lru, &t, LruList::Active, 9), vec![3, 1]);
-        assert_eq!(isolate(&lru, &t, LruList::Inactive, 9), vec![4, 5]);
+        for mode in LruLockMode::ALL {
+            let t = PageTable::new(8);
+            let lru = Lru::new(8, *mode);
+            lru.add(LruList::Active, [0, 1, 2, 3]);
+            lru.add(LruList::Inactive, [4, 5]);
+            let held = t.lock(1);
+            assert_eq!(isolate(&lru, &t, LruList::Active, 2), vec![0, 2]);
+            drop(held);
+            assert_eq!(lru.len(LruList::Active), 2);
+            assert_eq!(lru.members(LruList::Active).unwrap(), vec![1, 3]);
+            assert_eq!(isolate(&lru, &t, LruList::Active, 9), vec![3, 1]);
+            assert_eq!(isolate(&lru, &t, LruList::Inactive, 9), vec![4, 5]);
+        }
     }
 
     #[test]
     fn moving_and_removing_keep_lengths_right() {
-        let t = PageTable::new(6);
-        let lru = Lru::new(6);
-        lru.add(LruList::Inactive, 0..6);
-        lru.add(LruList::Active, [2, 4]);
-        lru.remove(5);
-        lru.remove(5);
-        assert_eq!(lru.list_of(5), None);
-        assert_eq!(lru.list_of(2), Some(LruList::Active));
-        assert_eq!(lru.len(LruList::Inactive), 3);
-        assert_eq!(lru.len(LruList::Active), 2);
-        assert_eq!(isolate(&lru, &t, LruList::Inactive, 9), vec![0, 1, 3]);
-        assert_eq!(isolate(&lru, &t, LruList::Active, 9), vec![2, 4]);
+        for mode in LruLockMode::ALL {
+            let t = PageTable::new(6);
+            let lru = Lru::new(6, *mode);
+            lru.add(LruList::Inactive, 0..6);
+            lru.add(LruList::Active, [2, 4]);
+            lru.remove(5);
+            lru.remove(5);
+            assert_eq!(lru.list_of(5), None);
+            assert_eq!(lru.list_of(2), Some(LruList::Active));
+            assert_eq!(lru.len(LruList::Inactive), 3);
+            assert_eq!(lru.len(LruList::Active), 2);
+            assert_eq!(isolate(&lru, &t, LruList::Inactive, 9), vec![0, 1, 3]);
+            assert_eq!(isolate(&lru, &t, LruList::Active, 9), vec![2, 4]);
+            lru.add_tail(LruList::Active, [5]);
+            lru.add(LruList::Active, [0]);
+            assert_eq!(lru.members(LruList::Active).unwrap(), vec![0, 5]);
+        }
     }
 
     #[test]
     fn stress_concurrent_adds_moves_and_isolation_lose_no_page() {
-        const PAGES: usize = 512;
-        let t = PageTable::new(PAGES);
-        let lru = Lru::new(PAGES);
-        lru.add(LruList::Active, 0..PAGES);
-        std::thread::scope(|s| {
-            for id in 0..4 {
-                let (t, lru) = (&t, &lru);
-                s.spawn(move || {
+        for mode in LruLockMode::ALL {
+            const PAGES: usize = 512;
+            let t = PageTable::new(PAGES);
+            let lru = Lru::new(PAGES, *mode);
+            lru.add(LruList::Active, 0..PAGES);
+            std::thread::scope(|s| {
+                for id in 0..4 {
+                    let (t, lru) = (&t, &lru);
+                    s.spawn(move || {
+                        let mut got = Vec::new();
+                        for round in 0..2000 {
+                            let (from, to) = if (round + id) % 2 == 0 {
+                                (LruList::Active, LruList::Inactive)
+                            } else {
+                                (LruList::Inactive, LruList::Active)
+                            };
+                            lru.isolate(t, from, 8, &mut got);
+                            let back: Vec<usize> = got.drain(..).map(|l| l.page()).collect();
+                            lru.add(to, back);
+                        }
+                    });
+                }
+            });
+            let mut all = isolate(&lru, &t, LruList::Active, PAGES);
+            all.extend(isolate(&lru, &t, LruList::Inactive, PAGES));
+            all.sort_unstable();
+            assert_eq!(all, (0..PAGES).collect::<Vec<_>>(), "{mode}");
+        }
+    }
+
+    /// Single-page adds and removes (shared in rwlock mode) race with isolation
+    /// (exclusive); the walker checks links, list numbers and lengths at the end.
+    #[test]
+    fn stress_single_page_moves_against_isolation_keep_the_lists_whole() {
+        for mode in LruLockMode::ALL {
+            const PAGES: usize = 256;
+            let t = PageTable::new(PAGES);
+            let lru = Lru::new(PAGES, *mode);
+            lru.add(LruList::Active, 0..PAGES);
+            std::thread::scope(|s| {
+                for id in 0..3usize {
+                    let (t, lru) = (&t, &lru);
+                    s.spawn(move || {
+                        for round in 0..20_000usize {
+                            let page = (round * 7 + id * 85) % PAGES;
+                            // As the fault path does: with the page lock held.
+                            let Some(lock) = t.try_lock(page) else {
+                                continue;
+                            };
+                            match round % 3 {
+                                0 => lru.remove(lock.page()),
+                                1 => lru.add(LruList::Inactive, [lock.page()]),
+                                _ => lru.add(LruList::Active, [lock.page()]),
+                            }
+                        }
+                    });
+                }
+                s.spawn(|| {
                     let mut got = Vec::new();
-                    for round in 0..2000 {
-                        let (from, to) = if (round + id) % 2 == 0 {
-                            (LruList::Active, LruList::Inactive)
-                        } else {
-                            (LruList::Inactive, LruList::Active)
-                        };
-                        lru.isolate(t, from, 8, &mut got);
+                    for _ in 0..2_000 {
+                        lru.isolate(&t, LruList::Active, 8, &mut got);
                         let back: Vec<usize> = got.drain(..).map(|l| l.page()).collect();
-                        lru.add(to, back);
+                        lru.add(LruList::Inactive, back);
                     }
                 });
+            });
+            let active = lru.members(LruList::Active).unwrap();
+            let inactive = lru.members(LruList::Inactive).unwrap();
+            for p in 0..PAGES as u32 {
+                let on = active.contains(&p) as u8 + inactive.contains(&p) as u8;
+                let want = lru.list_of(p as usize).is_some() as u8;
+                assert_eq!(on, want, "{mode}: page {p}");
             }
-        });
-        let mut all = isolate(&lru, &t, LruList::Active, PAGES);
-        all.extend(isolate(&lru, &t, LruList::Inactive, PAGES));
-        all.sort_unstable();
-        assert_eq!(all, (0..PAGES).collect::<Vec<_>>());
+        }
     }
 }
 
@@ -229,34 +518,118 @@ mod tests {
 #[cfg(all(test, loom))]
 mod loom_tests {
     use super::*;
+    use crate::config::LruLockMode;
     use std::sync::Arc;
 
-    fn isolate(lru: &Lru, t: &PageTable, list: LruList) -> Vec<usize> {
+    fn isolate<'t>(lru: &Lru, t: &'t PageTable, list: LruList) -> Vec<PageLock<'t>> {
         let mut out = Vec::new();
         lru.isolate(t, list, 2, &mut out);
-        out.iter().map(|l| l.page()).collect()
+        out
+    }
+
+    fn pages_of(locks: &[PageLock<'_>]) -> Vec<usize> {
+        locks.iter().map(|l| l.page()).collect()
+    }
+
+    fn model(f: impl Fn() + Sync + Send + 'static) {
+        let mut builder = loom::model::Builder::new();
+        builder.preemption_bound = Some(2);
+        builder.max_branches = 100_000;
+        builder.check(f);
+    }
+
+    /// The lock order: a fault holds a page lock and then takes the LRU lock, reclaim holds
+    /// the LRU lock and only try-locks pages. No interleaving may deadlock or lose the page.
+    #[test]
+    fn fault_and_reclaim_never_deadlock_or_lose_a_page() {
+        for mode in LruLockMode::ALL {
+            model(move || {
+                let pages = Arc::new(PageTable::new(2));
+                let lru = Arc::new(Lru::new(2, *mode));
+                lru.add(LruList::Active, [0, 1]);
+                let fault = {
+                    let (pages, lru) = (pages.clone(), lru.clone());
+                    loom::thread::spawn(move || {
+                        let lock = pages.lock(0);
+                        lru.add(LruList::Active, [lock.page()]);
+                    })
+                };
+                // As reclaim does: the isolated pages stay locked while they move.
+                let isolated = isolate(&lru, &pages, LruList::Active);
+                lru.add(LruList::Inactive, pages_of(&isolated));
+                drop(isolated);
+                fault.join().unwrap();
+                let mut all = pages_of(&isolate(&lru, &pages, LruList::Active));
+                all.extend(pages_of(&isolate(&lru, &pages, LruList::Inactive)));
+                all.sort_unstable();
+                assert_eq!(all, vec![0, 1], "{mode}: every page on exactly one list");
+            });
+        }
+    }
+
+    /// The SMP-safe operations (rwlock mode, shared): `ops` run at once, each on its own
+    /// page, on the list [2, 1, 0]; `want` is the list after.
+    fn shared_ops(ops: &'static [(usize, Option<LruList>)], want: &'static [u32]) {
+        model(move || {
+            let pages = Arc::new(PageTable::new(4));
+            let lru = Arc::new(Lru::new(4, LruLockMode::RwLock));
+            lru.add(LruList::Active, [0, 1, 2]);
+            let threads: Vec<_> = ops
+                .iter()
+                .copied()
+                .map(|(page, add)| {
+                    let (pages, lru) = (pages.clone(), lru.clone());
+                    loom::thread::spawn(move || {
+                        let lock = pages.lock(page);
+                        match add {
+                            Some(list) => lru.add(list, [lock.page()]),
+                            None => lru.remove(lock.page()),
+                        }
+                    })
+                })
+                .collect();
+            threads.into_iter().for_each(|t| t.join().unwrap());
+            assert_eq!(lru.members(LruList::Active).unwrap(), want);
+        });
     }
 
     #[test]
-    fn fault_and_reclaim_never_deadlock_or_lose_a_page() {
-        loom::model(|| {
-            let pages = Arc::new(PageTable::new(2));
-            let lru = Arc::new(Lru::new(2));
-            lru.add(LruList::Active, [0, 1]);
-            let fault = {
+    fn shared_removes_of_adjacent_pages_keep_the_list_whole() {
+        shared_ops(&[(1, None), (2, None)], &[0]);
+    }
+
+    #[test]
+    fn a_shared_add_at_the_head_beside_a_remove_of_the_first_page_keeps_the_list_whole() {
+        shared_ops(&[(2, None), (3, Some(LruList::Active))], &[3, 1, 0]);
+    }
+
+    #[test]
+    fn a_shared_move_between_lists_beside_a_remove_keeps_both_whole() {
+        shared_ops(&[(1, Some(LruList::Inactive)), (0, None)], &[2]);
+    }
+
+    /// Shared single-page moves against an exclusive isolation.
+    #[test]
+    fn shared_moves_and_exclusive_isolation_lose_no_page() {
+        model(|| {
+            let pages = Arc::new(PageTable::new(3));
+            let lru = Arc::new(Lru::new(3, LruLockMode::RwLock));
+            lru.add(LruList::Active, [0, 1, 2]);
+            let mover = {
                 let (pages, lru) = (pages.clone(), lru.clone());
                 loom::thread::spawn(move || {
-                    let lock = pages.lock(0);
-                    lru.add(LruList::Active, [lock.page()]);
+                    let lock = pages.lock(1);
+                    lru.add(LruList::Inactive, [lock.page()]);
                 })
             };
             let isolated = isolate(&lru, &pages, LruList::Active);
-            lru.add(LruList::Inactive, isolated.iter().copied());
-            fault.join().unwrap();
-            let mut all = isolate(&lru, &pages, LruList::Active);
-            all.extend(isolate(&lru, &pages, LruList::Inactive));
+            lru.add(LruList::Inactive, pages_of(&isolated));
+            drop(isolated);
+            mover.join().unwrap();
+            let mut all: Vec<u32> = lru.members(LruList::Active).unwrap();
+            all.extend(lru.members(LruList::Inactive).unwrap());
             all.sort_unstable();
-            assert_eq!(all, vec![0, 1], "every page on exactly one list");
+            assert_eq!(all, vec![0, 1, 2]);
         });
     }
 }

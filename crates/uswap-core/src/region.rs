@@ -188,6 +188,7 @@ impl Region {
             fault_around: cfg.fault_around,
             bounce_buffers: cfg.handler_threads + 2,
             pcp: cfg.pcp,
+            lru_lock: cfg.lru_lock,
         })?;
         let reclaim = Reclaim::new(mm, cfg.watermarks, cfg.inactive_percent, cfg.reclaim_batch);
         let fault = Arc::new(FaultPath::new(reclaim, cfg.fault_around, cfg.readahead));

@@ -2,9 +2,15 @@
 //! and the one way uswap takes a mutex.
 
 #[cfg(loom)]
-pub(crate) use loom::sync::{atomic::AtomicU64, Mutex, MutexGuard};
+pub(crate) use loom::sync::{
+    atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize},
+    Mutex, MutexGuard, RwLock, RwLockReadGuard, RwLockWriteGuard,
+};
 #[cfg(not(loom))]
-pub(crate) use std::sync::{atomic::AtomicU64, Mutex, MutexGuard};
+pub(crate) use std::sync::{
+    atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize},
+    Mutex, MutexGuard, RwLock, RwLockReadGuard, RwLockWriteGuard,
+};
 
 /// Takes a mutex, tolerating poison: a thread that panicked while holding it (a dying
 /// handler, say) must not take every later fault down with it. Every structure behind a
