@@ -41,6 +41,7 @@ impl Handlers {
             leader: Mutex::new(()),
             busy: AtomicUsize::new(0),
             spin: Duration::from_micros(cfg.spin_us),
+            retry: Mutex::new(Vec::new()),
         });
         for i in 0..cfg.threads {
             let (fault, shared) = (fault.clone(), shared.clone());
@@ -75,6 +76,12 @@ struct Shared {
     busy: AtomicUsize,
     /// How long a waiting leader polls before it sleeps.
     spin: Duration,
+    /// Pages whose fault backed out (`Outcome::Retry`), their threads not woken yet. A
+    /// fill backs out when a vma event is pending, and the kernel hands out pending faults
+    /// before events: waking the thread at once would raise the fault again ahead of the
+    /// event, forever. They are woken after the next read, which then returns the event
+    /// (or after a millisecond without one).
+    retry: Mutex<Vec<usize>>,
 }
 
 /// Leader/follower: one handler at a time waits for messages (spinning briefly, then in
@@ -86,7 +93,8 @@ fn serve(fault: &FaultPath, stop: i32, shared: &Shared) {
     let mut msgs = [Msg::default(); 16];
     loop {
         let leader = lock_std(&shared.leader);
-        let Some(n) = next_messages(fault, stop, &mut msgs, shared) else {
+        let retrying = std::mem::take(&mut *lock_std(&shared.retry));
+        let Some(n) = next_messages(fault, stop, &mut msgs, shared, !retrying.is_empty()) else {
             return;
         };
         let has_event = msgs[..n]
@@ -100,15 +108,22 @@ fn serve(fault: &FaultPath, stop: i32, shared: &Shared) {
         };
         let _busy = Busy::enter(&shared.busy);
         for m in &msgs[..n] {
-            handle_message(fault, m.decode());
+            if let Some(page) = handle_message(fault, m.decode()) {
+                lock_std(&shared.retry).push(page);
+            }
         }
         if fault.has_pending() {
             fault.place_pending();
         }
+        for page in retrying {
+            fault.mm().wake(page);
+        }
     }
 }
 
-fn handle_message(fault: &FaultPath, event: Event) {
+/// Handles one message; the page whose fault backed out and whose thread is to be woken
+/// later, if any.
+fn handle_message(fault: &FaultPath, event: Event) -> Option<usize> {
     let Event::Fault {
         address,
         write_protect,
@@ -119,22 +134,24 @@ fn handle_message(fault: &FaultPath, event: Event) {
             fault.mm().vmstat().handler_panics.fetch_add(1, Relaxed);
             eprintln!("uswap: handling {event:?} panicked; the region may be inconsistent");
         }
-        return;
+        return None;
     };
     let Some(page) = fault.mm().page_of(address) else {
-        return fault.foreign_fault(address);
+        fault.foreign_fault(address);
+        return None;
     };
     let outcome = catch_unwind(AssertUnwindSafe(|| {
         fault.handle_fault(page, Some(write_protect))
     }));
     match outcome {
-        Ok(Outcome::Resolved) => {}
-        Ok(Outcome::Retry) => fault.mm().wake(page),
+        Ok(Outcome::Resolved) => None,
+        Ok(Outcome::Retry) => Some(page),
         Ok(Outcome::Fatal) => {
             kill_faulting_thread(tid);
             // A kernel access (GUP: mlock, read(2) into the page) may wait uninterruptibly:
             // woken, it sees the fatal signal and gives up instead of waiting forever.
             fault.mm().wake(page);
+            None
         }
         Err(_) => {
             // The page lock was released as the panic unwound; the fault it held fails
@@ -146,6 +163,7 @@ fn handle_message(fault: &FaultPath, event: Event) {
             );
             kill_faulting_thread(tid);
             fault.mm().wake(page);
+            None
         }
     }
 }
@@ -169,7 +187,14 @@ impl Drop for Busy<'_> {
 /// Waits for messages; `None` when the region is shutting down or the descriptor failed.
 /// Spins first only while no other handler is busy: a busy handler means a faulting thread
 /// is blocked, and a spinning CPU would take time from that fault's I/O and from kswapd.
-fn next_messages(fault: &FaultPath, stop: i32, msgs: &mut [Msg], shared: &Shared) -> Option<usize> {
+/// With `retrying` (threads wait to be woken), it gives up after a millisecond with none.
+fn next_messages(
+    fault: &FaultPath,
+    stop: i32,
+    msgs: &mut [Msg],
+    shared: &Shared,
+    retrying: bool,
+) -> Option<usize> {
     let mm = fault.mm();
     let spin = if shared.busy.load(Relaxed) == 0 {
         shared.spin
@@ -195,9 +220,16 @@ fn next_messages(fault: &FaultPath, stop: i32, msgs: &mut [Msg], shared: &Shared
         }
         // While pages moved out of the region wait to be put in place, look again soon:
         // the kernel refuses the fills until it has counted the last event as read.
-        let timeout = if fault.has_pending() { 1 } else { -1 };
+        let timeout = if fault.has_pending() || retrying {
+            1
+        } else {
+            -1
+        };
         if !wait_readable(mm.uffd().raw(), stop, timeout) {
             return None;
+        }
+        if retrying {
+            return Some(mm.uffd().read_events(msgs).unwrap_or_default());
         }
         if fault.has_pending() {
             fault.place_pending();
