@@ -24,8 +24,10 @@
 //!    and skips pages it cannot take. Vma events (`vma.rs`) and the invariant walker take
 //!    page locks blocking, one page at a time in address order.
 //! 2. **`Lru` lock** (`lru.rs`): list membership and order. Taken with page locks held;
-//!    while holding it, only `try_lock` on pages.
-//! 3. **staging free list**, **bounce pool**, **swap allocator** and **swap cache**
+//!    while holding it, only `try_lock` on pages. In rwlock mode the shared side also
+//!    locks list nodes, with try-locks only (see `lru.rs`).
+//! 3. **staging free lists** (a per-CPU list, then the shared list), **bounce pool**,
+//!    **swap allocator** and **swap cache**
 //!    (`swap_state.rs`) locks: leaves; nothing is taken while holding them. A swap cache
 //!    entry changes only under the page lock of the page it names.
 //!
