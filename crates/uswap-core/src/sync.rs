@@ -12,15 +12,10 @@ pub(crate) use std::sync::{
     Mutex, MutexGuard, RwLock, RwLockReadGuard, RwLockWriteGuard,
 };
 
-/// Takes a mutex, tolerating poison: a thread that panicked while holding it (a dying
-/// handler, say) must not take every later fault down with it. Every structure behind a
-/// uswap mutex is left consistent at each step, so its contents are still valid.
-pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-/// Takes a std mutex (one that loom does not model, outside the modelled structures) the
-/// same way.
+/// Takes a std mutex (one that loom does not model, outside the modelled structures),
+/// tolerating poison: a thread that panicked while holding it (a dying handler, say) must
+/// not take every later fault down with it. Every structure behind a uswap mutex is left
+/// consistent at each step, so its contents are still valid.
 pub(crate) fn lock_std<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }

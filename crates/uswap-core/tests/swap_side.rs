@@ -192,6 +192,7 @@ fn swapoff_brings_every_page_back_and_frees_every_slot() {
         assert!(refused.contains("set_memory_limit"), "{refused}");
 
         region.set_memory_limit(8 * MIB).unwrap();
+        let at_swapoff = region.stats().vmstat;
         let mut calls = Vec::new();
         let report = region
             .swapoff(&mut |done, total| calls.push((done, total)))
@@ -216,12 +217,18 @@ fn swapoff_brings_every_page_back_and_frees_every_slot() {
         }
         let after = region.stats().vmstat.since(&before);
         assert_eq!(after.pswpin, 0, "{policy}: nothing left to read: {after:?}");
-        // Every page gave up its slot, so it is dirty: writing raises no fault.
+        // Every page gave up its slot, so it is dirty: writing raises no write-protect
+        // fault. A fault since swapoff can only be on a page a reclaim pass still running
+        // when the limit was raised parked inactive again.
         for p in 0..pages {
             unsafe { common::fill(region.as_ptr(), p, 3) };
         }
         let writes = region.stats().vmstat.since(&before);
-        assert_eq!(writes.pgfault, 0, "{policy}: {writes:?}");
+        let parked = region.stats().vmstat.since(&at_swapoff).pgdeactivate;
+        assert!(
+            writes.pgfault <= parked,
+            "{policy}: {parked} parked, {writes:?}"
+        );
         region.check_invariants().unwrap();
     }
 }
