@@ -69,7 +69,10 @@ impl Budget {
     /// Charges up to `want` pages; returns how many were granted (0 when the budget is
     /// spent). Served from this CPU's stock when it holds enough.
     pub fn try_charge(&self, want: u64) -> u64 {
-        self.try_charge_on(crate::cpu::current(), want)
+        match self.stocks.is_empty() {
+            true => self.charge_shared(want),
+            false => self.try_charge_on(crate::cpu::current(), want),
+        }
     }
 
     fn try_charge_on(&self, cpu: usize, want: u64) -> u64 {
@@ -119,7 +122,13 @@ impl Budget {
 
     /// Gives pages back, to this CPU's stock while it holds less than twice a batch.
     pub fn uncharge(&self, pages: u64) {
-        self.uncharge_on(crate::cpu::current(), pages);
+        // The CPU is asked for only when there are stocks (a vDSO call per page otherwise).
+        let cpu = if self.stocks.is_empty() {
+            0
+        } else {
+            crate::cpu::current()
+        };
+        self.uncharge_on(cpu, pages);
     }
 
     fn uncharge_on(&self, cpu: usize, pages: u64) {

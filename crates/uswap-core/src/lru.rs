@@ -180,9 +180,8 @@ impl Lru {
 
     /// The list `page` is on, if any.
     pub fn list_of(&self, page: usize) -> Option<LruList> {
-        LISTS
-            .into_iter()
-            .find(|&l| self.list_number(page as u32) == l as u32)
+        let number = self.list_number(page as u32);
+        LISTS.into_iter().find(|&l| number == l as u32)
     }
 
     /// The statistics of the LRU lock.

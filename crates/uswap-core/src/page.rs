@@ -26,7 +26,9 @@
 //! 2. **`Lru` lock** (`lru.rs`): list membership and order. Taken with page locks held;
 //!    while holding it, only `try_lock` on pages. In rwlock mode the shared side also
 //!    locks list nodes, with try-locks only (see `lru.rs`).
-//! 3. **staging free lists** (a per-CPU list, then the shared list), **bounce pool**,
+//! 3. **readahead's last window** (`readahead.rs`): held while the swap cache marks that
+//!    window's pages used; only swap cache locks are taken under it.
+//! 4. **staging free lists** (a per-CPU list, then the shared list), **bounce pool**,
 //!    **swap allocator** and **swap cache**
 //!    (`swap_state.rs`) locks: leaves; nothing is taken while holding them. A swap cache
 //!    entry changes only under the page lock of the page it names.

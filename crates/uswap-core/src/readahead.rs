@@ -65,7 +65,8 @@ pub(crate) struct ReadaheadState {
     prev_slot: AtomicU32,
     prev_page: AtomicUsize,
     prev_window: AtomicU32,
-    /// The last window read (for inferring the use of its pages).
+    /// The last window read (for inferring the use of its pages). Taken with a page lock
+    /// held; swap cache locks are taken under it, nothing else.
     last: std::sync::Mutex<Window>,
 }
 
@@ -126,18 +127,18 @@ impl ReadaheadState {
         pages: usize,
         used: impl FnOnce(Window) -> u32,
     ) -> Window {
-        let last = *crate::sync::lock_std(&self.last);
+        // Held throughout, so two swap-ins cannot both take credit for one window.
+        let mut last = crate::sync::lock_std(&self.last);
         if last.is_followed_by(slot, page) {
-            self.hits.fetch_add(used(last), Relaxed);
+            self.hits.fetch_add(used(*last), Relaxed);
             // The last page the walk used, as a swap cache hit there would have recorded.
-            if let Window::Pages { start, end } = last {
+            if let Window::Pages { start, end } = *last {
                 let prev = if page == end { end - 1 } else { start };
                 self.prev_page.store(prev, Relaxed);
             }
         }
-        let window = self.size_window(slot, page, pages);
-        *crate::sync::lock_std(&self.last) = window;
-        window
+        *last = self.size_window(slot, page, pages);
+        *last
     }
 
     fn size_window(&self, slot: u32, page: usize, pages: usize) -> Window {

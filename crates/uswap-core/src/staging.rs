@@ -125,7 +125,7 @@ impl Staging {
 
     /// Moves every per-CPU list's frames to the shared list, locking each list in turn,
     /// whichever CPU owns it.
-    pub fn drain_pcp(&self) {
+    fn drain_pcp(&self) {
         for list in self.pcp.iter() {
             let mut local = list.lock();
             if !local.is_empty() {

@@ -2,7 +2,7 @@
 //! slot. A slot is in the cache while a page holding it is resident: a page under
 //! write-back, a clean page swapped in or parked inactive with its slot kept, and a page
 //! brought in by readahead, which carries a marker until its first use. Swap-in looks the
-//! slot up before any I/O; readahead skips slots already cached.
+//! slot up before any I/O.
 //!
 //! An entry names the page that holds the data (region and page number); the page's state
 //! word holds the data's whereabouts (mapped, or its staging frame). The page lock of that
@@ -127,10 +127,6 @@ impl SwapCache {
         }
     }
 
-    pub fn mode(&self) -> SwapCacheMode {
-        self.mode
-    }
-
     /// Runs `f` on `slot`'s entry and its trunk's counters, under the lock that covers it.
     fn with<R>(&self, slot: SlotId, f: impl FnOnce(&mut u64, &mut SwapCacheStats) -> R) -> R {
         let (space, within, index) = self.position(slot);
@@ -241,11 +237,6 @@ impl SwapCache {
         })
     }
 
-    /// Whether `slot` is cached, without counting a lookup (readahead's check).
-    pub fn contains(&self, slot: SlotId) -> bool {
-        self.peek(slot).is_some()
-    }
-
     /// `slot`'s entry, without counting or clearing anything (the invariant walker).
     pub fn peek(&self, slot: SlotId) -> Option<CacheEntry> {
         self.with(slot, |word, _| CacheEntry::decode(*word))
@@ -323,7 +314,7 @@ mod tests {
             assert!(c.entries_of(8).is_empty());
             assert_eq!(c.delete(3), Some(entry(30, false)));
             assert_eq!(c.delete(3), None);
-            assert!(!c.contains(3) && c.contains(far));
+            assert!(c.peek(3).is_none() && c.peek(far).is_some());
             let s = c.stats();
             assert_eq!(
                 (s.lookups, s.hits, s.readahead_hits, s.adds, s.deletes),
