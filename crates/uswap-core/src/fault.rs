@@ -16,7 +16,7 @@ use crate::readahead::{read_around, Destination, ReadaheadState, Window};
 use crate::stats::FaultKind;
 use crate::vmscan::Reclaim;
 use crate::PAGE_SIZE;
-use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering::Relaxed, Ordering::SeqCst};
+use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
 use std::time::Instant;
 
 /// How a fault ended.
@@ -36,9 +36,6 @@ const OOM: &str = "out of memory: no page could be reclaimed";
 pub(crate) struct FaultPath {
     reclaim: Reclaim,
     fault_around: usize,
-    /// Non-zero while a vma event is being read or handled by a thread other than the one
-    /// that reads faults (SIGBUS mode): page states may be about to change under a fault.
-    events_in_flight: AtomicU32,
     /// Pages mremap moved out of the region, to be put in place (`vma.rs`).
     pub(crate) placements: std::sync::Mutex<crate::vma::Placements>,
     /// Bounds of the addresses those pages go to, for the SIGBUS handler.
@@ -55,7 +52,6 @@ impl FaultPath {
             readahead: ReadaheadState::new(readahead),
             reclaim,
             fault_around,
-            events_in_flight: AtomicU32::new(0),
             placements: Default::default(),
             pending_lo: AtomicUsize::new(usize::MAX),
             pending_hi: AtomicUsize::new(0),
@@ -77,17 +73,9 @@ impl FaultPath {
         self.inject_panic.store(true, Relaxed);
     }
 
-    /// Marks the start and end of reading and handling a vma event (see `vma.rs`).
-    pub fn events_begin(&self) {
-        self.events_in_flight.fetch_add(1, SeqCst);
-    }
-
-    pub fn events_end(&self) {
-        self.events_in_flight.fetch_sub(1, SeqCst);
-    }
-
+    /// Whether vma events are being read or handled (see `mmap_changing.rs`).
     pub(crate) fn events_pending(&self) -> bool {
-        self.events_in_flight.load(SeqCst) != 0
+        self.mm().mmap_changing()
     }
 
     /// Swapoff's step for one page (`unuse_pte`): brings it into memory, mapped, if it is
@@ -115,6 +103,12 @@ impl FaultPath {
         if !lock.state().is_resident() {
             return false;
         }
+        self.forget_slot_locked(&mut lock)
+    }
+
+    /// [`FaultPath::forget_slot`] on a locked resident page.
+    pub(crate) fn forget_slot_locked(&self, lock: &mut PageLock<'_>) -> bool {
+        let page = lock.page();
         let active = lock.kind() == Kind::Active;
         match lock.forget_slot() {
             Some(slot) => {
@@ -150,6 +144,7 @@ impl FaultPath {
                 .unwrap_or(Outcome::Retry),
             Kind::Inactive => self.activate(lock, start, true).unwrap_or(Outcome::Retry),
             Kind::Swapped => self.swap_in(lock, start, Destination::MapClean),
+            Kind::Lazyfree => self.refill_lazyfree(lock),
             Kind::Poisoned => {
                 drop(lock);
                 Outcome::Fatal
@@ -229,6 +224,32 @@ impl FaultPath {
              memory error); its data is lost",
             false,
         )
+    }
+
+    /// A fault on a lazily freed page: the kernel zapped it (MADV_DONTNEED), so it reads as
+    /// zeros; it is still charged. If it is mapped after all, a racing fault got there first.
+    fn refill_lazyfree(&self, mut lock: PageLock<'_>) -> Outcome {
+        let mm = self.mm();
+        let page = lock.page();
+        let zeros = mm.zeros() as *const u8;
+        match mm.uffd().copy(mm.page_addr(page), zeros, PAGE_SIZE, false) {
+            Ok(()) => {
+                lock.refill();
+                mm.vmstat().pgzerofill.fetch_add(1, Relaxed);
+                Outcome::Resolved
+            }
+            Err(p) if p.error.raw_os_error() == Some(libc::EEXIST) => {
+                drop(lock);
+                mm.wake(page);
+                Outcome::Resolved
+            }
+            Err(p) if p.vanished() || p.busy() => Outcome::Retry,
+            Err(p) => self.fail(
+                lock,
+                &format!("zero-filling a discarded page failed: {p}"),
+                false,
+            ),
+        }
     }
 
     /// Gives back what a page held: budget, staging frame, swap slot.

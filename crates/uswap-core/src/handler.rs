@@ -5,6 +5,7 @@
 
 use crate::error::{Error, Result};
 use crate::fault::{FaultPath, Outcome};
+use crate::mmap_changing::Raised;
 use crate::sync::lock_std;
 use crate::uffd::{Event, Msg};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
@@ -87,28 +88,33 @@ struct Shared {
 /// Leader/follower: one handler at a time waits for messages (spinning briefly, then in
 /// poll), hands leadership on as soon as it has faults, and resolves them. Only one thread
 /// wakes per message, and a fault that follows soon after the last one finds a handler
-/// already running instead of waking a sleeping CPU. A batch with a vma event is handled
-/// whole before leadership passes on, so every message read after an event sees its effect.
+/// already running instead of waking a sleeping CPU. A batch with a vma event keeps
+/// leadership and the fence (`mmap_changing.rs`) until its events are handled, so every
+/// message read after an event sees its effect; the batch's faults, raised before the
+/// event, are served after it, seeing the pages as the event left them.
 fn serve(fault: &FaultPath, stop: i32, shared: &Shared) {
     let mut msgs = [Msg::default(); 16];
     loop {
         let leader = lock_std(&shared.leader);
         let retrying = std::mem::take(&mut *lock_std(&shared.retry));
-        let Some(n) = next_messages(fault, stop, &mut msgs, shared, !retrying.is_empty()) else {
+        let Some((n, fence)) = next_messages(fault, stop, &mut msgs, shared, !retrying.is_empty())
+        else {
             return;
         };
-        let has_event = msgs[..n]
-            .iter()
-            .any(|m| !matches!(m.decode(), Event::Fault { .. }));
-        let _leader = if has_event || fault.has_pending() {
+        let _leader = if fence.is_some() || fault.has_pending() {
             Some(leader)
         } else {
             drop(leader);
             None
         };
         let _busy = Busy::enter(&shared.busy);
-        for m in &msgs[..n] {
-            if let Some(page) = handle_message(fault, m.decode()) {
+        let is_fault = |e: &Event| matches!(e, Event::Fault { .. });
+        for event in msgs[..n].iter().map(Msg::decode).filter(|e| !is_fault(e)) {
+            handle_message(fault, event);
+        }
+        drop(fence);
+        for event in msgs[..n].iter().map(Msg::decode).filter(is_fault) {
+            if let Some(page) = handle_message(fault, event) {
                 lock_std(&shared.retry).push(page);
             }
         }
@@ -184,17 +190,19 @@ impl Drop for Busy<'_> {
     }
 }
 
-/// Waits for messages; `None` when the region is shutting down or the descriptor failed.
+/// Waits for messages and reads them: how many, and the fence when they hold a vma event;
+/// `None` when the region is shutting down or the descriptor failed. It looks with `poll`
+/// and reads only what is there: every read raises the fence against fills.
 /// Spins first only while no other handler is busy: a busy handler means a faulting thread
 /// is blocked, and a spinning CPU would take time from that fault's I/O and from kswapd.
 /// With `retrying` (threads wait to be woken), it gives up after a millisecond with none.
-fn next_messages(
-    fault: &FaultPath,
+fn next_messages<'a>(
+    fault: &'a FaultPath,
     stop: i32,
     msgs: &mut [Msg],
     shared: &Shared,
     retrying: bool,
-) -> Option<usize> {
+) -> Option<(usize, Option<Raised<'a>>)> {
     let mm = fault.mm();
     let spin = if shared.busy.load(Relaxed) == 0 {
         shared.spin
@@ -203,43 +211,45 @@ fn next_messages(
     };
     let spin_until = Instant::now() + spin;
     loop {
-        match mm.uffd().read_events(msgs) {
-            Ok(0) => {}
-            Ok(n) => return Some(n),
-            Err(e) => {
-                eprintln!("uswap: reading userfaultfd events failed: {e}; fault handler stops");
-                return None;
-            }
-        }
-        if mm.shutting_down() {
-            return None;
-        }
-        if Instant::now() < spin_until {
-            std::hint::spin_loop();
-            continue;
-        }
-        // While pages moved out of the region wait to be put in place, look again soon:
-        // the kernel refuses the fills until it has counted the last event as read.
-        let timeout = if fault.has_pending() || retrying {
+        let timeout = if Instant::now() < spin_until {
+            0
+        } else if fault.has_pending() || retrying {
+            // While pages moved out of the region wait to be put in place, look again soon:
+            // the kernel refuses the fills until it has counted the last event as read.
             1
         } else {
             -1
         };
-        if !wait_readable(mm.uffd().raw(), stop, timeout) {
+        match wait_readable(mm.uffd().raw(), stop, timeout) {
+            Readiness::Stop => return None,
+            Readiness::Readable => match mm.uffd().read_messages(msgs) {
+                Ok((0, _)) => {}
+                Ok(read) => return Some(read),
+                Err(e) => {
+                    eprintln!("uswap: reading userfaultfd events failed: {e}; fault handler stops");
+                    return None;
+                }
+            },
+            Readiness::TimedOut if timeout > 0 && retrying => return Some((0, None)),
+            Readiness::TimedOut => std::hint::spin_loop(),
+        }
+        if mm.shutting_down() {
             return None;
         }
-        if retrying {
-            return Some(mm.uffd().read_events(msgs).unwrap_or_default());
-        }
-        if fault.has_pending() {
+        if timeout > 0 && fault.has_pending() {
             fault.place_pending();
         }
     }
 }
 
-/// Sleeps until `fd` is readable or `timeout_ms` passed (true), or `stop` is readable
-/// (false).
-fn wait_readable(fd: i32, stop: i32, timeout_ms: i32) -> bool {
+enum Readiness {
+    Readable,
+    TimedOut,
+    Stop,
+}
+
+/// Sleeps until `fd` is readable, `stop` is readable, or `timeout_ms` passed.
+fn wait_readable(fd: i32, stop: i32, timeout_ms: i32) -> Readiness {
     let mut fds = [
         libc::pollfd {
             fd,
@@ -255,9 +265,15 @@ fn wait_readable(fd: i32, stop: i32, timeout_ms: i32) -> bool {
     // SAFETY: valid pollfd array.
     let ready = unsafe { libc::poll(fds.as_mut_ptr(), 2, timeout_ms) };
     if ready < 0 && std::io::Error::last_os_error().kind() != std::io::ErrorKind::Interrupted {
-        return false;
+        return Readiness::Stop;
     }
-    fds[1].revents == 0
+    if fds[1].revents != 0 {
+        Readiness::Stop
+    } else if fds[0].revents != 0 {
+        Readiness::Readable
+    } else {
+        Readiness::TimedOut
+    }
 }
 
 /// Delivers SIGBUS to the thread whose fault could not be served. Without its thread id

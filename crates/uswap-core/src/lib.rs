@@ -15,6 +15,7 @@ pub mod lockstat;
 mod lru;
 mod mapping;
 mod mm;
+mod mmap_changing;
 mod page;
 mod readahead;
 mod region;

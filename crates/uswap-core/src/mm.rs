@@ -9,18 +9,18 @@ use crate::config::FaultMode;
 use crate::error::{Error, Result};
 use crate::lru::Lru;
 use crate::mapping::Mapping;
+use crate::mmap_changing::MmapChanging;
 use crate::page::{Kind, PageTable};
 use crate::staging::Staging;
 use crate::stats::{FaultKind, FaultLatency, VmStat};
 use crate::swap_io::PageBuf;
 use crate::swap_state::CacheEntry;
 use crate::swapfile::SwapDevice;
-use crate::sync::lock_std;
 use crate::uffd::Uffd;
 use crate::PAGE_SIZE;
 use std::os::unix::fs::FileExt;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Instant;
 
 /// What the kernel lets this region use beyond the required MISSING, MOVE and event support.
@@ -114,7 +114,7 @@ pub(crate) struct PagemapEntry {
 pub(crate) struct Parts {
     pub map: Mapping,
     pub staging: Staging,
-    pub zap_scratch: Mapping,
+    pub mmap_changing: Arc<MmapChanging>,
     pub uffd: Uffd,
     pub staging_uffd: Uffd,
     pub swap: Arc<SwapDevice>,
@@ -135,8 +135,8 @@ pub(crate) struct Mm {
     map: Mapping,
     zeros: Mapping,
     staging: Staging,
-    /// Where `Reclaim::zap` moves pages to drop them; registered like staging.
-    zap_scratch: Mutex<Mapping>,
+    /// The fence between reading vma events and filling pages (both userfaultfds).
+    mmap_changing: Arc<MmapChanging>,
     uffd: Uffd,
     staging_uffd: Uffd,
     pages: PageTable,
@@ -184,7 +184,7 @@ impl Mm {
             staging_uffd: p.staging_uffd,
             map: p.map,
             staging: p.staging,
-            zap_scratch: Mutex::new(p.zap_scratch),
+            mmap_changing: p.mmap_changing,
             swap: p.swap,
             caps: p.caps,
             mode: p.mode,
@@ -238,9 +238,9 @@ impl Mm {
         &self.latency
     }
 
-    /// The zap scratch area, held while in use.
-    pub fn zap_scratch(&self) -> std::sync::MutexGuard<'_, Mapping> {
-        lock_std(&self.zap_scratch)
+    /// Whether vma events are being read or handled: page states may be about to change.
+    pub fn mmap_changing(&self) -> bool {
+        self.mmap_changing.changing()
     }
 
     /// A source of zeros for first-touch fills (never written).

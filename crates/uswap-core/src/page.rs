@@ -59,6 +59,12 @@ pub enum Kind {
     /// only this page. Fault-around leaves it alone, because the kernel zaps the range only
     /// after uswap has read the event, and would take a neighbour filled in between.
     Discarded = 6,
+    /// Mapped when the program discarded it: MADV_DONTNEED zaps it, MADV_FREE leaves it
+    /// mapped with its data until it is written or reclaimed, and the event does not say
+    /// which. Charged, on the active list, no slot. A fault on it means the kernel zapped
+    /// it (zero-filled, no new charge); aging moves it out like an active page, or, finding
+    /// nothing to move, frees it (the kernel's lazy free, `pglazyfreed`).
+    Lazyfree = 7,
 }
 
 const KIND_MASK: u64 = 0b111;
@@ -114,7 +120,8 @@ impl PageState {
             3 => Kind::Swapped,
             4 => Kind::Poisoned,
             5 => Kind::Unmapped,
-            _ => Kind::Discarded,
+            6 => Kind::Discarded,
+            _ => Kind::Lazyfree,
         }
     }
 
@@ -130,7 +137,7 @@ impl PageState {
 
     /// Whether the page counts against the resident budget.
     pub fn is_resident(self) -> bool {
-        matches!(self.kind(), Kind::Active | Kind::Inactive)
+        matches!(self.kind(), Kind::Active | Kind::Inactive | Kind::Lazyfree)
     }
 
     /// The invariants of each kind: which of frame and slot it may carry.
@@ -143,6 +150,7 @@ impl PageState {
                 self.frame().is_none() && self.slot().is_none()
             }
             Kind::Active => self.frame().is_none(),
+            Kind::Lazyfree => self.frame().is_none() && self.slot().is_none(),
             Kind::Inactive => self.frame().is_some(),
             Kind::Swapped => self.frame().is_none() && self.slot().is_some(),
         }
@@ -275,9 +283,10 @@ impl PageLock<'_> {
         old.frame().expect("an inactive page has a frame")
     }
 
-    /// An active page was moved into staging `frame` (unmapped, data kept).
+    /// An active (or lazily freed, still mapped) page was moved into staging `frame`
+    /// (unmapped, data kept).
     pub fn deactivate(&mut self, frame: u32) {
-        self.expect(&[Kind::Active], "deactivate");
+        self.expect(&[Kind::Active, Kind::Lazyfree], "deactivate");
         self.become_(Kind::Inactive, Some(frame), self.state.slot());
     }
 
@@ -314,7 +323,10 @@ impl PageLock<'_> {
     /// Swapoff: a resident page gives up its slot (it is dirty from now on). Returns the
     /// slot to free.
     pub fn forget_slot(&mut self) -> Option<u32> {
-        self.expect(&[Kind::Active, Kind::Inactive], "forget_slot");
+        self.expect(
+            &[Kind::Active, Kind::Inactive, Kind::Lazyfree],
+            "forget_slot",
+        );
         let frame = self.state.frame();
         self.become_(self.state.kind(), frame, None).slot()
     }
@@ -343,6 +355,20 @@ impl PageLock<'_> {
         self.become_(Kind::Discarded, None, None)
     }
 
+    /// MADV_DONTNEED/MADV_FREE on a mapped page without a slot: the kernel may or may not
+    /// have zapped it (see [`Kind::Lazyfree`]).
+    pub fn lazyfree(&mut self) {
+        self.expect(&[Kind::Active], "lazyfree");
+        debug_assert!(self.state.slot().is_none(), "its slot is freed first");
+        self.become_(Kind::Lazyfree, None, None);
+    }
+
+    /// A lazily freed page the kernel had zapped was zero-filled again (its charge kept).
+    pub fn refill(&mut self) {
+        self.expect(&[Kind::Lazyfree], "refill");
+        self.become_(Kind::Active, None, None);
+    }
+
     /// munmap, or the source of an mremap: nothing is mapped here any more. Returns what the
     /// page held, for the caller to release or move.
     pub fn unmap(&mut self) -> PageState {
@@ -368,7 +394,7 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
 
-    const KINDS: [Kind; 7] = [
+    const KINDS: [Kind; 8] = [
         Kind::None,
         Kind::Active,
         Kind::Inactive,
@@ -376,11 +402,12 @@ mod tests {
         Kind::Poisoned,
         Kind::Unmapped,
         Kind::Discarded,
+        Kind::Lazyfree,
     ];
 
     proptest! {
         #[test]
-        fn fields_round_trip_independently(kind in 0usize..7, frame in proptest::option::of(0u32..FRAME_NONE), slot in proptest::option::of(0u32..SLOT_NONE)) {
+        fn fields_round_trip_independently(kind in 0usize..8, frame in proptest::option::of(0u32..FRAME_NONE), slot in proptest::option::of(0u32..SLOT_NONE)) {
             let s = PageState::of(KINDS[kind], frame, slot);
             prop_assert_eq!(s.kind(), KINDS[kind]);
             prop_assert_eq!(s.frame(), frame);
@@ -403,6 +430,11 @@ mod tests {
         assert_eq!(l.discard().frame(), Some(9));
         assert_eq!(l.kind(), Kind::Discarded);
         l.map_new();
+        l.lazyfree();
+        l.refill();
+        l.lazyfree();
+        l.deactivate(4);
+        assert_eq!(l.kind(), Kind::Inactive);
         l.unmap();
         drop(l);
         assert_eq!(t.peek(0).0.kind(), Kind::Unmapped);
@@ -457,6 +489,7 @@ mod tests {
                             Kind::Unmapped => {
                                 l.discard();
                             }
+                            Kind::Lazyfree => l.refill(),
                         }
                         assert!(l.state().is_well_formed());
                     }

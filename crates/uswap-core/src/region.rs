@@ -8,13 +8,14 @@ use crate::fault::FaultPath;
 use crate::handler::{HandlerConfig, Handlers};
 use crate::mapping::Mapping;
 use crate::mm::{check_page_size, Caps, Mm, Parts};
+use crate::mmap_changing::MmapChanging;
 use crate::page::{Kind, MAX_FRAMES};
 use crate::signals::Quiet;
 use crate::staging::Staging;
 use crate::stats::{FaultKind, Latency, Stats};
 use crate::swapfile::SwapDevice;
 use crate::uffd::{self, Uffd};
-use crate::vmscan::{Reclaim, ZAP_PAGES};
+use crate::vmscan::Reclaim;
 use crate::{sigbus, PAGE_SIZE};
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -146,15 +147,19 @@ impl Region {
         if cfg.fault_mode == FaultMode::Sigbus {
             required.push(SIGBUS);
         }
-        let uffd = Uffd::open(features(&probe, &required, &optional)?)?;
+        let mmap_changing = Arc::new(MmapChanging::default());
+        let uffd = Uffd::open(
+            features(&probe, &required, &optional)?,
+            mmap_changing.clone(),
+        )?;
         // Staging has a userfaultfd of its own, without events: freeing a staging frame must
         // not raise an event that blocks reclaim until a handler reads it. Nothing should
         // ever fault there; if something does, SIGBUS makes it loud.
-        let staging_uffd = Uffd::open(features(
-            &probe,
-            &[MOVE],
-            &[uffd::FEATURE_WP, uffd::FEATURE_SIGBUS],
-        )?)?;
+        // Its moves take pages out of the region, so they pass the region's fence too.
+        let staging_uffd = Uffd::open(
+            features(&probe, &[MOVE], &[uffd::FEATURE_WP, uffd::FEATURE_SIGBUS])?,
+            mmap_changing.clone(),
+        )?;
         let caps = Caps {
             write_protect: probe.has(uffd::FEATURE_WP),
             poison: probe.has(uffd::FEATURE_POISON),
@@ -163,7 +168,6 @@ impl Region {
         // No more pages can be parked than the region has, whatever the limit.
         let cpus = if cfg.pcp { crate::cpu::count() } else { 0 };
         let staging = Staging::new(limit, pages.min(MAX_FRAMES), cpus)?;
-        let zap_scratch = Mapping::new(ZAP_PAGES * PAGE_SIZE)?;
         // Every range is registered with the same modes: UFFDIO_MOVE needs both sides with
         // the same page protection, and the destination registered with the ioctl's fd.
         let mode = uffd::REGISTER_MODE_MISSING
@@ -174,11 +178,10 @@ impl Region {
             };
         register(&uffd, &map, mode)?;
         register(&staging_uffd, staging.mapping(), mode)?;
-        register(&staging_uffd, &zap_scratch, mode)?;
         let mm = Mm::new(Parts {
             map,
             staging,
-            zap_scratch,
+            mmap_changing,
             uffd,
             staging_uffd,
             swap,
@@ -283,9 +286,19 @@ impl Region {
     #[doc(hidden)]
     pub fn simulate_lost_page(&self, offset: usize) {
         let _quiet = Quiet::new();
+        let mm = self.fault.mm();
         let page = offset / PAGE_SIZE;
-        let _lock = self.fault.mm().pages().lock(page);
-        self.fault.reclaim().zap(page..page + 1);
+        let _lock = mm.pages().lock(page);
+        if let Some(&frame) = mm.staging().alloc_many(1).first() {
+            let moved = mm.staging_uffd().move_pages(
+                mm.staging().addr(frame),
+                mm.page_addr(page),
+                PAGE_SIZE,
+                false,
+            );
+            assert!(moved.is_ok(), "test hook: the page could not be taken out");
+            mm.staging().release(frame);
+        }
     }
 
     /// The swap-in readahead in force.

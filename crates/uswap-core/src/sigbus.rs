@@ -188,11 +188,10 @@ fn serve(s: &Served) {
             return;
         }
         if fds[0].revents != 0 {
-            // Fence faults off before the read: once an event is read, the program's
-            // syscall returns and its page states are about to change.
-            s.fault.events_begin();
-            match mm.uffd().read_events(&mut msgs) {
-                Ok(n) => {
+            // The fence stays up while the events are handled: once an event is read, the
+            // program's syscall goes on and its page states are about to change.
+            match mm.uffd().read_messages(&mut msgs) {
+                Ok((n, _fence)) => {
                     for m in &msgs[..n] {
                         let event = m.decode();
                         if catch_unwind(AssertUnwindSafe(|| s.fault.handle_event(event))).is_err() {
@@ -203,7 +202,6 @@ fn serve(s: &Served) {
                 }
                 Err(e) => eprintln!("uswap: reading userfaultfd events failed: {e}"),
             }
-            s.fault.events_end();
         }
         if s.fault.has_pending() {
             s.fault.place_pending();

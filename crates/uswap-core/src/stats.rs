@@ -81,6 +81,11 @@ vmstat! {
     unexplained_faults,
     /// Pages the program discarded (MADV_DONTNEED/MADV_FREE): zeros from then on.
     pgdiscard,
+    /// Of those, pages that were mapped: kept charged until a fault or reclaim shows
+    /// whether the kernel zapped them (`Kind::Lazyfree`).
+    pglazyfree,
+    /// Lazily freed pages that reclaim found zapped and freed without moving anything.
+    pglazyfreed,
     /// Pages the program unmapped.
     pgunmap,
     /// Pages that followed an mremap to a new place in the region.

@@ -5,8 +5,10 @@
 //! ioctl numbers of `include/uapi/linux/userfaultfd.h` are declared here.
 
 use crate::error::{Error, Result};
+use crate::mmap_changing::{MmapChanging, Raised};
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::sync::Arc;
 
 pub const API: u64 = 0xAA;
 
@@ -301,9 +303,11 @@ impl Partial {
     }
 }
 
-/// An open userfaultfd with its API handshake done.
+/// An open userfaultfd with its API handshake done. Its fills pass the region's
+/// [`MmapChanging`] gate, and it reads messages only with that fence raised.
 pub struct Uffd {
     fd: OwnedFd,
+    gate: Arc<MmapChanging>,
 }
 
 fn check(ret: libc::c_int) -> io::Result<()> {
@@ -315,8 +319,8 @@ fn check(ret: libc::c_int) -> io::Result<()> {
 }
 
 impl Uffd {
-    /// Opens a userfaultfd with exactly `features` enabled.
-    pub fn open(features: u64) -> Result<Uffd> {
+    /// Opens a userfaultfd with exactly `features` enabled, its fills passing `gate`.
+    pub(crate) fn open(features: u64, gate: Arc<MmapChanging>) -> Result<Uffd> {
         let fd = open_raw()?;
         let mut arg = ApiArg {
             api: API,
@@ -327,7 +331,7 @@ impl Uffd {
         if unsafe { libc::ioctl(fd.as_raw_fd(), UFFDIO_API as _, &mut arg) } != 0 {
             return Err(Error::os("UFFDIO_API"));
         }
-        Ok(Uffd { fd })
+        Ok(Uffd { fd, gate })
     }
 
     pub fn raw(&self) -> RawFd {
@@ -424,8 +428,15 @@ impl Uffd {
                 mode,
                 copied: 0,
             };
+            let Some(pass) = self.gate.enter_fill() else {
+                return Err(Partial {
+                    done,
+                    error: io::Error::from_raw_os_error(libc::EAGAIN),
+                });
+            };
             // SAFETY: valid descriptor and argument; the kernel checks the ranges.
             let ret = unsafe { libc::ioctl(self.raw(), op as _, &mut arg) };
+            drop(pass);
             if arg.copied > 0 {
                 done += arg.copied as usize;
             }
@@ -465,6 +476,10 @@ impl Uffd {
             mode: 0,
             updated: 0,
         };
+        let _pass = self
+            .gate
+            .enter_fill()
+            .ok_or_else(|| io::Error::from_raw_os_error(libc::EAGAIN))?;
         // SAFETY: valid descriptor and argument.
         check(unsafe { libc::ioctl(self.raw(), UFFDIO_POISON as _, &mut arg) })
     }
@@ -478,8 +493,24 @@ impl Uffd {
         check(unsafe { libc::ioctl(self.raw(), UFFDIO_WAKE as _, &mut r) })
     }
 
-    /// Reads pending fault messages without blocking; returns how many were read.
-    pub fn read_events(&self, out: &mut [Msg]) -> io::Result<usize> {
+    /// Reads pending messages without blocking, with the fence up (see `mmap_changing.rs`):
+    /// how many were read, and, when they hold a vma event, the fence, which keeps fills
+    /// out until the caller has handled the events and drops it.
+    pub(crate) fn read_messages(&self, out: &mut [Msg]) -> io::Result<(usize, Option<Raised<'_>>)> {
+        let raised = self.gate.raise();
+        let n = self.read_raw(out)?;
+        let events = out[..n]
+            .iter()
+            .any(|m| !matches!(m.decode(), Event::Fault { .. }));
+        Ok(if events {
+            raised.hold_for_events();
+            (n, Some(raised))
+        } else {
+            (n, None)
+        })
+    }
+
+    fn read_raw(&self, out: &mut [Msg]) -> io::Result<usize> {
         let size = std::mem::size_of::<Msg>();
         // SAFETY: `out` is valid for its length in bytes; Msg is plain data.
         let n = unsafe {

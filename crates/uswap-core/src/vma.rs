@@ -13,17 +13,20 @@
 //!   counted against the limit), said once on stderr.
 //!
 //! Events are handled one at a time, each before any message read after it (thread mode:
-//! by the handler that holds leadership; SIGBUS mode: by the service thread, with
-//! `FaultPath::events_begin` fencing off faults meanwhile). Page locks are taken blocking,
-//! in address order.
+//! by the handler that holds leadership; SIGBUS mode: by the service thread), with fills
+//! fenced off from the read until they are handled (`mmap_changing.rs`): no page is filled
+//! between the kernel's change and uswap's, so uswap never has to take a page out behind
+//! the kernel. Page locks are taken blocking, in address order.
 
 use crate::fault::FaultPath;
 use crate::lru::LruList;
 use crate::page::{Kind, PageLock, PageState};
 use crate::uffd::Event;
-use crate::vmscan::ZAP_PAGES;
 use crate::PAGE_SIZE;
 use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
+
+/// Pages whose locks a discard holds at a time.
+const DISCARD_BATCH: usize = 512;
 
 /// Said once per process: region memory moved out of a region.
 static MOVED_OUT_SAID: AtomicBool = AtomicBool::new(false);
@@ -58,7 +61,7 @@ impl FaultPath {
         let mut msgs = [crate::uffd::Msg::default(); 16];
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
         loop {
-            while let Ok(n @ 1..) = self.mm().uffd().read_events(&mut msgs) {
+            while let Ok((n @ 1.., _fence)) = self.mm().uffd().read_messages(&mut msgs) {
                 for m in &msgs[..n] {
                     match m.decode() {
                         Event::Fault { address, .. } => {
@@ -83,26 +86,32 @@ impl FaultPath {
         }
     }
 
-    /// MADV_DONTNEED/MADV_FREE: every page of the range reads as zeros from now on.
+    /// MADV_DONTNEED/MADV_FREE: every page of the range that is not mapped reads as zeros
+    /// from now on. A mapped page is the kernel's to zap (DONTNEED) or keep until written
+    /// or reclaimed (FREE); uswap never zaps behind it (two zaps of one range can livelock
+    /// in UFFDIO_MOVE), and keeps such a page charged until it learns which
+    /// (`Kind::Lazyfree`).
     fn discard(&self, start: usize, end: usize) {
         let mm = self.mm();
         let range = mm.pages_in(start, end);
         let mut first = range.start;
         while first < range.end {
-            let chunk = first..(first + ZAP_PAGES).min(range.end);
+            let chunk = first..(first + DISCARD_BATCH).min(range.end);
             let mut locks: Vec<PageLock<'_>> = chunk.clone().map(|p| mm.pages().lock(p)).collect();
-            let mapped = locks.iter().any(|l| l.kind() == Kind::Active);
             for lock in &mut locks {
-                if lock.kind() == Kind::Unmapped {
-                    continue;
+                match lock.kind() {
+                    Kind::Unmapped | Kind::Lazyfree => {}
+                    Kind::Active => {
+                        self.forget_slot_locked(lock);
+                        lock.lazyfree();
+                        mm.vmstat().pglazyfree.fetch_add(1, Relaxed);
+                    }
+                    _ => {
+                        mm.lru().remove(lock.page());
+                        let held = lock.discard();
+                        self.release(held);
+                    }
                 }
-                mm.lru().remove(lock.page());
-                let held = lock.discard();
-                self.release(held);
-            }
-            // A fault that raced the kernel's own zap may have mapped a page after it.
-            if mapped {
-                self.reclaim().zap(chunk.clone());
             }
             mm.vmstat().pgdiscard.fetch_add(chunk.len() as u64, Relaxed);
             first = chunk.end;
@@ -176,12 +185,6 @@ impl FaultPath {
         let list = mm.lru().list_of(a);
         mm.lru().remove(a);
         let moved = src.unmap();
-        if moved.kind() != Kind::Active {
-            // The kernel moved no page table entry here, so nothing may be mapped; a page
-            // that is was filled by a fault or readahead that raced this mremap's events
-            // (the kernel accepts fills once they are read): stale data, taken out.
-            self.reclaim().zap(b..b + 1);
-        }
         if let Some(slot) = moved.slot() {
             mm.own_slot(slot, b);
             if moved.is_resident() {
@@ -352,7 +355,7 @@ impl FaultPath {
             // write-protected when active and clean.
             if let Some(e) = mm.pagemap_entry(l.page()) {
                 let active = st.kind() == Kind::Active;
-                let unknown = matches!(st.kind(), Kind::Poisoned | Kind::Unmapped);
+                let unknown = matches!(st.kind(), Kind::Poisoned | Kind::Unmapped | Kind::Lazyfree);
                 if e.present != active && !unknown {
                     let not = if e.present { "" } else { "not " };
                     errors.push(format!("page {} is {st:?} but {not}mapped", l.page()));
@@ -362,7 +365,7 @@ impl FaultPath {
                 }
             }
             let want = match st.kind() {
-                Kind::Active => Some(LruList::Active),
+                Kind::Active | Kind::Lazyfree => Some(LruList::Active),
                 Kind::Inactive => Some(LruList::Inactive),
                 _ => None,
             };

@@ -269,8 +269,18 @@ impl Reclaim {
                 {
                     Ok(()) => end - start,
                     Err(partial) => {
-                        if partial.error.raw_os_error() == Some(libc::EINVAL) {
-                            mm.vmstat().pgskip_unmovable.fetch_add(1, Relaxed);
+                        let stuck = &mut locks[start + partial.done / PAGE_SIZE];
+                        match partial.error.raw_os_error() {
+                            Some(libc::EINVAL) => {
+                                mm.vmstat().pgskip_unmovable.fetch_add(1, Relaxed);
+                            }
+                            // Nothing mapped: the kernel zapped the lazily freed page.
+                            Some(libc::ENOENT) if stuck.kind() == Kind::Lazyfree => {
+                                stuck.discard();
+                                mm.budget().uncharge(1);
+                                mm.vmstat().pglazyfreed.fetch_add(1, Relaxed);
+                            }
+                            _ => {}
                         }
                         partial.done / PAGE_SIZE
                     }
@@ -288,15 +298,16 @@ impl Reclaim {
         let inactive = locks.iter().filter(|l| l.kind() == Kind::Inactive).count();
         mm.vmstat().pgdeactivate.fetch_add(inactive as u64, Relaxed);
         let list_of = |l: &PageLock<'_>| match l.kind() {
-            Kind::Inactive => LruList::Inactive,
-            _ => LruList::Active,
+            Kind::Inactive => Some(LruList::Inactive),
+            Kind::Discarded => None,
+            _ => Some(LruList::Active),
         };
         for list in [LruList::Inactive, LruList::Active] {
             mm.lru().add(
                 list,
                 locks
                     .iter()
-                    .filter(|l| list_of(l) == list)
+                    .filter(|l| list_of(l) == Some(list))
                     .map(|l| l.page()),
             );
         }
@@ -386,28 +397,7 @@ impl Reclaim {
         mm.vmstat().pswpout.fetch_add(written, Relaxed);
         mm.slots_taken(written);
     }
-
-    /// Takes whatever is mapped at `pages` (at most [`ZAP_PAGES`], all locked by the caller)
-    /// out of the region and frees it: the zap of MADV_DONTNEED/MADV_FREE, done again by
-    /// uswap so that a fault that raced the kernel's zap leaves nothing mapped behind it.
-    pub fn zap(&self, pages: std::ops::Range<usize>) {
-        debug_assert!(pages.len() <= ZAP_PAGES);
-        let mm = &self.mm;
-        let scratch = mm.zap_scratch();
-        let (dst, src, len) = (
-            scratch.addr(),
-            mm.page_addr(pages.start),
-            pages.len() * PAGE_SIZE,
-        );
-        // Holes are skipped; pages the program mlocked or mprotected cannot move and are left
-        // to the kernel's own zap.
-        let _ = mm.staging_uffd().move_present(dst, src, len);
-        scratch.discard(0, pages.len());
-    }
 }
-
-/// Pages [`Reclaim::zap`] takes at a time: the size of its scratch area.
-pub(crate) const ZAP_PAGES: usize = 512;
 
 /// Starts kswapd for the reclaim that `owner` holds (`reclaim` finds it).
 pub(crate) fn spawn_kswapd<T: Send + Sync + 'static>(
