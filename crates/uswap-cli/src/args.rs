@@ -102,6 +102,11 @@ pub struct CoreArgs {
     #[arg(long, value_name = "MODE", value_parser = |s: &str| s.parse::<LruLockMode>())]
     pub lru_lock: Option<LruLockMode>,
 
+    /// Single-page LRU adds gathered per CPU before they take the LRU lock, 1 to 256
+    /// (1 = every page at once; the kernel batches 31) [default: 31]
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u16).range(1..=256))]
+    pub lru_batch: Option<u16>,
+
     /// Per-CPU charge stocks and free-frame lists: `on` or `off` [default: on]
     #[arg(long, value_name = "ON|OFF", value_parser = on_off)]
     pub pcp: Option<bool>,
@@ -166,6 +171,9 @@ impl CoreArgs {
         cfg.readahead = self.readahead();
         if let Some(pcp) = self.pcp {
             cfg.pcp = pcp;
+        }
+        if let Some(n) = self.lru_batch {
+            cfg.lru_batch = n as usize;
         }
         if let Some(mode) = self.lru_lock {
             cfg.lru_lock = mode;
@@ -245,6 +253,13 @@ mod tests {
                 .unwrap()
                 .pcp
         );
+        assert!(core(&["--lru-batch", "0"]).is_err());
+        assert!(core(&["--lru-batch", "257"]).is_err());
+        let batch = core(&["--lru-batch", "1"])
+            .unwrap()
+            .config(64 << 20)
+            .unwrap();
+        assert_eq!(batch.lru_batch, 1);
         assert!(core(&["--readahead", "sideways"]).is_err());
         assert!(core(&["--slot-alloc", "global"]).is_err());
         let err = core(&["--handlers", "0"])

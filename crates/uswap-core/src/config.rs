@@ -15,6 +15,9 @@ pub const MAX_SIZE: u64 = 64 << 40;
 /// Smallest memory limit: reclaim needs room for a batch plus the watermarks.
 pub const MIN_MEMORY_PAGES: u64 = 16;
 
+/// Pages in a per-CPU LRU batch by default: the kernel's `PAGEVEC_SIZE`/folio batch.
+pub const DEFAULT_LRU_BATCH: usize = 31;
+
 /// Parses a byte size such as `4096`, `64K`, `16M`, `2G`, `1T` (also `2GiB`, `2gb`).
 /// Suffixes are binary (K = 1024).
 pub fn parse_size(text: &str) -> Result<u64> {
@@ -463,6 +466,9 @@ pub struct Config {
     pub readahead: Readahead,
     /// How the LRU lists are locked.
     pub lru_lock: LruLockMode,
+    /// Single-page LRU adds gathered per CPU before they take the LRU lock (the kernel's
+    /// folio batch of 31); 1 adds every page at once.
+    pub lru_batch: usize,
     /// Per-CPU stocks in front of the resident budget (the memcg charge stock) and per-CPU
     /// lists in front of the staging frame list (the page allocator's per-CPU lists).
     pub pcp: bool,
@@ -483,6 +489,7 @@ impl Config {
             readahead: Readahead::default(),
             pcp: true,
             lru_lock: LruLockMode::Mutex,
+            lru_batch: DEFAULT_LRU_BATCH,
         }
     }
 
@@ -559,6 +566,12 @@ impl Config {
             return Err(Error::invalid(
                 "reclaim batch",
                 format!("{}: use 1 to 256 pages", self.reclaim_batch),
+            ));
+        }
+        if !(1..=256).contains(&self.lru_batch) {
+            return Err(Error::invalid(
+                "LRU batch",
+                format!("{}: use 1 (no batching) to 256 pages", self.lru_batch),
             ));
         }
         self.readahead.validate()?;

@@ -235,6 +235,7 @@ impl FaultPath {
         match mm.uffd().copy(mm.page_addr(page), zeros, PAGE_SIZE, false) {
             Ok(()) => {
                 lock.refill();
+                mm.lru().cache_add(LruList::Active, page, false);
                 mm.vmstat().pgzerofill.fetch_add(1, Relaxed);
                 Outcome::Resolved
             }
@@ -393,7 +394,7 @@ impl FaultPath {
         }
         mm.vmstat().pgzerofill.fetch_add(1, Relaxed);
         lock.map_new();
-        mm.lru().add(LruList::Active, [lock.page()]);
+        mm.lru().cache_add(LruList::Active, lock.page(), false);
         drop(lock);
         mm.record(FaultKind::FirstTouch, start);
         Outcome::Resolved
@@ -445,7 +446,7 @@ impl FaultPath {
                 )
             });
         }
-        mm.lru().add(LruList::Active, [lock.page()]);
+        mm.lru().cache_add(LruList::Active, lock.page(), false);
         lock.activate();
         drop(lock);
         if copied && report {
@@ -549,7 +550,7 @@ impl FaultPath {
                 .cache()
                 .add(slot, mm.cache_entry(lock.page(), false));
         }
-        mm.lru().add(LruList::Active, [lock.page()]);
+        mm.lru().cache_add(LruList::Active, lock.page(), false);
         lock.swap_in(keep.then_some(slot));
         drop(lock);
         mm.record(FaultKind::Major, start);
@@ -605,7 +606,7 @@ impl FaultPath {
         if !keep {
             mm.release_slot(slot);
         }
-        mm.lru().add(LruList::Active, [lock.page()]);
+        mm.lru().cache_add(LruList::Active, lock.page(), false);
         lock.swap_in(keep.then_some(slot));
         drop(lock);
         mm.record(FaultKind::Major, start);

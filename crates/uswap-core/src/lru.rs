@@ -26,12 +26,26 @@
 //! share; one goes first. Exclusive-mode operations run with no shared one in flight, so
 //! they change links with plain (relaxed) stores and set no node locks. The walker checks
 //! links, list numbers and lengths.
+//!
+//! # Per-CPU batches (seed 003, the kernel's `cpu_fbatches`)
+//!
+//! With `Config::lru_batch` above 1, the adds of single pages that faults make
+//! ([`Lru::cache_add`]: a page mapped, activated, or read ahead to the tail) wait in a
+//! per-CPU batch and are linked together under one exclusive lock when the batch fills
+//! ([`Lru::drain_all`] empties every CPU's, for reclaim and the walker: the
+//! `lru_add_drain_all` analogue). A waiting page is on no list; its node says
+//! "pending for list L". The page-lock holder marks it pending (a CAS, since a drain may
+//! link it at the same time) and `remove` unmarks it under the LRU lock; a drain links
+//! only pages still pending for the entry's list, with a CAS from pending to linked, so
+//! a page removed or re-added meanwhile is skipped (its newer entry, if any, links it).
+//! Each batch has a mutex, so another CPU can drain it; lock order: batch, then LRU.
 
 use crate::config::LruLockMode;
 use crate::lockstat::{LockClass, StatMutex, StatRwLock, StatSpin};
 use crate::page::{PageLock, PageTable};
 use crate::sync::{AtomicU32, AtomicUsize};
-use std::sync::atomic::Ordering::{Acquire, Relaxed, Release};
+use crossbeam_utils::CachePadded;
+use std::sync::atomic::Ordering::{AcqRel, Acquire, Relaxed, Release};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum LruList {
@@ -43,6 +57,12 @@ const LISTS: [LruList; 2] = [LruList::Active, LruList::Inactive];
 
 /// The list number of a node on no list.
 const OFF_LIST: u32 = 0xff;
+/// Added to a list number: the page waits in a per-CPU batch to be added to that list.
+const PENDING: u32 = 0x10;
+
+fn is_pending(state: u32) -> bool {
+    state & !1 == PENDING
+}
 /// The node lock bit, beside the list number in `Node::state`.
 const LOCKED: u32 = 1 << 8;
 /// The link of a node on no list.
@@ -81,10 +101,22 @@ pub struct Lru {
     pages: u32,
     lens: [AtomicUsize; 2],
     lock: LruLock,
+    /// Per-CPU batches of single-page adds (none: every add is immediate).
+    batches: Box<[CachePadded<StatMutex<Vec<Pending>>>]>,
+    batch_size: usize,
+}
+
+/// A page waiting in a per-CPU batch: the list it goes to, at the head or the tail.
+#[derive(Clone, Copy)]
+struct Pending {
+    page: u32,
+    list: LruList,
+    tail: bool,
 }
 
 impl Lru {
-    pub fn new(pages: usize, mode: LruLockMode) -> Self {
+    /// Lists for `pages` pages; with `batch` above 1, `cpus` per-CPU batches of that size.
+    pub fn new(pages: usize, mode: LruLockMode, batch: usize, cpus: usize) -> Self {
         let pages = pages as u32;
         let nodes: Box<[Node]> = (0..pages + 2)
             .map(|i| {
@@ -107,6 +139,10 @@ impl Lru {
                 LruLockMode::Spin => LruLock::Spin(StatSpin::new()),
                 LruLockMode::RwLock => LruLock::TwoMode(StatRwLock::new()),
             },
+            batches: (0..if batch > 1 { cpus.max(1) } else { 0 })
+                .map(|_| CachePadded::new(StatMutex::new(Vec::with_capacity(batch))))
+                .collect(),
+            batch_size: batch,
         }
     }
 
@@ -139,8 +175,9 @@ impl Lru {
         let held = self.shared();
         for p in pages {
             let p = p as u32;
+            let was_pending = self.forget_pending(p);
             if held.smp {
-                if self.list_number(p) != OFF_LIST {
+                if !was_pending && self.list_number(p) != OFF_LIST {
                     self.smp_unlink(p);
                 }
                 self.smp_add_head(list, p);
@@ -156,15 +193,105 @@ impl Lru {
         let _held = self.exclusive();
         for p in pages {
             let p = p as u32;
+            self.forget_pending(p);
             self.unlink(p);
             let tail = self.nodes[self.sentinel(list) as usize].prev.load(Relaxed);
             self.link_after(tail, p, list);
         }
     }
 
+    /// Adds one page (its page lock held) at the head, or the tail, of `list`, through this
+    /// CPU's batch when batches are on.
+    pub fn cache_add(&self, list: LruList, page: usize, tail: bool) {
+        let Some(batch) = self.local_batch() else {
+            return if tail {
+                self.add_tail(list, [page])
+            } else {
+                self.add(list, [page])
+            };
+        };
+        let node = &self.nodes[page].state;
+        loop {
+            let s = node.load(Acquire);
+            if s == OFF_LIST || is_pending(s) {
+                let want = PENDING | list as u32;
+                if node.compare_exchange(s, want, AcqRel, Acquire).is_ok() {
+                    break;
+                }
+            } else {
+                self.remove(page);
+            }
+        }
+        let mut pending = batch.lock();
+        pending.push(Pending {
+            page: page as u32,
+            list,
+            tail,
+        });
+        if pending.len() >= self.batch_size {
+            self.link_pending(&mut pending);
+        }
+    }
+
+    fn local_batch(&self) -> Option<&StatMutex<Vec<Pending>>> {
+        match self.batches.len() {
+            0 => None,
+            n => Some(&self.batches[crate::cpu::current() % n]),
+        }
+    }
+
+    /// Links every CPU's waiting pages (reclaim and the walker need the lists whole).
+    pub fn drain_all(&self) {
+        for batch in self.batches.iter() {
+            let mut pending = batch.lock();
+            if !pending.is_empty() {
+                self.link_pending(&mut pending);
+            }
+        }
+    }
+
+    /// Takes a page (its page lock and the LRU lock held) out of the batch it waits in, if
+    /// it does. A drain needs the LRU lock exclusive, so nothing else changes its node.
+    fn forget_pending(&self, page: u32) -> bool {
+        let node = &self.nodes[page as usize].state;
+        let s = node.load(Acquire);
+        if !is_pending(s) {
+            return false;
+        }
+        let taken = node.compare_exchange(s, OFF_LIST, AcqRel, Relaxed);
+        debug_assert!(taken.is_ok(), "a pending page changed under the LRU lock");
+        true
+    }
+
+    /// Links the pages of one batch (its lock held) that still wait for the entry's list.
+    fn link_pending(&self, pending: &mut Vec<Pending>) {
+        let _held = self.exclusive();
+        for p in pending.drain(..) {
+            let node = &self.nodes[p.page as usize].state;
+            let want = PENDING | p.list as u32;
+            if node
+                .compare_exchange(want, p.list as u32, AcqRel, Relaxed)
+                .is_err()
+            {
+                continue; // removed, or waiting again in a newer entry
+            }
+            let at = if p.tail {
+                self.nodes[self.sentinel(p.list) as usize]
+                    .prev
+                    .load(Relaxed)
+            } else {
+                self.sentinel(p.list)
+            };
+            self.link_after(at, p.page, p.list);
+        }
+    }
+
     pub fn remove(&self, page: usize) {
         let page = page as u32;
         let held = self.shared();
+        if self.forget_pending(page) {
+            return;
+        }
         if held.smp {
             if self.list_number(page) != OFF_LIST {
                 self.smp_unlink(page);
@@ -178,10 +305,17 @@ impl Lru {
         self.lens[list as usize].load(Relaxed)
     }
 
-    /// The list `page` is on, if any.
+    /// The list `page` is on, or waits in a batch to be added to, if any.
     pub fn list_of(&self, page: usize) -> Option<LruList> {
         let number = self.list_number(page as u32);
-        LISTS.into_iter().find(|&l| number == l as u32)
+        LISTS
+            .into_iter()
+            .find(|&l| number == l as u32 || number == PENDING | l as u32)
+    }
+
+    /// The statistics of the per-CPU batch locks.
+    pub fn batch_lockstat(&self) -> LockClass {
+        LockClass::sum("lru_batch", self.batches.iter().map(|b| &**b))
     }
 
     /// The statistics of the LRU lock.
@@ -398,7 +532,7 @@ mod tests {
     fn isolation_takes_oldest_first_and_skips_locked_pages() {
         for mode in LruLockMode::ALL {
             let t = PageTable::new(8);
-            let lru = Lru::new(8, *mode);
+            let lru = Lru::new(8, *mode, 1, 1);
             lru.add(LruList::Active, [0, 1, 2, 3]);
             lru.add(LruList::Inactive, [4, 5]);
             let held = t.lock(1);
@@ -412,10 +546,39 @@ mod tests {
     }
 
     #[test]
+    fn batched_adds_wait_until_the_batch_fills_or_is_drained() {
+        for mode in LruLockMode::ALL {
+            let lru = Lru::new(8, *mode, 3, 1);
+            lru.add(LruList::Inactive, [5]);
+            lru.cache_add(LruList::Active, 0, false);
+            lru.cache_add(LruList::Active, 1, false);
+            // Waiting: on no list yet, but known to be going to the active one.
+            assert_eq!(lru.len(LruList::Active), 0);
+            assert_eq!(lru.list_of(0), Some(LruList::Active));
+            // A page removed while it waits is never linked.
+            lru.remove(1);
+            assert_eq!(lru.list_of(1), None);
+            // A page on a list leaves it at once; the third add fills the batch.
+            lru.cache_add(LruList::Inactive, 5, true);
+            assert_eq!(lru.members(LruList::Active).unwrap(), vec![0]);
+            assert_eq!(lru.members(LruList::Inactive).unwrap(), vec![5]);
+            // The tail flag: page 2 goes behind 5, page 3 in front.
+            lru.cache_add(LruList::Inactive, 2, true);
+            lru.cache_add(LruList::Inactive, 3, false);
+            // A direct add of a waiting page takes it out of the batch.
+            lru.add(LruList::Active, [3]);
+            lru.drain_all();
+            assert_eq!(lru.members(LruList::Inactive).unwrap(), vec![5, 2]);
+            assert_eq!(lru.members(LruList::Active).unwrap(), vec![3, 0]);
+            assert_eq!(lru.batch_lockstat().locks, 1);
+        }
+    }
+
+    #[test]
     fn moving_and_removing_keep_lengths_right() {
         for mode in LruLockMode::ALL {
             let t = PageTable::new(6);
-            let lru = Lru::new(6, *mode);
+            let lru = Lru::new(6, *mode, 1, 1);
             lru.add(LruList::Inactive, 0..6);
             lru.add(LruList::Active, [2, 4]);
             lru.remove(5);
@@ -437,7 +600,7 @@ mod tests {
         for mode in LruLockMode::ALL {
             const PAGES: usize = 512;
             let t = PageTable::new(PAGES);
-            let lru = Lru::new(PAGES, *mode);
+            let lru = Lru::new(PAGES, *mode, 1, 1);
             lru.add(LruList::Active, 0..PAGES);
             std::thread::scope(|s| {
                 for id in 0..4 {
@@ -466,12 +629,14 @@ mod tests {
 
     /// Single-page adds and removes (shared in rwlock mode) race with isolation
     /// (exclusive); the walker checks links, list numbers and lengths at the end.
+    /// With per-CPU batches (4 pages, 2 CPUs) as well as without, and a thread draining
+    /// every batch from outside meanwhile (the remote drain).
     #[test]
     fn stress_single_page_moves_against_isolation_keep_the_lists_whole() {
-        for mode in LruLockMode::ALL {
+        for (mode, batch) in LruLockMode::ALL.iter().flat_map(|m| [(m, 1), (m, 4)]) {
             const PAGES: usize = 256;
             let t = PageTable::new(PAGES);
-            let lru = Lru::new(PAGES, *mode);
+            let lru = Lru::new(PAGES, *mode, batch, 2);
             lru.add(LruList::Active, 0..PAGES);
             std::thread::scope(|s| {
                 for id in 0..3usize {
@@ -483,29 +648,35 @@ mod tests {
                             let Some(lock) = t.try_lock(page) else {
                                 continue;
                             };
-                            match round % 3 {
+                            match round % 5 {
                                 0 => lru.remove(lock.page()),
                                 1 => lru.add(LruList::Inactive, [lock.page()]),
-                                _ => lru.add(LruList::Active, [lock.page()]),
+                                2 => lru.add(LruList::Active, [lock.page()]),
+                                3 => lru.cache_add(LruList::Active, lock.page(), false),
+                                _ => lru.cache_add(LruList::Inactive, lock.page(), true),
                             }
                         }
                     });
                 }
                 s.spawn(|| {
                     let mut got = Vec::new();
-                    for _ in 0..2_000 {
+                    for round in 0..2_000 {
                         lru.isolate(&t, LruList::Active, 8, &mut got);
                         let back: Vec<usize> = got.drain(..).map(|l| l.page()).collect();
                         lru.add(LruList::Inactive, back);
+                        if round % 8 == 0 {
+                            lru.drain_all();
+                        }
                     }
                 });
             });
+            lru.drain_all();
             let active = lru.members(LruList::Active).unwrap();
             let inactive = lru.members(LruList::Inactive).unwrap();
             for p in 0..PAGES as u32 {
                 let on = active.contains(&p) as u8 + inactive.contains(&p) as u8;
                 let want = lru.list_of(p as usize).is_some() as u8;
-                assert_eq!(on, want, "{mode}: page {p}");
+                assert_eq!(on, want, "{mode}, batch {batch}: page {p}");
             }
         }
     }
@@ -526,6 +697,47 @@ mod loom_tests {
         out
     }
 
+    /// Per-CPU batches (2 pages, one CPU): a fault adds two pages, the second add linking
+    /// the batch, while another fault moves page 0 and a third thread drains the batch from
+    /// outside. Each page must end on exactly one list.
+    #[test]
+    fn batched_adds_against_a_remote_drain_lose_no_page() {
+        for mode in LruLockMode::ALL {
+            model(move || {
+                let pages = Arc::new(PageTable::new(2));
+                let lru = Arc::new(Lru::new(2, *mode, 2, 1));
+                let fault = {
+                    let (pages, lru) = (pages.clone(), lru.clone());
+                    loom::thread::spawn(move || {
+                        for p in 0..2 {
+                            let lock = pages.lock(p);
+                            lru.cache_add(LruList::Active, lock.page(), false);
+                        }
+                    })
+                };
+                let mover = {
+                    let (pages, lru) = (pages.clone(), lru.clone());
+                    loom::thread::spawn(move || {
+                        let lock = pages.lock(0);
+                        lru.remove(lock.page());
+                        lru.cache_add(LruList::Inactive, lock.page(), true);
+                    })
+                };
+                lru.drain_all();
+                fault.join().unwrap();
+                mover.join().unwrap();
+                lru.drain_all();
+                let active = lru.members(LruList::Active).unwrap();
+                let inactive = lru.members(LruList::Inactive).unwrap();
+                for p in 0..2u32 {
+                    let on = active.contains(&p) as u8 + inactive.contains(&p) as u8;
+                    assert_eq!(on, 1, "{mode}: page {p} on {on} lists");
+                    assert!(lru.list_of(p as usize).is_some());
+                }
+            });
+        }
+    }
+
     fn pages_of(locks: &[PageLock<'_>]) -> Vec<usize> {
         locks.iter().map(|l| l.page()).collect()
     }
@@ -544,7 +756,7 @@ mod loom_tests {
         for mode in LruLockMode::ALL {
             model(move || {
                 let pages = Arc::new(PageTable::new(2));
-                let lru = Arc::new(Lru::new(2, *mode));
+                let lru = Arc::new(Lru::new(2, *mode, 1, 1));
                 lru.add(LruList::Active, [0, 1]);
                 let fault = {
                     let (pages, lru) = (pages.clone(), lru.clone());
@@ -571,7 +783,7 @@ mod loom_tests {
     fn shared_ops(ops: &'static [(usize, Option<LruList>)], want: &'static [u32]) {
         model(move || {
             let pages = Arc::new(PageTable::new(4));
-            let lru = Arc::new(Lru::new(4, LruLockMode::RwLock));
+            let lru = Arc::new(Lru::new(4, LruLockMode::RwLock, 1, 1));
             lru.add(LruList::Active, [0, 1, 2]);
             let threads: Vec<_> = ops
                 .iter()
@@ -612,7 +824,7 @@ mod loom_tests {
     fn shared_moves_and_exclusive_isolation_lose_no_page() {
         model(|| {
             let pages = Arc::new(PageTable::new(3));
-            let lru = Arc::new(Lru::new(3, LruLockMode::RwLock));
+            let lru = Arc::new(Lru::new(3, LruLockMode::RwLock, 1, 1));
             lru.add(LruList::Active, [0, 1, 2]);
             let mover = {
                 let (pages, lru) = (pages.clone(), lru.clone());

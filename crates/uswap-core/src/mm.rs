@@ -126,6 +126,7 @@ pub(crate) struct Parts {
     /// Per-CPU stocks and lists in front of the shared budget and frame lists.
     pub pcp: bool,
     pub lru_lock: crate::config::LruLockMode,
+    pub lru_batch: usize,
 }
 
 pub(crate) struct Mm {
@@ -176,7 +177,7 @@ impl Mm {
         Ok(Mm {
             zeros: Mapping::new(p.fault_around * PAGE_SIZE)?,
             pages: PageTable::new(pages),
-            lru: Lru::new(pages, p.lru_lock),
+            lru: Lru::new(pages, p.lru_lock, p.lru_batch, crate::cpu::count()),
             budget: Budget::new(p.limit, if p.pcp { crate::cpu::count() } else { 0 }),
             bounce: BouncePool::new(p.bounce_buffers),
             pagemap: std::fs::File::open("/proc/self/pagemap").ok(),

@@ -284,7 +284,7 @@ pub(crate) unsafe fn read_around(
         let (page, ra_slot) = (lock.page(), lock.state().slot().expect("swapped"));
         // Speculative pages wait at the tail, first in line to be aged, as the kernel puts
         // them on the inactive list; a use keeps them mapped.
-        mm.lru().add_tail(LruList::Active, [page]);
+        mm.lru().cache_add(LruList::Active, page, true);
         if clean {
             mm.swap().cache().add(ra_slot, mm.cache_entry(page, true));
             lock.swap_in(Some(ra_slot));

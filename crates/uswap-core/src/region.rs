@@ -192,6 +192,7 @@ impl Region {
             bounce_buffers: cfg.handler_threads + 2,
             pcp: cfg.pcp,
             lru_lock: cfg.lru_lock,
+            lru_batch: cfg.lru_batch,
         })?;
         let reclaim = Reclaim::new(mm, cfg.watermarks, cfg.inactive_percent, cfg.reclaim_batch);
         let fault = Arc::new(FaultPath::new(reclaim, cfg.fault_around, cfg.readahead));
@@ -257,7 +258,8 @@ impl Region {
             swap_cache: mm.swap().cache().stats(),
             readahead: self.fault.readahead.get(),
             charge_stock: mm.budget().stock_stats(),
-            lockstat: std::iter::once(mm.lru().lockstat())
+            lockstat: [mm.lru().lockstat(), mm.lru().batch_lockstat()]
+                .into_iter()
                 .chain(mm.staging().lockstat())
                 .chain(mm.swap().lockstat())
                 .collect(),
@@ -422,6 +424,8 @@ impl Region {
             })?;
         let _quiet = Quiet::new();
         let reclaim = self.fault.reclaim();
+        // Pages waiting in per-CPU batches join their lists first, as the advice expects.
+        reclaim.mm().lru().drain_all();
         let pages = offset / PAGE_SIZE..end.div_ceil(PAGE_SIZE);
         let batch = ADVISE_BATCH;
         let chunks = || {

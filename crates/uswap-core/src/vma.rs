@@ -98,12 +98,15 @@ impl FaultPath {
         while first < range.end {
             let chunk = first..(first + DISCARD_BATCH).min(range.end);
             let mut locks: Vec<PageLock<'_>> = chunk.clone().map(|p| mm.pages().lock(p)).collect();
+            let mut lazy = Vec::new();
             for lock in &mut locks {
                 match lock.kind() {
-                    Kind::Unmapped | Kind::Lazyfree => {}
+                    Kind::Unmapped => {}
+                    Kind::Lazyfree => lazy.push(lock.page()),
                     Kind::Active => {
                         self.forget_slot_locked(lock);
                         lock.lazyfree();
+                        lazy.push(lock.page());
                         mm.vmstat().pglazyfree.fetch_add(1, Relaxed);
                     }
                     _ => {
@@ -113,6 +116,8 @@ impl FaultPath {
                     }
                 }
             }
+            // Like the kernel's lazy-free list: reclaim takes them first.
+            mm.lru().add_tail(LruList::Active, lazy);
             mm.vmstat().pgdiscard.fetch_add(chunk.len() as u64, Relaxed);
             first = chunk.end;
         }
@@ -340,6 +345,7 @@ impl FaultPath {
     /// faults and reclaim in progress and stops them while it runs.
     pub fn check_invariants(&self) -> Result<(), String> {
         let mm = self.mm();
+        mm.lru().drain_all();
         let locks: Vec<PageLock<'_>> = (0..mm.pages().len()).map(|p| mm.pages().lock(p)).collect();
         let mut errors = Vec::new();
         let mut resident = 0u64;

@@ -214,6 +214,7 @@ impl Reclaim {
     /// pages freed.
     pub fn shrink(&self) -> u64 {
         let (mm, batch) = (&self.mm, self.batch);
+        mm.lru().drain_all();
         let target = self.marks.inactive_target.load(Relaxed) as usize;
         let short = (target + batch).saturating_sub(mm.lru().len(LruList::Inactive));
         let mut isolated = Vec::with_capacity(batch);

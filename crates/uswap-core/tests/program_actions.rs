@@ -67,10 +67,17 @@ fn dontneed_reads_zeros(mode: FaultMode, advice: libc::c_int) {
     // MADV_FREE leaves a mapped page to the kernel until it is written or reclaimed: it
     // reads as its old data or as zeros, never anything else. Pages that were not mapped
     // (swapped, inactive) always read as zeros.
-    let lazy = if advice == libc::MADV_FREE { 96..128 } else { 0..0 };
+    let lazy = if advice == libc::MADV_FREE {
+        96..128
+    } else {
+        0..0
+    };
     for p in 0..128 {
         let old = lazy.contains(&p) && unsafe { check(r.as_ptr(), p, 1) }.is_ok();
-        assert!(is_zero(&r, p) || old, "page {p} reads neither zeros nor its old data");
+        assert!(
+            is_zero(&r, p) || old,
+            "page {p} reads neither zeros nor its old data"
+        );
     }
     // A write after MADV_FREE keeps the page and its new data, through reclaim too.
     if !lazy.is_empty() {

@@ -1,25 +1,46 @@
 //! `uswap bench fault`: first-touch faults per second, will-it-scale page_fault1 style.
+//! With `--region per-thread` each thread maps, touches and drops regions of its own (no
+//! shared uswap state but the swap-free budget); with `--region shared` the threads share
+//! one region, as a process's threads share its heap: each touches its slice and discards
+//! it with `MADV_DONTNEED`, so every fault and discard meets the others on the region's
+//! LRU lists (seed 001).
 
 use super::{no_reclaim_limit, Backend};
 use crate::args::{nonzero_size, seconds, CoreArgs};
 use crate::kernel::{self, child, Environment};
 use crate::report;
 use crate::workload::fault::{self, FaultOutcome, FaultParams};
+use crate::workload::mem::{Mapped, Mem};
 use anyhow::{bail, ensure, Context, Result};
-use clap::{value_parser, Args};
+use clap::{value_parser, Args, ValueEnum};
 use serde::Serialize;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
-use uswap_core::{Region, PAGE_SIZE};
+use std::sync::Mutex;
+use uswap_core::{LockClass, Region, PAGE_SIZE};
+
+/// Where the faulting threads' memory lives (uswap backend).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Layout {
+    /// Each thread maps and drops regions of its own
+    PerThread,
+    /// One region for all threads; each touches its slice, then MADV_DONTNEEDs it
+    Shared,
+}
 
 #[derive(Args, Debug)]
 pub struct FaultArgs {
-    /// Size of the region each thread maps, touches and drops per iteration
+    /// Memory each thread maps (or, shared, its slice), touches and drops per iteration
     #[arg(long, value_name = "SIZE", default_value = "128M", value_parser = nonzero_size)]
     pub size: u64,
 
-    /// Faulting threads, each with its own regions
+    /// Faulting threads
     #[arg(long, value_name = "N", default_value_t = 1, value_parser = value_parser!(u16).range(1..=1024))]
     pub threads: u16,
+
+    /// uswap backend: regions per thread, or one region shared by the threads
+    #[arg(long, value_enum, default_value_t = Layout::PerThread)]
+    pub region: Layout,
 
     /// How long to keep going
     #[arg(long, value_name = "S", default_value = "5", value_parser = seconds)]
@@ -57,9 +78,24 @@ struct Report {
 
 #[derive(Serialize)]
 struct UswapDetail {
+    region: Layout,
     /// userfaultfd faults handled: fewer than pages touched when fault-around maps several.
     fault_events: u64,
     zero_filled_pages: u64,
+    /// Lock statistics of the shared region (empty with regions per thread).
+    lockstat: Vec<LockClass>,
+}
+
+/// One thread's slice of the shared region.
+struct Slice {
+    mem: Mem,
+    index: usize,
+}
+
+impl Mapped for Slice {
+    fn mem(&self) -> Mem {
+        self.mem
+    }
 }
 
 pub fn run(a: &FaultArgs) -> Result<()> {
@@ -85,6 +121,63 @@ pub fn run(a: &FaultArgs) -> Result<()> {
 }
 
 fn run_uswap(a: &FaultArgs, params: &FaultParams) -> Result<Report> {
+    match a.region {
+        Layout::PerThread => run_uswap_per_thread(a, params),
+        Layout::Shared => run_uswap_shared(a, params),
+    }
+}
+
+fn run_uswap_shared(a: &FaultArgs, params: &FaultParams) -> Result<Report> {
+    let total = a
+        .size
+        .checked_mul(params.threads as u64)
+        .context("--size × --threads overflows")?;
+    let limit = no_reclaim_limit(total);
+    let region = Region::new(total, a.core.config(limit)?)
+        .with_context(|| format!("creating a {} region", report::size(total)))?;
+    let free = Mutex::new((0..params.threads).collect::<Vec<_>>());
+    let before = region.stats();
+    let outcome = fault::run(
+        params,
+        || {
+            let index = free.lock().unwrap().pop().context("a slice per thread")?;
+            let offset = index * a.size as usize;
+            // SAFETY: the slice lies inside the region, which outlives the run.
+            let mem = unsafe { Mem::new(region.as_ptr().add(offset), a.size as usize) };
+            Ok(Slice { mem, index })
+        },
+        |slice| {
+            let start = slice.mem.page(0).as_ptr() as *mut libc::c_void;
+            // SAFETY: the thread's own slice of the region; it reads as zeros afterwards.
+            let rc = unsafe { libc::madvise(start, a.size as usize, libc::MADV_DONTNEED) };
+            assert_eq!(rc, 0, "madvise: {}", std::io::Error::last_os_error());
+            free.lock().unwrap().push(slice.index);
+        },
+    )?;
+    let after = region.stats();
+    Ok(Report {
+        bench: "fault",
+        backend: Backend::Uswap,
+        size: a.size,
+        threads: params.threads,
+        faults_per_s: outcome.touch_pages_per_s,
+        outcome,
+        memory: format!(
+            "one {} region, limit {}: reclaim never runs",
+            report::size(total),
+            report::size(limit)
+        ),
+        uswap: Some(UswapDetail {
+            region: Layout::Shared,
+            fault_events: after.vmstat.pgfault - before.vmstat.pgfault,
+            zero_filled_pages: after.vmstat.pgzerofill - before.vmstat.pgzerofill,
+            lockstat: report::lockstat_since(&after.lockstat, &before.lockstat),
+        }),
+        kernel: None,
+    })
+}
+
+fn run_uswap_per_thread(a: &FaultArgs, params: &FaultParams) -> Result<Report> {
     let limit = no_reclaim_limit(a.size);
     let cfg = a.core.config(limit)?;
     let (events, zero_filled) = (AtomicU64::new(0), AtomicU64::new(0));
@@ -112,8 +205,10 @@ fn run_uswap(a: &FaultArgs, params: &FaultParams) -> Result<Report> {
             report::size(limit)
         ),
         uswap: Some(UswapDetail {
+            region: Layout::PerThread,
             fault_events: events.into_inner(),
             zero_filled_pages: zero_filled.into_inner(),
+            lockstat: Vec::new(),
         }),
         kernel: None,
     })
@@ -149,9 +244,13 @@ fn run_kernel(a: &FaultArgs, params: &FaultParams) -> Result<Report> {
 fn print(r: &Report) {
     let o = &r.outcome;
     println!(
-        "uswap bench fault: backend {}, {} per region, {} thread(s), {:.1} s",
+        "uswap bench fault: backend {}, {} per thread{}, {} thread(s), {:.1} s",
         r.backend,
         report::size(r.size),
+        match &r.uswap {
+            Some(u) if u.region == Layout::Shared => " (one shared region)",
+            _ => "",
+        },
         r.threads,
         o.wall_s
     );
@@ -164,7 +263,7 @@ fn print(r: &Report) {
         report::count(o.total_pages_per_s as u64)
     );
     println!(
-        "  pages touched          {}  in {} regions",
+        "  pages touched          {}  in {} iterations",
         report::count(o.pages_touched),
         report::count(o.iterations)
     );
@@ -175,6 +274,9 @@ fn print(r: &Report) {
             o.pages_touched as f64 / u.fault_events.max(1) as f64,
             report::count(u.zero_filled_pages)
         );
+        if !u.lockstat.is_empty() {
+            report::lockstat(&u.lockstat);
+        }
     }
     println!("  memory                 {}", r.memory);
     if let Some(k) = &r.kernel {
