@@ -23,12 +23,14 @@
 //!    never waits for a page lock**: it only try-locks (`Lru::isolate`, `try_claim_none`)
 //!    and skips pages it cannot take. Vma events (`vma.rs`) and the invariant walker take
 //!    page locks blocking, one page at a time in address order.
-//! 2. **`Lru` lock** (`lru.rs`): list membership and order. Taken with page locks held;
+//! 2. **per-CPU LRU batch** (`lru.rs`): pages waiting to be added to a list; held while
+//!    the batch is linked, which takes the `Lru` lock.
+//! 3. **`Lru` lock** (`lru.rs`): list membership and order. Taken with page locks held;
 //!    while holding it, only `try_lock` on pages. In rwlock mode the shared side also
 //!    locks list nodes, with try-locks only (see `lru.rs`).
-//! 3. **readahead's last window** (`readahead.rs`): held while the swap cache marks that
+//! 4. **readahead's last window** (`readahead.rs`): held while the swap cache marks that
 //!    window's pages used; only swap cache locks are taken under it.
-//! 4. **staging free lists** (a per-CPU list, then the shared list), **bounce pool**,
+//! 5. **staging free lists** (a per-CPU list, then the shared list), **bounce pool**,
 //!    **swap allocator** and **swap cache**
 //!    (`swap_state.rs`) locks: leaves; nothing is taken while holding them. A swap cache
 //!    entry changes only under the page lock of the page it names.
