@@ -32,7 +32,9 @@ pub struct ProbeArgs {
     #[arg(long, value_name = "SIZE", default_value = "1M", value_parser = nonzero_size)]
     pub hot: u64,
 
-    /// µs from one probe to the next; 0: back to back (flood)
+    /// µs from one probe to the next; 0: back to back (flood). Each hot page is touched
+    /// once every interval × hot pages (25.6 ms by default): much longer, and reclaim takes
+    /// the hot set too
     #[arg(long, value_name = "US", default_value_t = 100, value_parser = value_parser!(u64).range(0..=1_000_000))]
     pub interval_us: u64,
 
