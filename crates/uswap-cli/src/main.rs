@@ -51,6 +51,9 @@ enum Bench {
     Refault(bench::refault::RefaultArgs),
     /// Time to bring a half-swapped-out set back: touching every page, or swapoff
     Swapback(bench::swapback::SwapbackArgs),
+    /// Latency of one access to a small hot set while threads thrash a set larger than
+    /// memory with writes, reported like ping (seed 003's experiment)
+    Probe(bench::probe::ProbeArgs),
 }
 
 fn run(cli: Cli) -> Result<()> {
@@ -61,6 +64,7 @@ fn run(cli: Cli) -> Result<()> {
             Bench::Fault(a) => bench::fault::run(&a),
             Bench::Refault(a) => bench::refault::run(&a),
             Bench::Swapback(a) => bench::swapback::run(&a),
+            Bench::Probe(a) => bench::probe::run(&a),
         },
         Command::KernelChild { spec } => kernel::child::main(&spec),
     }

@@ -139,3 +139,60 @@ fn swapback_refuses_a_set_that_fits_in_memory() {
     let err = refused(&["bench", "swapback", "--mode", "off"]);
     assert!(err.contains("touch") && err.contains("swapoff"), "{err}");
 }
+
+#[test]
+fn a_small_probe_run_swaps_and_reports_like_ping() {
+    let out = uswap(&[
+        "bench",
+        "probe",
+        "--size",
+        "8M",
+        "--memory",
+        "4M",
+        "--hot",
+        "64K",
+        "--interval-us",
+        "200",
+        "--seconds",
+        "1",
+        "--json",
+    ]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "stdout: {stdout}\nstderr: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let r: serde_json::Value = serde_json::from_str(&stdout).expect("one JSON object");
+    assert_eq!(
+        (&r["bench"], &r["hot"]),
+        (&"probe".into(), &(64 << 10).into())
+    );
+    assert_eq!(r["verify_errors"], 0, "{r}");
+    let rtt = &r["rtt"];
+    let probes = rtt["probes"].as_u64().unwrap();
+    // One probe every 200 µs for about a second, at most.
+    let most = (r["measured_s"].as_f64().unwrap() / 200e-6) as u64 + 1;
+    assert!((1..=most).contains(&probes), "{r}");
+    let us = |k: &str| rtt[k].as_f64().unwrap();
+    assert!(
+        us("min_us") <= us("avg_us") && us("avg_us") <= us("max_us"),
+        "{r}"
+    );
+    assert!(
+        us("p50_us") <= us("p99_us") && us("p99_us") <= us("p999_us"),
+        "{r}"
+    );
+    assert!(r["writes"].as_u64().unwrap() > 0, "{r}");
+    // The thrashed set was twice the memory and every access a write: pages went out.
+    assert!(r["uswap"]["vmstat"]["pswpout"].as_u64().unwrap() > 0, "{r}");
+}
+
+#[test]
+fn probe_refuses_a_hot_set_that_would_not_stay_resident() {
+    let err = refused(&["bench", "probe", "--hot", "200M", "--memory", "256M"]);
+    assert!(
+        err.contains("--hot") && err.contains("half of --memory"),
+        "{err}"
+    );
+}

@@ -1,6 +1,7 @@
 //! The benchmark commands.
 
 pub mod fault;
+pub mod probe;
 pub mod random;
 pub mod refault;
 pub mod swapback;

@@ -8,6 +8,7 @@
 use super::vmstat::{self, SwapCounters};
 use crate::workload::fault::{self, FaultOutcome, FaultParams};
 use crate::workload::mem::{AnonMap, Mapped};
+use crate::workload::probe::{self, ProbeOutcome, ProbeParams};
 use crate::workload::random::{self, RandomOutcome, RandomParams};
 use crate::workload::swapback::{self, SwapbackOutcome, SwapbackParams};
 use anyhow::{Context, Result};
@@ -24,9 +25,23 @@ pub const PAUSE: &str = "paused";
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 #[serde(tag = "workload", rename_all = "lowercase")]
 pub enum Spec {
-    Random { size: u64, params: RandomParams },
-    Fault { size: u64, params: FaultParams },
-    Swapback { size: u64, params: SwapbackParams },
+    Random {
+        size: u64,
+        params: RandomParams,
+    },
+    Fault {
+        size: u64,
+        params: FaultParams,
+    },
+    Swapback {
+        size: u64,
+        params: SwapbackParams,
+    },
+    /// `size`: the whole mapping, hot set and thrashed set.
+    Probe {
+        size: u64,
+        params: ProbeParams,
+    },
 }
 
 /// What the child measured.
@@ -45,6 +60,13 @@ pub enum Report {
         outcome: SwapbackOutcome,
         /// Swap counters over the swap-back phase.
         swap: SwapCounters,
+    },
+    Probe {
+        outcome: ProbeOutcome,
+        /// Swap counters over the measured interval.
+        swap: SwapCounters,
+        /// LRU counters of /proc/vmstat over the measured interval.
+        lru: vmstat::Named,
     },
 }
 
@@ -95,7 +117,22 @@ fn run(spec: Spec) -> Result<Report> {
             let swap = after?.since(&before?);
             Ok(Report::Swapback { outcome, swap })
         }
+        Spec::Probe { size, params } => {
+            let map = anon(size)?;
+            let (outcome, before, after) = probe::run(map.mem(), &params, probe_counters);
+            let ((swap_after, lru_after), (swap_before, lru_before)) = (after?, before?);
+            Ok(Report::Probe {
+                outcome,
+                swap: swap_after.since(&swap_before),
+                lru: vmstat::named_since(&lru_after, &lru_before),
+            })
+        }
     }
+}
+
+/// The probe bench's counters: swap, and LRU movement.
+fn probe_counters() -> Result<(SwapCounters, vmstat::Named)> {
+    Ok((vmstat::read()?, vmstat::read_named(&vmstat::LRU)?))
 }
 
 #[cfg(test)]
@@ -117,6 +154,25 @@ mod tests {
         assert_eq!(args[0], "__kernel-child");
         assert!(args[1].contains(r#""workload":"random""#), "{}", args[1]);
         assert_eq!(serde_json::from_str::<Spec>(&args[1]).unwrap(), spec);
+    }
+
+    #[test]
+    fn a_probe_run_on_plain_memory_reports_probes_and_counters() {
+        let spec = Spec::Probe {
+            size: 32 * uswap_core::PAGE_SIZE as u64,
+            params: ProbeParams {
+                threads: 1,
+                hot_pages: 2,
+                interval_us: 0,
+                seconds: 0.01,
+            },
+        };
+        let json = serde_json::to_string(&run(spec).unwrap()).unwrap();
+        let Report::Probe { outcome, lru, .. } = serde_json::from_str(&json).unwrap() else {
+            panic!("wrong report kind");
+        };
+        assert!(outcome.rtt.probes > 0 && outcome.writes > 0);
+        assert!(lru.contains_key("pgdeactivate"), "{lru:?}");
     }
 
     #[test]

@@ -2,6 +2,22 @@
 
 use anyhow::{Context, Result};
 use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+
+/// The /proc/vmstat counters of LRU movement (machine-wide): pages activated and
+/// deactivated, active pages scanned, pages rotated to the inactive tail when their
+/// write-back ended, anonymous pages scanned and reclaimed.
+pub const LRU: [&str; 6] = [
+    "pgactivate",
+    "pgdeactivate",
+    "pgrefill",
+    "pgrotated",
+    "pgscan_anon",
+    "pgsteal_anon",
+];
+
+/// /proc/vmstat counters by name.
+pub type Named = BTreeMap<String, u64>;
 
 /// Pages swapped in and out machine-wide, and the reading process's major faults.
 #[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
@@ -41,11 +57,37 @@ pub fn parse(text: &str) -> SwapCounters {
 }
 
 pub fn read() -> Result<SwapCounters> {
-    let text = std::fs::read_to_string("/proc/vmstat").context("reading /proc/vmstat")?;
     Ok(SwapCounters {
         pgmajfault: own_major_faults()?,
-        ..parse(&text)
+        ..parse(&proc_vmstat()?)
     })
+}
+
+/// The counters of `names` that /proc/vmstat text has (a kernel may lack some).
+pub fn parse_named(text: &str, names: &[&str]) -> Named {
+    text.lines()
+        .filter_map(|line| {
+            let (name, value) = line.split_once(' ')?;
+            let value = value.trim().parse().ok()?;
+            names.contains(&name).then(|| (name.to_string(), value))
+        })
+        .collect()
+}
+
+pub fn read_named(names: &[&str]) -> Result<Named> {
+    Ok(parse_named(&proc_vmstat()?, names))
+}
+
+/// Named counters over an interval: `after` less `before`, for those read both times.
+pub fn named_since(after: &Named, before: &Named) -> Named {
+    after
+        .iter()
+        .filter_map(|(name, a)| Some((name.clone(), a.saturating_sub(*before.get(name)?))))
+        .collect()
+}
+
+fn proc_vmstat() -> Result<String> {
+    std::fs::read_to_string("/proc/vmstat").context("reading /proc/vmstat")
 }
 
 fn own_major_faults() -> Result<u64> {
@@ -88,7 +130,25 @@ mod tests {
     }
 
     #[test]
+    fn named_counters_are_picked_out_and_subtracted() {
+        let text = "pgactivate 10\npgdeactivate 20\npgrotated 5\npgrotated_x 9\n";
+        let before = parse_named(text, &LRU);
+        assert_eq!(before.len(), 3, "{before:?}");
+        assert_eq!(before["pgrotated"], 5);
+        let after = parse_named("pgactivate 15\npgdeactivate 20\npgrefill 3\n", &LRU);
+        let moved = named_since(&after, &before);
+        assert_eq!(
+            moved.into_iter().collect::<Vec<_>>(),
+            [
+                ("pgactivate".to_string(), 5),
+                ("pgdeactivate".to_string(), 0)
+            ]
+        );
+    }
+
+    #[test]
     fn reading_works_here() {
         read().unwrap();
+        assert!(read_named(&LRU).unwrap().contains_key("pgactivate"));
     }
 }

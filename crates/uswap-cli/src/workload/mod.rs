@@ -4,6 +4,7 @@
 pub mod fault;
 pub mod mem;
 pub mod pattern;
+pub mod probe;
 pub mod random;
 pub mod rng;
 pub mod swapback;

@@ -179,7 +179,7 @@ fn verify_all(mem: Mem, written: &[AtomicU32], threads: usize) -> u64 {
 }
 
 /// Splits `0..pages` into one contiguous range per thread and runs `work` on each.
-fn for_page_ranges(pages: usize, threads: usize, work: impl Fn(Range<usize>) + Sync) {
+pub fn for_page_ranges(pages: usize, threads: usize, work: impl Fn(Range<usize>) + Sync) {
     let chunk = pages.div_ceil(threads.max(1)).max(1);
     thread::scope(|s| {
         for start in (0..pages).step_by(chunk) {
