@@ -9,8 +9,8 @@
 //! ```
 //! `kind` says where the data is. A page with a swap slot has a valid copy on the swap
 //! device (it is clean); a write after swap-in frees the slot. The frame is the staging
-//! frame holding an inactive page's data. `ref` and `ra` are spare for the referenced bit
-//! and the readahead marker. The lock bit serialises every transition.
+//! frame holding an inactive page's data. `ref` is the referenced bit (second-chance
+//! aging of hot pages); `ra` is spare for the readahead marker. The lock bit serialises every transition.
 //!
 //! # Locking
 //!
@@ -71,9 +71,12 @@ pub enum Kind {
 
 const KIND_MASK: u64 = 0b111;
 const LOCKED: u64 = 1 << 3;
-/// Spare bits, zero until used: 4 for the referenced bit (second-chance aging), 5 for the
-/// marker of a page brought in by readahead until its first use.
-const SPARE: u64 = 0b11 << 4;
+/// An active page that was referenced again after aging had taken it off the active list
+/// (it faulted back from the inactive list): aging passes over it once more (second
+/// chance), as the kernel's accessed bit would keep a hot page.
+const REFERENCED: u64 = 1 << 4;
+/// Spare, zero until used: the marker of a page brought in by readahead until its first use.
+const SPARE: u64 = 1 << 5;
 const FRAME_SHIFT: u32 = 6;
 const FRAME_BITS: u32 = 26;
 const FRAME_NONE: u32 = (1 << FRAME_BITS) - 1;
@@ -137,6 +140,11 @@ impl PageState {
         (s != SLOT_NONE).then_some(s)
     }
 
+    /// Whether aging is to pass over this active page once more.
+    pub fn referenced(self) -> bool {
+        self.0 & REFERENCED != 0
+    }
+
     /// Whether the page counts against the resident budget.
     pub fn is_resident(self) -> bool {
         matches!(self.kind(), Kind::Active | Kind::Inactive | Kind::Lazyfree)
@@ -145,6 +153,9 @@ impl PageState {
     /// The invariants of each kind: which of frame and slot it may carry.
     pub fn is_well_formed(self) -> bool {
         if self.0 & (SPARE | LOCKED) != 0 {
+            return false;
+        }
+        if self.referenced() && self.kind() != Kind::Active {
             return false;
         }
         match self.kind() {
@@ -258,6 +269,9 @@ impl PageLock<'_> {
     fn become_(&mut self, kind: Kind, frame: Option<u32>, slot: Option<u32>) -> PageState {
         let old = self.state;
         self.state = PageState::of(kind, frame, slot);
+        if kind == Kind::Active && old.kind() == Kind::Active {
+            self.state.0 |= old.0 & REFERENCED;
+        }
         debug_assert!(self.state.is_well_formed(), "{:?}", self.state);
         old
     }
@@ -282,7 +296,16 @@ impl PageLock<'_> {
     pub fn activate(&mut self) -> u32 {
         self.expect(&[Kind::Inactive], "activate");
         let old = self.become_(Kind::Active, None, self.state.slot());
+        self.state.0 |= REFERENCED;
         old.frame().expect("an inactive page has a frame")
+    }
+
+    /// Aging reached a referenced active page: it stays active this time, unreferenced.
+    /// Whether it was referenced.
+    pub fn second_chance(&mut self) -> bool {
+        let referenced = self.state.referenced();
+        self.state.0 &= !REFERENCED;
+        referenced
     }
 
     /// An active (or lazily freed, still mapped) page was moved into staging `frame`
@@ -432,6 +455,18 @@ mod tests {
         assert_eq!(l.discard().frame(), Some(9));
         assert_eq!(l.kind(), Kind::Discarded);
         l.map_new();
+        l.deactivate(5);
+        assert_eq!(l.activate(), 5);
+        assert!(
+            l.state().referenced(),
+            "a page faulted back from inactive is referenced"
+        );
+        assert_eq!(l.dirty(), None);
+        assert!(
+            l.second_chance(),
+            "the bit survives a transition within active"
+        );
+        assert!(!l.second_chance());
         l.lazyfree();
         l.refill();
         l.lazyfree();

@@ -435,7 +435,12 @@ impl Region {
                 .map(move |first| first..(first + batch).min(pages.end))
         };
         for chunk in chunks() {
-            reclaim.deactivate(&mut reclaim.lock_kind(chunk, Kind::Active));
+            let mut locks = reclaim.lock_kind(chunk, Kind::Active);
+            // Advice goes by what the program says, not by how the pages were used.
+            locks.iter_mut().for_each(|l| {
+                l.second_chance();
+            });
+            reclaim.deactivate(&mut locks);
         }
         if advice == Advice::PageOut {
             for chunk in chunks() {

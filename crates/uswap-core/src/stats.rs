@@ -59,6 +59,9 @@ vmstat! {
     pgactivate,
     /// Pages moved from the active to the inactive list (unmapped, data kept).
     pgdeactivate,
+    /// Active pages aging passed over once because they had faulted back from the inactive
+    /// list since it last took them (second chance, the kernel's referenced check).
+    pgreferenced,
     /// Reclaimed clean pages that kept a valid swap copy: dropped without I/O.
     pgclean_dropped,
     /// Reclaimed pages found all zero: dropped, refilled with zeros on next touch.

@@ -248,7 +248,41 @@ impl Reclaim {
     /// flight, or unmapped under us) stays active and is counted.
     pub fn deactivate(&self, locks: &mut [PageLock<'_>]) {
         let mm = &self.mm;
-        locks.sort_unstable_by_key(|l| l.page());
+        // Referenced pages go round once more: they sort last, stay active and go back to
+        // the head with the pages that could not move.
+        locks.sort_unstable_by_key(|l| (l.state().referenced(), l.page()));
+        let mut spared = 0;
+        for l in locks.iter_mut().rev() {
+            if !l.second_chance() {
+                break;
+            }
+            spared += 1;
+        }
+        mm.vmstat().pgreferenced.fetch_add(spared as u64, Relaxed);
+        let moving = locks.len() - spared;
+        self.move_to_staging(&mut locks[..moving]);
+        let inactive = locks.iter().filter(|l| l.kind() == Kind::Inactive).count();
+        mm.vmstat().pgdeactivate.fetch_add(inactive as u64, Relaxed);
+        let list_of = |l: &PageLock<'_>| match l.kind() {
+            Kind::Inactive => Some(LruList::Inactive),
+            Kind::Discarded => None,
+            _ => Some(LruList::Active),
+        };
+        for list in [LruList::Inactive, LruList::Active] {
+            mm.lru().add(
+                list,
+                locks
+                    .iter()
+                    .filter(|l| list_of(l) == Some(list))
+                    .map(|l| l.page()),
+            );
+        }
+    }
+
+    /// Moves active pages (sorted by page) into staging frames, runs of neighbours with
+    /// adjacent frames in one UFFDIO_MOVE; a lazily freed page found zapped is freed instead.
+    fn move_to_staging(&self, locks: &mut [PageLock<'_>]) {
+        let mm = &self.mm;
         let frames = mm.staging().alloc_many(locks.len());
         let mut start = 0;
         while start < frames.len() {
@@ -295,22 +329,6 @@ impl Reclaim {
             } else {
                 start = end;
             }
-        }
-        let inactive = locks.iter().filter(|l| l.kind() == Kind::Inactive).count();
-        mm.vmstat().pgdeactivate.fetch_add(inactive as u64, Relaxed);
-        let list_of = |l: &PageLock<'_>| match l.kind() {
-            Kind::Inactive => Some(LruList::Inactive),
-            Kind::Discarded => None,
-            _ => Some(LruList::Active),
-        };
-        for list in [LruList::Inactive, LruList::Active] {
-            mm.lru().add(
-                list,
-                locks
-                    .iter()
-                    .filter(|l| list_of(l) == Some(list))
-                    .map(|l| l.page()),
-            );
         }
     }
 
