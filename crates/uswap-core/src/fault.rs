@@ -85,8 +85,10 @@ impl FaultPath {
             let start = Instant::now();
             let lock = self.mm().pages().lock(page);
             let outcome = match lock.kind() {
-                Kind::Inactive => self.activate(lock, start, true).unwrap_or(Outcome::Retry),
-                Kind::Swapped => self.swap_in(lock, start, Destination::MapDirty),
+                Kind::Inactive => self
+                    .activate(lock, start, true, false)
+                    .unwrap_or(Outcome::Retry),
+                Kind::Swapped => self.swap_in(lock, start, Destination::MapDirty, false),
                 _ => Outcome::Resolved,
             };
             if outcome != Outcome::Retry {
@@ -127,9 +129,12 @@ impl FaultPath {
 
     /// Resolves a fault on `page`. `write_protect` is set for a write to a write-protected
     /// (clean, swap-backed) page; in SIGBUS mode the caller cannot tell and passes `None`.
+    /// `write`: the access is known to be a write, so a page brought back from swap or
+    /// from the inactive list is mapped dirty at once (its slot freed) instead of clean,
+    /// which would fault again on the write (the kernel's `do_swap_page` does the same).
     /// May block, reclaim and allocate: not for a signal handler (see
     /// [`FaultPath::resolve_in_signal`]).
-    pub fn handle_fault(&self, page: usize, write_protect: Option<bool>) -> Outcome {
+    pub fn handle_fault(&self, page: usize, write_protect: Option<bool>, write: bool) -> Outcome {
         let mm = self.mm();
         mm.vmstat().pgfault.fetch_add(1, Relaxed);
         let start = Instant::now();
@@ -142,8 +147,10 @@ impl FaultPath {
             Kind::None | Kind::Discarded => self
                 .first_touch(lock, start, true)
                 .unwrap_or(Outcome::Retry),
-            Kind::Inactive => self.activate(lock, start, true).unwrap_or(Outcome::Retry),
-            Kind::Swapped => self.swap_in(lock, start, Destination::MapClean),
+            Kind::Inactive => self
+                .activate(lock, start, true, write)
+                .unwrap_or(Outcome::Retry),
+            Kind::Swapped => self.swap_in(lock, start, Destination::MapClean, write),
             Kind::Lazyfree => self.refill_lazyfree(lock),
             Kind::Poisoned => {
                 drop(lock);
@@ -169,7 +176,7 @@ impl FaultPath {
         }
         let outcome = match lock.kind() {
             Kind::None | Kind::Discarded => self.first_touch(lock, start, false)?,
-            Kind::Inactive => self.activate(lock, start, false)?,
+            Kind::Inactive => self.activate(lock, start, false, false)?,
             Kind::Swapped => self.swap_in_in_signal(lock, start)?,
             // Only what can be told and done without a report: a missing page needs the
             // full path's loud failure.
@@ -404,7 +411,13 @@ impl FaultPath {
     /// I/O and is promoted to the active list (the reference signal). Allocates nothing
     /// unless it fails; `None` when it failed and `report` is off (a signal handler leaves
     /// the report to the full path).
-    fn activate(&self, mut lock: PageLock<'_>, start: Instant, report: bool) -> Option<Outcome> {
+    fn activate(
+        &self,
+        mut lock: PageLock<'_>,
+        start: Instant,
+        report: bool,
+        write: bool,
+    ) -> Option<Outcome> {
         let mm = self.mm();
         let st = lock.state();
         let frame = st.frame().expect("an inactive page has a staging frame");
@@ -420,6 +433,13 @@ impl FaultPath {
                 lock.page()
             );
         }
+        if write && st.slot().is_some() {
+            // Written at once: dirty, its swap copy stale.
+            if let Some(slot) = lock.forget_slot() {
+                mm.release_slot(slot);
+            }
+        }
+        let st = lock.state();
         let clean = st.slot().is_some() && mm.caps().write_protect;
         let mut copied = clean;
         mm.vmstat().pgactivate.fetch_add(1, Relaxed);
@@ -468,7 +488,13 @@ impl FaultPath {
     /// access fails loudly), or, with no slot either, is mapped over the limit.
     /// Pages read ahead are mapped as `readahead` says (clean for a fault, dirty for
     /// swapoff).
-    fn swap_in(&self, mut lock: PageLock<'_>, start: Instant, readahead: Destination) -> Outcome {
+    fn swap_in(
+        &self,
+        mut lock: PageLock<'_>,
+        start: Instant,
+        readahead: Destination,
+        write: bool,
+    ) -> Outcome {
         let mm = self.mm();
         let slot = lock.state().slot().expect("a swapped page has a slot");
         let cached = mm.swap().cache().lookup(slot);
@@ -510,8 +536,9 @@ impl FaultPath {
         }
         mm.vmstat().pswpin.fetch_add(1, Relaxed);
         // Keep the swap copy (and write-protect to learn of the first write) unless swap
-        // space is getting short, as the kernel frees the slot when vm_swap_full().
-        let keep = mm.caps().write_protect && !mm.swap().nearly_full();
+        // space is getting short, as the kernel frees the slot when vm_swap_full(), or the
+        // access is a write.
+        let keep = mm.caps().write_protect && !mm.swap().nearly_full() && !write;
         if !keep {
             mm.release_slot(slot);
         }

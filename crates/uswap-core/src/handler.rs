@@ -133,6 +133,7 @@ fn handle_message(fault: &FaultPath, event: Event) -> Option<usize> {
     let Event::Fault {
         address,
         write_protect,
+        write,
         tid,
     } = event
     else {
@@ -147,7 +148,7 @@ fn handle_message(fault: &FaultPath, event: Event) -> Option<usize> {
         return None;
     };
     let outcome = catch_unwind(AssertUnwindSafe(|| {
-        fault.handle_fault(page, Some(write_protect))
+        fault.handle_fault(page, Some(write_protect), write)
     }));
     match outcome {
         Ok(Outcome::Resolved) => None,

@@ -221,7 +221,7 @@ fn serve_requests(s: &Served) {
             continue;
         }
         let page = r.page.load(Relaxed);
-        let outcome = catch_unwind(AssertUnwindSafe(|| s.fault.handle_fault(page, None)))
+        let outcome = catch_unwind(AssertUnwindSafe(|| s.fault.handle_fault(page, None, false)))
             .unwrap_or_else(|_| {
                 s.fault.mm().vmstat().handler_panics.fetch_add(1, Relaxed);
                 eprintln!("uswap: the SIGBUS service panicked on page {page}; that access fails");

@@ -45,6 +45,7 @@ pub const EVENT_PAGEFAULT: u8 = 0x12;
 pub const EVENT_REMAP: u8 = 0x14;
 pub const EVENT_REMOVE: u8 = 0x15;
 pub const EVENT_UNMAP: u8 = 0x16;
+pub const PAGEFAULT_FLAG_WRITE: u64 = 1 << 0;
 pub const PAGEFAULT_FLAG_WP: u64 = 1 << 1;
 
 const COPY_MODE_WP: u64 = 1 << 1;
@@ -127,11 +128,13 @@ pub struct Msg {
 /// A decoded message.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Event {
-    /// An access to a missing page, or a write to a write-protected one; `tid` is the
-    /// faulting thread (0 without UFFD_FEATURE_THREAD_ID).
+    /// An access to a missing page, or a write to a write-protected one; `write` says the
+    /// access was a write; `tid` is the faulting thread (0 without
+    /// UFFD_FEATURE_THREAD_ID).
     Fault {
         address: usize,
         write_protect: bool,
+        write: bool,
         tid: u32,
     },
     /// mremap moved `len` bytes from `from` to `to`.
@@ -151,6 +154,7 @@ impl Msg {
             EVENT_PAGEFAULT => Event::Fault {
                 address: b as usize,
                 write_protect: a & PAGEFAULT_FLAG_WP != 0,
+                write: a & PAGEFAULT_FLAG_WRITE != 0,
                 tid: c as u32,
             },
             EVENT_REMAP => Event::Remap {
@@ -560,7 +564,17 @@ mod tests {
             Event::Fault {
                 address: 0x1000,
                 write_protect: true,
+                write: false,
                 tid: 7
+            }
+        );
+        assert_eq!(
+            msg(EVENT_PAGEFAULT, [PAGEFAULT_FLAG_WRITE, 0x2000, 0]).decode(),
+            Event::Fault {
+                address: 0x2000,
+                write_protect: false,
+                write: true,
+                tid: 0
             }
         );
         assert_eq!(

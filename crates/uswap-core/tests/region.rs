@@ -5,7 +5,7 @@ mod common;
 
 use common::{check, check_slice, fill};
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
-use uswap_core::{Advice, Config, FaultMode, Region, SwapLocation, PAGE_SIZE};
+use uswap_core::{Advice, Config, FaultMode, ReadaheadPolicy, Region, SwapLocation, PAGE_SIZE};
 
 const MIB: u64 = 1 << 20;
 
@@ -169,6 +169,52 @@ fn clean_pages_are_dropped_without_io_and_writes_dirty_them() {
     );
     assert_eq!(s.pgclean_dropped, pages as u64 - 1);
     unsafe { check(region.as_ptr(), 3, 7) }.unwrap();
+}
+
+/// A write that faults on a swapped-out or inactive page maps it dirty at once (slot
+/// freed, writable): one fault per page, not a fault to map it and another to write it.
+#[test]
+fn a_write_to_a_swapped_or_inactive_page_maps_it_dirty_with_one_fault() {
+    let mut cfg = Config::new(2 * MIB);
+    cfg.readahead.policy = ReadaheadPolicy::None;
+    let region = Region::new(MIB, cfg).unwrap();
+    let pages = region.len() / PAGE_SIZE;
+    for p in 0..pages {
+        unsafe { fill(region.as_ptr(), p, 0) };
+    }
+    // Every page clean (swapped out and read back, keeping its slot), then the first
+    // half swapped out again and the second half inactive.
+    region.advise(0, region.len(), Advice::PageOut).unwrap();
+    for p in 0..pages {
+        unsafe { check(region.as_ptr(), p, 0) }.unwrap();
+    }
+    region.advise(0, region.len() / 2, Advice::PageOut).unwrap();
+    region
+        .advise(region.len() / 2, region.len() / 2, Advice::Cold)
+        .unwrap();
+    assert_eq!(region.stats().swap_used_pages, pages as u64);
+    let before = region.stats().vmstat;
+    for p in 0..pages {
+        unsafe { fill(region.as_ptr(), p, 1) };
+    }
+    let d = region.stats().vmstat.since(&before);
+    assert_eq!(d.pgfault, pages as u64, "one fault per page written: {d:?}");
+    assert_eq!(
+        region.stats().swap_used_pages,
+        0,
+        "every written page freed its slot"
+    );
+    for p in 0..pages {
+        unsafe { check(region.as_ptr(), p, 1) }.unwrap();
+    }
+    let out = region.stats().vmstat.pswpout;
+    region.advise(0, region.len(), Advice::PageOut).unwrap();
+    assert_eq!(
+        region.stats().vmstat.pswpout - out,
+        pages as u64,
+        "all dirty"
+    );
+    region.check_invariants().unwrap();
 }
 
 #[test]
