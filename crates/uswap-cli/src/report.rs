@@ -76,6 +76,25 @@ pub fn lockstat(classes: &[uswap_core::LockClass]) {
     }
 }
 
+/// Where the time of faults and reclaim went, one row per phase.
+pub fn breakdown(phases: &[uswap_core::PhaseSummary]) {
+    println!(
+        "  {:<18} {:>10} {:>9} {:>9} {:>9} {:>11}",
+        "phase", "count", "mean µs", "p50", "p99", "total ms"
+    );
+    for p in phases {
+        println!(
+            "  {:<18} {:>10} {:>9.1} {:>9.1} {:>9.1} {:>11.1}",
+            p.phase,
+            count(p.count),
+            p.mean_ns / 1e3,
+            p.p50_ns as f64 / 1e3,
+            p.p99_ns as f64 / 1e3,
+            p.total_ms
+        );
+    }
+}
+
 /// Lock statistics over an interval: `after` less `before`, class by class.
 pub fn lockstat_since(
     after: &[uswap_core::LockClass],

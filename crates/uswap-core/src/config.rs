@@ -469,6 +469,9 @@ pub struct Config {
     /// Single-page LRU adds gathered per CPU before they take the LRU lock (the kernel's
     /// folio batch of 31); 1 adds every page at once.
     pub lru_batch: usize,
+    /// Time every phase of faults and reclaim (`Region::phase_times`); a clock read per
+    /// phase when on.
+    pub breakdown: bool,
     /// Per-CPU stocks in front of the resident budget (the memcg charge stock) and per-CPU
     /// lists in front of the staging frame list (the page allocator's per-CPU lists).
     pub pcp: bool,
@@ -490,6 +493,7 @@ impl Config {
             pcp: true,
             lru_lock: LruLockMode::Mutex,
             lru_batch: DEFAULT_LRU_BATCH,
+            breakdown: false,
         }
     }
 

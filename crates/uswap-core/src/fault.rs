@@ -8,6 +8,7 @@
 //! [`Outcome::Retry`]: the thread retries its access, which the kernel or the next fault
 //! then answers.
 
+use crate::breakdown::{Laps, Phase};
 use crate::config::Readahead;
 use crate::lru::LruList;
 use crate::mm::Mm;
@@ -86,9 +87,12 @@ impl FaultPath {
             let lock = self.mm().pages().lock(page);
             let outcome = match lock.kind() {
                 Kind::Inactive => self
-                    .activate(lock, start, true, false)
+                    .activate(lock, start, Laps::new(None, start), true, false)
                     .unwrap_or(Outcome::Retry),
-                Kind::Swapped => self.swap_in(lock, start, Destination::MapDirty, false),
+                Kind::Swapped => {
+                    let laps = Laps::new(None, start);
+                    self.swap_in(lock, start, laps, Destination::MapDirty, false)
+                }
                 _ => Outcome::Resolved,
             };
             if outcome != Outcome::Retry {
@@ -139,6 +143,8 @@ impl FaultPath {
         mm.vmstat().pgfault.fetch_add(1, Relaxed);
         let start = Instant::now();
         let lock = mm.pages().lock(page);
+        let mut laps = Laps::new(mm.breakdown(), start);
+        laps.lap(Phase::PageLock);
         if self.inject_panic.load(Relaxed) && self.inject_panic.swap(false, Relaxed) {
             panic!("injected fault-handler panic (test hook)");
         }
@@ -148,9 +154,9 @@ impl FaultPath {
                 .first_touch(lock, start, true)
                 .unwrap_or(Outcome::Retry),
             Kind::Inactive => self
-                .activate(lock, start, true, write)
+                .activate(lock, start, laps, true, write)
                 .unwrap_or(Outcome::Retry),
-            Kind::Swapped => self.swap_in(lock, start, Destination::MapClean, write),
+            Kind::Swapped => self.swap_in(lock, start, laps, Destination::MapClean, write),
             Kind::Lazyfree => self.refill_lazyfree(lock),
             Kind::Poisoned => {
                 drop(lock);
@@ -176,7 +182,7 @@ impl FaultPath {
         }
         let outcome = match lock.kind() {
             Kind::None | Kind::Discarded => self.first_touch(lock, start, false)?,
-            Kind::Inactive => self.activate(lock, start, false, false)?,
+            Kind::Inactive => self.activate(lock, start, Laps::new(None, start), false, false)?,
             Kind::Swapped => self.swap_in_in_signal(lock, start)?,
             // Only what can be told and done without a report: a missing page needs the
             // full path's loud failure.
@@ -415,6 +421,7 @@ impl FaultPath {
         &self,
         mut lock: PageLock<'_>,
         start: Instant,
+        mut laps: Laps<'_>,
         report: bool,
         write: bool,
     ) -> Option<Outcome> {
@@ -466,6 +473,7 @@ impl FaultPath {
                 )
             });
         }
+        laps.lap(Phase::Map);
         mm.lru().cache_add(LruList::Active, lock.page(), false);
         lock.activate();
         drop(lock);
@@ -477,6 +485,7 @@ impl FaultPath {
         } else {
             mm.staging().release_empty(frame);
         }
+        laps.lap(Phase::Finish);
         mm.record(FaultKind::Minor, start);
         Some(Outcome::Resolved)
     }
@@ -492,6 +501,7 @@ impl FaultPath {
         &self,
         mut lock: PageLock<'_>,
         start: Instant,
+        mut laps: Laps<'_>,
         readahead: Destination,
         write: bool,
     ) -> Outcome {
@@ -511,6 +521,7 @@ impl FaultPath {
                 self.mark_readahead_used(last)
             });
         let dst = (slot, buf.as_mut_ptr());
+        laps.lap(Phase::Prepare);
         // SAFETY: the buffer is one aligned page we own.
         let read = unsafe {
             read_around(
@@ -534,6 +545,7 @@ impl FaultPath {
             let why = format!("swap-in from slot {slot} failed: {e}; the page's data is lost");
             return self.fail(lock, &why, false);
         }
+        laps.lap(Phase::Read);
         mm.vmstat().pswpin.fetch_add(1, Relaxed);
         // Keep the swap copy (and write-protect to learn of the first write) unless swap
         // space is getting short, as the kernel frees the slot when vm_swap_full(), or the
@@ -551,8 +563,10 @@ impl FaultPath {
             mm.vmstat().overdraft.fetch_add(1, Relaxed);
         }
         mm.vmstat().pgmajfault.fetch_add(1, Relaxed);
+        laps.lap(Phase::Charge);
         let addr = mm.page_addr(lock.page());
         let mapped = mm.uffd().copy(addr, buf.as_ptr(), PAGE_SIZE, keep);
+        laps.lap(Phase::Map);
         if let Err(p) = mapped {
             mm.vmstat().pgmajfault.fetch_sub(1, Relaxed);
             mm.budget().uncharge(1);
@@ -580,6 +594,7 @@ impl FaultPath {
         mm.lru().cache_add(LruList::Active, lock.page(), false);
         lock.swap_in(keep.then_some(slot));
         drop(lock);
+        laps.lap(Phase::Finish);
         mm.record(FaultKind::Major, start);
         Outcome::Resolved
     }

@@ -4,6 +4,7 @@
 //! resident. Cold pages go to a swap file and come back on access. Modules are named after
 //! the kernel parts they mirror; see `docs/architecture.md` for the map.
 
+mod breakdown;
 mod budget;
 pub mod config;
 pub mod cpu;
@@ -29,6 +30,7 @@ pub mod uffd;
 mod vma;
 mod vmscan;
 
+pub use breakdown::{PhaseSummary, PhaseTimes};
 pub use budget::StockStats;
 pub use config::{
     parse_size, Config, FaultMode, FaultPlan, IoMode, LruLockMode, Readahead, ReadaheadPolicy,

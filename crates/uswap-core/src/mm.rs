@@ -4,6 +4,7 @@
 //! counters. The bottom layer: reclaim (`vmscan`) and the fault path (`fault`) are built on
 //! it, and it knows neither. Lock order: see `page.rs`.
 
+use crate::breakdown::Breakdown;
 use crate::budget::Budget;
 use crate::config::FaultMode;
 use crate::error::{Error, Result};
@@ -127,6 +128,7 @@ pub(crate) struct Parts {
     pub pcp: bool,
     pub lru_lock: crate::config::LruLockMode,
     pub lru_batch: usize,
+    pub breakdown: bool,
 }
 
 pub(crate) struct Mm {
@@ -148,6 +150,8 @@ pub(crate) struct Mm {
     mode: FaultMode,
     vmstat: VmStat,
     latency: FaultLatency,
+    /// Per-phase times, when asked for (`Config::breakdown`).
+    breakdown: Option<Breakdown>,
     /// Swap slots this region's pages hold.
     slots_held: AtomicU64,
     /// Page-sized buffers for swap-in, preallocated so the fault path allocates nothing.
@@ -191,6 +195,7 @@ impl Mm {
             mode: p.mode,
             vmstat: VmStat::default(),
             latency: FaultLatency::default(),
+            breakdown: p.breakdown.then(Breakdown::new),
             slots_held: AtomicU64::new(0),
             shutdown: AtomicBool::new(false),
             id: next_region_id(),
@@ -237,6 +242,10 @@ impl Mm {
 
     pub fn latency(&self) -> &FaultLatency {
         &self.latency
+    }
+
+    pub fn breakdown(&self) -> Option<&Breakdown> {
+        self.breakdown.as_ref()
     }
 
     /// Whether vma events are being read or handled: page states may be about to change.

@@ -193,6 +193,7 @@ impl Region {
             pcp: cfg.pcp,
             lru_lock: cfg.lru_lock,
             lru_batch: cfg.lru_batch,
+            breakdown: cfg.breakdown,
         })?;
         let reclaim = Reclaim::new(mm, cfg.watermarks, cfg.inactive_percent, cfg.reclaim_batch);
         let fault = Arc::new(FaultPath::new(reclaim, cfg.fault_around, cfg.readahead));
@@ -301,6 +302,12 @@ impl Region {
             assert!(moved.is_ok(), "test hook: the page could not be taken out");
             mm.staging().release(frame);
         }
+    }
+
+    /// Where the time of faults and reclaim went so far, phase by phase; `None` unless
+    /// `Config::breakdown` is on. [`PhaseTimes::since`] gives an interval.
+    pub fn phase_times(&self) -> Option<crate::PhaseTimes> {
+        self.fault.mm().breakdown().map(|b| b.times())
     }
 
     /// The swap-in readahead in force.

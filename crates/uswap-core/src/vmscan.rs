@@ -2,6 +2,7 @@
 //! background reclaimer (kswapd), aging the active list into the inactive list, and batched
 //! write-out of inactive pages. Built on `mm`; the fault path is built on it.
 
+use crate::breakdown::{Laps, Phase};
 use crate::config::Watermarks;
 use crate::error::{Error, Result};
 use crate::lru::LruList;
@@ -248,6 +249,7 @@ impl Reclaim {
     /// flight, or unmapped under us) stays active and is counted.
     pub fn deactivate(&self, locks: &mut [PageLock<'_>]) {
         let mm = &self.mm;
+        let mut laps = Laps::new(mm.breakdown(), Instant::now());
         // Referenced pages go round once more: they sort last, stay active and go back to
         // the head with the pages that could not move.
         locks.sort_unstable_by_key(|l| (l.state().referenced(), l.page()));
@@ -277,6 +279,7 @@ impl Reclaim {
                     .map(|l| l.page()),
             );
         }
+        laps.lap(Phase::Deactivate);
     }
 
     /// Moves active pages (sorted by page) into staging frames, runs of neighbours with
@@ -363,9 +366,14 @@ impl Reclaim {
             }
             freed_frames.push(frame);
         }
+        let mut laps = Laps::new(mm.breakdown(), Instant::now());
         self.write_out(locks, &writes, &mut freed_frames);
+        if !writes.is_empty() {
+            laps.lap(Phase::WriteOut);
+        }
         let freed = freed_frames.len() as u64;
         mm.staging().release_all(freed_frames);
+        laps.lap(Phase::FrameRelease);
         let still_inactive = locks
             .iter()
             .filter(|l| l.kind() == Kind::Inactive)

@@ -10,7 +10,8 @@ use anyhow::{bail, ensure, Context, Result};
 use clap::{value_parser, Args};
 use serde::Serialize;
 use uswap_core::{
-    LockClass, Region, SlotAlloc, Stats, SwapCacheMode, SwapCacheStats, VmStatSnapshot,
+    LockClass, PhaseSummary, Region, SlotAlloc, Stats, SwapCacheMode, SwapCacheStats,
+    VmStatSnapshot,
 };
 
 #[derive(Args, Debug)]
@@ -42,6 +43,10 @@ pub struct RandomArgs {
     /// Print one JSON object instead of a table
     #[arg(long)]
     pub json: bool,
+
+    /// Time every phase of uswap's faults and reclaim and print where the time went
+    #[arg(long)]
+    pub breakdown: bool,
 
     #[command(flatten)]
     pub core: CoreArgs,
@@ -84,6 +89,9 @@ struct UswapDetail {
     /// The region's statistics at the end of the measured interval (service times since
     /// the region was made).
     stats: Stats,
+    /// Time per phase over the measured interval (`--breakdown`).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    breakdown: Vec<PhaseSummary>,
 }
 
 pub fn run(a: &RandomArgs) -> Result<()> {
@@ -107,7 +115,8 @@ pub fn run(a: &RandomArgs) -> Result<()> {
 }
 
 fn run_uswap(a: &RandomArgs, params: &RandomParams) -> Result<Report> {
-    let cfg = a.core.config(a.memory)?;
+    let mut cfg = a.core.config(a.memory)?;
+    cfg.breakdown = a.breakdown;
     let region = Region::new(a.size, cfg).with_context(|| {
         format!(
             "creating a {} region with a {} memory limit",
@@ -115,7 +124,14 @@ fn run_uswap(a: &RandomArgs, params: &RandomParams) -> Result<Report> {
             report::size(a.memory)
         )
     })?;
-    let (outcome, before, after) = random::run(region.mem(), params, || region.stats());
+    let (outcome, (before, times_before), (after, times_after)) =
+        random::run(region.mem(), params, || {
+            (region.stats(), region.phase_times())
+        });
+    let breakdown = match (times_after, times_before) {
+        (Some(t), Some(b)) => t.since(&b).summary(),
+        _ => Vec::new(),
+    };
     let vmstat = after.vmstat.since(&before.vmstat);
     let swapped = (vmstat.pswpin, vmstat.pswpout);
     let detail = UswapDetail {
@@ -123,6 +139,7 @@ fn run_uswap(a: &RandomArgs, params: &RandomParams) -> Result<Report> {
         lockstat: report::lockstat_since(&after.lockstat, &before.lockstat),
         swap_cache: after.swap_cache.since(&before.swap_cache),
         stats: after,
+        breakdown,
     };
     Ok(build_report(a, outcome, swapped, Some(detail), None))
 }
@@ -247,6 +264,10 @@ fn print(r: &Report) {
         );
         println!("uswap lock statistics over the measured interval:");
         report::lockstat(&u.lockstat);
+        if !u.breakdown.is_empty() {
+            println!("uswap time per phase over the measured interval (--breakdown):");
+            report::breakdown(&u.breakdown);
+        }
     }
     if let Some(k) = &r.kernel {
         report::kernel_environment(k);
