@@ -240,19 +240,49 @@ impl FaultPath {
     }
 
     /// A fault on a lazily freed page: the kernel zapped it (MADV_DONTNEED), so it reads as
-    /// zeros; it is still charged. If it is mapped after all, a racing fault got there first.
-    fn refill_lazyfree(&self, mut lock: PageLock<'_>) -> Outcome {
+    /// zeros; it is still charged. The lazily freed pages after it in its fault-around
+    /// window are refilled with it: the kernel zaps in address order, so those it has
+    /// passed are gone too, and at one it has not reached yet (still mapped) the fill stops
+    /// (EEXIST). The pages stay lazily freed: a discard being handled may still have its
+    /// zap to come, and a page it takes must then read as zeros again, not fail. If the
+    /// page itself is mapped, this is a racing fault or a write to a page MADV_FREE left
+    /// write-protected (its protection clear can meet the kernel's own fence).
+    fn refill_lazyfree(&self, lock: PageLock<'_>) -> Outcome {
         let mm = self.mm();
         let page = lock.page();
-        let zeros = mm.zeros() as *const u8;
-        match mm.uffd().copy(mm.page_addr(page), zeros, PAGE_SIZE, false) {
-            Ok(()) => {
-                lock.refill();
-                mm.lru().cache_add(LruList::Active, page, false);
-                mm.vmstat().pgzerofill.fetch_add(1, Relaxed);
-                Outcome::Resolved
+        let end = (page - page % self.fault_around + self.fault_around).min(mm.pages().len());
+        let mut after: Vec<PageLock<'_>> = Vec::new();
+        for p in page + 1..end {
+            match mm.pages().try_lock(p) {
+                Some(l) if l.kind() == Kind::Lazyfree => after.push(l),
+                _ => break,
             }
+        }
+        let zeros = mm.zeros() as *const u8;
+        let len = (1 + after.len()) * PAGE_SIZE;
+        let filled = mm.uffd().copy(mm.page_addr(page), zeros, len, false);
+        let done = match &filled {
+            Ok(()) => 1 + after.len(),
+            Err(p) => p.done / PAGE_SIZE,
+        };
+        if done > 0 {
+            mm.vmstat().pgzerofill.fetch_add(done as u64, Relaxed);
+            mm.lru().cache_add(LruList::Active, page, false);
+            for l in &after[..done - 1] {
+                mm.lru().cache_add(LruList::Active, l.page(), false);
+            }
+            return Outcome::Resolved;
+        }
+        match filled {
             Err(p) if p.error.raw_os_error() == Some(libc::EEXIST) => {
+                if mm.caps().write_protect {
+                    let addr = mm.page_addr(page);
+                    if let Err(e) = mm.uffd().write_protect(addr, PAGE_SIZE, false) {
+                        if e.raw_os_error() == Some(libc::EAGAIN) {
+                            return Outcome::Retry;
+                        }
+                    }
+                }
                 drop(lock);
                 mm.wake(page);
                 Outcome::Resolved
@@ -263,6 +293,7 @@ impl FaultPath {
                 &format!("zero-filling a discarded page failed: {p}"),
                 false,
             ),
+            Ok(()) => unreachable!("a whole fill maps the faulting page"),
         }
     }
 
@@ -372,7 +403,12 @@ impl FaultPath {
         }
         let mut lock = lock;
         if page < lo + done {
+            let discarded = lock.kind() == Kind::Discarded;
             lock.map_new();
+            if discarded {
+                // The zap of the discard may still be running: see `refill_lazyfree`.
+                lock.lazyfree();
+            }
             drop(lock);
             mm.record(FaultKind::FirstTouch, start);
             return Some(Outcome::Resolved);

@@ -214,7 +214,9 @@ fn next_messages<'a>(
     loop {
         let timeout = if Instant::now() < spin_until {
             0
-        } else if fault.has_pending() || retrying {
+        } else if fault.has_pending() || retrying || shared.busy.load(Relaxed) > 0 {
+            // A busy handler may back a fault out (the fence) and queue its thread to be
+            // woken after the next read: look at that queue every millisecond.
             // While pages moved out of the region wait to be put in place, look again soon:
             // the kernel refuses the fills until it has counted the last event as read.
             1
@@ -231,7 +233,11 @@ fn next_messages<'a>(
                     return None;
                 }
             },
-            Readiness::TimedOut if timeout > 0 && retrying => return Some((0, None)),
+            Readiness::TimedOut
+                if timeout > 0 && (retrying || !lock_std(&shared.retry).is_empty()) =>
+            {
+                return Some((0, None))
+            }
             Readiness::TimedOut => std::hint::spin_loop(),
         }
         if mm.shutting_down() {

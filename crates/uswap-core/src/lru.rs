@@ -384,12 +384,36 @@ impl Lru {
         while out.len() < wanted && budget > 0 {
             budget -= 1;
             let page = self.nodes[sentinel as usize].prev.load(Relaxed);
-            self.unlink(page);
+            // Lock first: a busy page's node must never read "off list" here, or its lock
+            // holder, in `cache_add` (no LRU lock), could mark it pending meanwhile.
             match pages.try_lock(page as usize) {
-                Some(lock) => out.push(lock),
-                None => self.link_after(sentinel, page, list),
+                Some(lock) => {
+                    self.unlink(page);
+                    out.push(lock);
+                }
+                None => self.rotate_to_head(page, list),
             }
         }
+    }
+
+    /// Moves `page` (on `list`) to its head, its list number untouched (exclusive mode).
+    fn rotate_to_head(&self, page: u32, list: LruList) {
+        let sentinel = self.sentinel(list);
+        let node = &self.nodes[page as usize];
+        let (prev, next) = (node.prev.load(Relaxed), node.next.load(Relaxed));
+        self.nodes[prev as usize].next.store(next, Relaxed);
+        self.nodes[next as usize].prev.store(prev, Relaxed);
+        let first = self.nodes[sentinel as usize].next.load(Relaxed);
+        node.prev.store(sentinel, Relaxed);
+        node.next.store(first, Relaxed);
+        self.nodes[sentinel as usize].next.store(page, Relaxed);
+        self.nodes[first as usize].prev.store(page, Relaxed);
+    }
+
+    /// Whether `page` waits in a per-CPU batch (for the walker, after a drain with every
+    /// page lock held: none may).
+    pub fn is_pending(&self, page: usize) -> bool {
+        is_pending(self.list_number(page as u32))
     }
 
     fn sentinel(&self, list: LruList) -> u32 {
@@ -542,6 +566,47 @@ mod tests {
             assert_eq!(lru.members(LruList::Active).unwrap(), vec![1, 3]);
             assert_eq!(isolate(&lru, &t, LruList::Active, 9), vec![3, 1]);
             assert_eq!(isolate(&lru, &t, LruList::Inactive, 9), vec![4, 5]);
+        }
+    }
+
+    /// A fault activating an inactive page (its page lock held, the page still on the
+    /// inactive list) batches it for the active list while reclaim isolates the inactive
+    /// tail and finds the page locked: the page must end on the active list, never be left
+    /// on the inactive one (found in review: isolation used to unlink and relink a busy
+    /// page, and a `cache_add` in between was overwritten).
+    #[test]
+    fn an_activation_racing_isolation_ends_on_the_active_list() {
+        for mode in LruLockMode::ALL {
+            let t = PageTable::new(2);
+            let lru = Lru::new(2, *mode, 4, 1);
+            let stop = std::sync::atomic::AtomicBool::new(false);
+            let mut wrong = 0;
+            std::thread::scope(|s| {
+                s.spawn(|| {
+                    let mut got = Vec::new();
+                    while !stop.load(Relaxed) {
+                        lru.isolate(&t, LruList::Inactive, 2, &mut got);
+                        got.clear();
+                    }
+                });
+                for _ in 0..50_000 {
+                    let lock = t.lock(0);
+                    lru.add(LruList::Inactive, [0]);
+                    (0..20).for_each(|_| std::hint::spin_loop());
+                    lru.cache_add(LruList::Active, 0, false);
+                    drop(lock);
+                    lru.drain_all();
+                    let lock = t.lock(0);
+                    wrong += (lru.list_of(0) != Some(LruList::Active)) as u32;
+                    lru.remove(0);
+                    drop(lock);
+                }
+                stop.store(true, Relaxed);
+            });
+            assert_eq!(
+                wrong, 0,
+                "{mode}: an activated page was left on the inactive list"
+            );
         }
     }
 

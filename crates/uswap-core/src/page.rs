@@ -63,9 +63,11 @@ pub enum Kind {
     Discarded = 6,
     /// Mapped when the program discarded it: MADV_DONTNEED zaps it, MADV_FREE leaves it
     /// mapped with its data until it is written or reclaimed, and the event does not say
-    /// which. Charged, on the active list, no slot. A fault on it means the kernel zapped
-    /// it (zero-filled, no new charge); aging moves it out like an active page, or, finding
-    /// nothing to move, frees it (the kernel's lazy free, `pglazyfreed`).
+    /// which; or zero-filled after a discard, when the discard's zap may still follow.
+    /// Charged, on the active list, no slot. A fault on it means the kernel zapped it
+    /// (zero-filled again, no new charge, still lazily freed); aging moves it out like an
+    /// active page, or, finding nothing to move, frees it (the kernel's lazy free,
+    /// `pglazyfreed`).
     Lazyfree = 7,
 }
 
@@ -388,12 +390,6 @@ impl PageLock<'_> {
         self.become_(Kind::Lazyfree, None, None);
     }
 
-    /// A lazily freed page the kernel had zapped was zero-filled again (its charge kept).
-    pub fn refill(&mut self) {
-        self.expect(&[Kind::Lazyfree], "refill");
-        self.become_(Kind::Active, None, None);
-    }
-
     /// munmap, or the source of an mremap: nothing is mapped here any more. Returns what the
     /// page held, for the caller to release or move.
     pub fn unmap(&mut self) -> PageState {
@@ -468,8 +464,6 @@ mod tests {
         );
         assert!(!l.second_chance());
         l.lazyfree();
-        l.refill();
-        l.lazyfree();
         l.deactivate(4);
         assert_eq!(l.kind(), Kind::Inactive);
         l.unmap();
@@ -526,7 +520,7 @@ mod tests {
                             Kind::Unmapped => {
                                 l.discard();
                             }
-                            Kind::Lazyfree => l.refill(),
+                            Kind::Lazyfree => l.deactivate(i),
                         }
                         assert!(l.state().is_well_formed());
                     }

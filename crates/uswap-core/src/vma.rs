@@ -15,8 +15,10 @@
 //! Events are handled one at a time, each before any message read after it (thread mode:
 //! by the handler that holds leadership; SIGBUS mode: by the service thread), with fills
 //! fenced off from the read until they are handled (`mmap_changing.rs`): no page is filled
-//! between the kernel's change and uswap's, so uswap never has to take a page out behind
-//! the kernel. Page locks are taken blocking, in address order.
+//! between uswap's read of an event and its handling. The kernel's zap of a discard runs
+//! after the read and may still take pages filled after the handling; those are kept
+//! `Lazyfree`, so a fault on them refills zeros. uswap never takes a page out behind the
+//! kernel. Page locks are taken blocking, in address order.
 
 use crate::fault::FaultPath;
 use crate::lru::LruList;
@@ -352,7 +354,13 @@ impl FaultPath {
         let mut slots = std::collections::HashSet::new();
         let mut frames = std::collections::HashSet::new();
         let placing = self.placements().pages.len();
+        // With every page locked no page can join a batch: a drain must leave none waiting
+        // (one still waiting lost its batch entry).
+        mm.lru().drain_all();
         for l in &locks {
+            if mm.lru().is_pending(l.page()) {
+                errors.push(format!("page {} waits in no LRU batch", l.page()));
+            }
             let st = l.state();
             if !st.is_well_formed() {
                 errors.push(format!("page {}: malformed state {st:?}", l.page()));
