@@ -155,26 +155,32 @@ fn run_uswap_shared(a: &FaultArgs, params: &FaultParams) -> Result<Report> {
         },
     )?;
     let after = region.stats();
-    Ok(Report {
+    let memory = format!(
+        "one {} region, limit {}: reclaim never runs",
+        report::size(total),
+        report::size(limit)
+    );
+    let detail = UswapDetail {
+        region: Layout::Shared,
+        fault_events: after.vmstat.pgfault - before.vmstat.pgfault,
+        zero_filled_pages: after.vmstat.pgzerofill - before.vmstat.pgzerofill,
+        lockstat: report::lockstat_since(&after.lockstat, &before.lockstat),
+    };
+    Ok(uswap_report(a, outcome, memory, detail))
+}
+
+fn uswap_report(a: &FaultArgs, outcome: FaultOutcome, memory: String, d: UswapDetail) -> Report {
+    Report {
         bench: "fault",
         backend: Backend::Uswap,
         size: a.size,
-        threads: params.threads,
+        threads: a.threads as usize,
         faults_per_s: outcome.touch_pages_per_s,
         outcome,
-        memory: format!(
-            "one {} region, limit {}: reclaim never runs",
-            report::size(total),
-            report::size(limit)
-        ),
-        uswap: Some(UswapDetail {
-            region: Layout::Shared,
-            fault_events: after.vmstat.pgfault - before.vmstat.pgfault,
-            zero_filled_pages: after.vmstat.pgzerofill - before.vmstat.pgzerofill,
-            lockstat: report::lockstat_since(&after.lockstat, &before.lockstat),
-        }),
+        memory,
+        uswap: Some(d),
         kernel: None,
-    })
+    }
 }
 
 fn run_uswap_per_thread(a: &FaultArgs, params: &FaultParams) -> Result<Report> {
@@ -193,25 +199,17 @@ fn run_uswap_per_thread(a: &FaultArgs, params: &FaultParams) -> Result<Report> {
             zero_filled.fetch_add(v.pgzerofill, Relaxed);
         },
     )?;
-    Ok(Report {
-        bench: "fault",
-        backend: Backend::Uswap,
-        size: a.size,
-        threads: params.threads,
-        faults_per_s: outcome.touch_pages_per_s,
-        outcome,
-        memory: format!(
-            "each region's limit is {}: reclaim never runs",
-            report::size(limit)
-        ),
-        uswap: Some(UswapDetail {
-            region: Layout::PerThread,
-            fault_events: events.into_inner(),
-            zero_filled_pages: zero_filled.into_inner(),
-            lockstat: Vec::new(),
-        }),
-        kernel: None,
-    })
+    let memory = format!(
+        "each region's limit is {}: reclaim never runs",
+        report::size(limit)
+    );
+    let detail = UswapDetail {
+        region: Layout::PerThread,
+        fault_events: events.into_inner(),
+        zero_filled_pages: zero_filled.into_inner(),
+        lockstat: Vec::new(),
+    };
+    Ok(uswap_report(a, outcome, memory, detail))
 }
 
 fn run_kernel(a: &FaultArgs, params: &FaultParams) -> Result<Report> {
