@@ -39,6 +39,9 @@ impl Handlers {
             threads: Vec::new(),
         };
         let shared = Arc::new(Shared {
+            // With several handlers each read takes one message, so the next fault goes to
+            // the next handler and their swap I/O overlaps; alone, a handler takes a batch.
+            batch: if cfg.threads > 1 { 1 } else { MAX_BATCH },
             leader: Mutex::new(()),
             busy: AtomicUsize::new(0),
             spin: Duration::from_micros(cfg.spin_us),
@@ -69,8 +72,13 @@ impl Handlers {
     }
 }
 
+/// Most messages one read takes.
+const MAX_BATCH: usize = 16;
+
 /// What the handler threads of one region share.
 struct Shared {
+    /// Messages one read takes.
+    batch: usize,
     /// Held by the one thread waiting for messages.
     leader: Mutex<()>,
     /// Handlers resolving faults right now.
@@ -93,11 +101,12 @@ struct Shared {
 /// message read after an event sees its effect; the batch's faults, raised before the
 /// event, are served after it, seeing the pages as the event left them.
 fn serve(fault: &FaultPath, stop: i32, shared: &Shared) {
-    let mut msgs = [Msg::default(); 16];
+    let mut msgs = [Msg::default(); MAX_BATCH];
+    let msgs = &mut msgs[..shared.batch];
     loop {
         let leader = lock_std(&shared.leader);
         let retrying = std::mem::take(&mut *lock_std(&shared.retry));
-        let Some((n, fence)) = next_messages(fault, stop, &mut msgs, shared, !retrying.is_empty())
+        let Some((n, fence)) = next_messages(fault, stop, msgs, shared, !retrying.is_empty())
         else {
             return;
         };
