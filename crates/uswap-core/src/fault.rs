@@ -15,7 +15,7 @@ use crate::mm::Mm;
 use crate::page::{Kind, PageLock};
 use crate::readahead::{read_around, Destination, ReadaheadState, Window};
 use crate::stats::FaultKind;
-use crate::vmscan::Reclaim;
+use crate::vmscan::{ChargeFailure, Reclaim};
 use crate::PAGE_SIZE;
 use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
 use std::time::Instant;
@@ -356,8 +356,9 @@ impl FaultPath {
         let want = (hi_bound - lo_bound) as u64;
         let granted = if may_reclaim {
             match self.reclaim.charge(want) {
-                Some(n) => n as usize,
-                None => return Some(self.fail(lock, OOM, true)),
+                Ok(n) => n as usize,
+                Err(ChargeFailure::EventsPending) => return Some(Outcome::Retry),
+                Err(ChargeFailure::OutOfMemory) => return Some(self.fail(lock, OOM, true)),
             }
         } else {
             self.reclaim.charge_without_reclaim(want)? as usize
@@ -427,8 +428,10 @@ impl FaultPath {
             return Outcome::Retry;
         }
         let mm = self.mm();
-        if self.reclaim.charge(1).is_none() {
-            return self.fail(lock, OOM, true);
+        match self.reclaim.charge(1) {
+            Ok(_) => {}
+            Err(ChargeFailure::EventsPending) => return Outcome::Retry,
+            Err(ChargeFailure::OutOfMemory) => return self.fail(lock, OOM, true),
         }
         let addr = mm.page_addr(lock.page());
         if let Err(p) = mm
@@ -590,13 +593,24 @@ impl FaultPath {
         if !keep {
             mm.release_slot(slot);
         }
-        if self.reclaim.charge(1).is_none() {
-            if keep || self.write_back(&mut lock, buf.as_ptr()) {
+        match self.reclaim.charge(1) {
+            Ok(_) => {}
+            // Events are being handled: back out with the data where it was (its slot, or
+            // a new one) and retry after them.
+            Err(ChargeFailure::EventsPending)
+                if keep || self.write_back(&mut lock, buf.as_ptr()) =>
+            {
+                mm.vmstat().pswpin.fetch_sub(1, Relaxed);
+                return Outcome::Retry;
+            }
+            Err(ChargeFailure::OutOfMemory) if keep || self.write_back(&mut lock, buf.as_ptr()) => {
                 drop(buf);
                 return self.fail(lock, OOM, true);
             }
-            mm.budget().overdraw(1);
-            mm.vmstat().overdraft.fetch_add(1, Relaxed);
+            Err(_) => {
+                mm.budget().overdraw(1);
+                mm.vmstat().overdraft.fetch_add(1, Relaxed);
+            }
         }
         mm.vmstat().pgmajfault.fetch_add(1, Relaxed);
         laps.lap(Phase::Charge);

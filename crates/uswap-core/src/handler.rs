@@ -110,13 +110,15 @@ fn serve(fault: &FaultPath, stop: i32, shared: &Shared) {
         else {
             return;
         };
+        // Busy before leadership passes on: the next leader must see this handler busy, or
+        // it could sleep without a timeout while this one backs a fault out.
+        let _busy = Busy::enter(&shared.busy);
         let _leader = if fence.is_some() || fault.has_pending() {
             Some(leader)
         } else {
             drop(leader);
             None
         };
-        let _busy = Busy::enter(&shared.busy);
         let is_fault = |e: &Event| matches!(e, Event::Fault { .. });
         for event in msgs[..n].iter().map(Msg::decode).filter(|e| !is_fault(e)) {
             handle_message(fault, event);
@@ -223,7 +225,11 @@ fn next_messages<'a>(
     loop {
         let timeout = if Instant::now() < spin_until {
             0
-        } else if fault.has_pending() || retrying || shared.busy.load(Relaxed) > 0 {
+        } else if fault.has_pending()
+            || retrying
+            || shared.busy.load(Relaxed) > 0
+            || !lock_std(&shared.retry).is_empty()
+        {
             // A busy handler may back a fault out (the fence) and queue its thread to be
             // woken after the next read: look at that queue every millisecond.
             // While pages moved out of the region wait to be put in place, look again soon:

@@ -253,6 +253,11 @@ impl Mm {
         self.mmap_changing.changing()
     }
 
+    /// Whether vma events are being handled: moves out of the region back out meanwhile.
+    pub fn mmap_events_held(&self) -> bool {
+        self.mmap_changing.events_held()
+    }
+
     /// A source of zeros for first-touch fills (never written).
     pub fn zeros(&self) -> usize {
         self.zeros.addr()

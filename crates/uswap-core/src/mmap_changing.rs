@@ -101,6 +101,11 @@ impl MmapChanging {
         Raised(self)
     }
 
+    /// Whether events are being handled (fills back out until they are).
+    pub fn events_held(&self) -> bool {
+        self.fence.load(SeqCst) == Fence::Events as u32
+    }
+
     /// Whether events are read or being handled: page states may be about to change.
     pub fn changing(&self) -> bool {
         self.fence.load(SeqCst) != Fence::Down as u32

@@ -159,7 +159,7 @@ impl Reclaim {
     /// Charges `want` pages (at least one) to the budget, reclaiming directly when the free
     /// pages fall under the min watermark. `None` when nothing could be freed for a while:
     /// memory and swap are both spent (or nothing left can be unmapped).
-    pub fn charge(&self, want: u64) -> Option<u64> {
+    pub fn charge(&self, want: u64) -> std::result::Result<u64, ChargeFailure> {
         let budget = self.mm.budget();
         let mut deadline = None;
         let mut round = 0u32;
@@ -181,12 +181,17 @@ impl Reclaim {
                 self.kswapd.wake();
             }
             if got > 0 {
-                return Some(got);
+                return Ok(got);
+            }
+            if self.mm.mmap_events_held() {
+                // Aging cannot move pages out while events are handled, and the handler
+                // may be waiting for the page lock this fault holds: back out.
+                return Err(ChargeFailure::EventsPending);
             }
             // Only a charge that has to wait reads the clock.
             let give_up = *deadline.get_or_insert_with(|| Instant::now() + OOM_AFTER);
             if Instant::now() > give_up {
-                return None;
+                return Err(ChargeFailure::OutOfMemory);
             }
             round += 1;
             std::thread::sleep(Duration::from_micros(50 * round.min(20) as u64));
@@ -424,6 +429,16 @@ impl Reclaim {
         mm.vmstat().pswpout.fetch_add(written, Relaxed);
         mm.slots_taken(written);
     }
+}
+
+/// Why [`Reclaim::charge`] got nothing.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum ChargeFailure {
+    /// Reclaim made no progress for `OOM_AFTER`: memory and swap are spent.
+    OutOfMemory,
+    /// Vma events are being handled; the fault backs out (its page lock released) and
+    /// retries after them.
+    EventsPending,
 }
 
 /// Starts kswapd for the reclaim that `owner` holds (`reclaim` finds it).
