@@ -260,13 +260,19 @@ impl FaultPath {
         }
         let zeros = mm.zeros() as *const u8;
         let len = (1 + after.len()) * PAGE_SIZE;
+        // Counted before the fill, which wakes the thread (see `first_touch`).
+        mm.vmstat()
+            .pgzerofill
+            .fetch_add(1 + after.len() as u64, Relaxed);
         let filled = mm.uffd().copy(mm.page_addr(page), zeros, len, false);
         let done = match &filled {
             Ok(()) => 1 + after.len(),
             Err(p) => p.done / PAGE_SIZE,
         };
+        mm.vmstat()
+            .pgzerofill
+            .fetch_sub((1 + after.len() - done) as u64, Relaxed);
         if done > 0 {
-            mm.vmstat().pgzerofill.fetch_add(done as u64, Relaxed);
             mm.lru().cache_add(LruList::Active, page, false);
             for l in &after[..done - 1] {
                 mm.lru().cache_add(LruList::Active, l.page(), false);
@@ -355,7 +361,7 @@ impl FaultPath {
         let hi_bound = (lo_bound + window).min(mm.pages().len());
         let want = (hi_bound - lo_bound) as u64;
         let granted = if may_reclaim {
-            match self.reclaim.charge(want) {
+            match self.reclaim.charge(want, true) {
                 Ok(n) => n as usize,
                 Err(ChargeFailure::EventsPending) => return Some(Outcome::Retry),
                 Err(ChargeFailure::OutOfMemory) => return Some(self.fail(lock, OOM, true)),
@@ -428,7 +434,7 @@ impl FaultPath {
             return Outcome::Retry;
         }
         let mm = self.mm();
-        match self.reclaim.charge(1) {
+        match self.reclaim.charge(1, true) {
             Ok(_) => {}
             Err(ChargeFailure::EventsPending) => return Outcome::Retry,
             Err(ChargeFailure::OutOfMemory) => return self.fail(lock, OOM, true),
@@ -593,13 +599,11 @@ impl FaultPath {
         if !keep {
             mm.release_slot(slot);
         }
-        match self.reclaim.charge(1) {
+        // Backing out while events are handled is safe only with the data still in its
+        // slot; a page whose slot is already freed waits for memory as before.
+        match self.reclaim.charge(1, keep) {
             Ok(_) => {}
-            // Events are being handled: back out with the data where it was (its slot, or
-            // a new one) and retry after them.
-            Err(ChargeFailure::EventsPending)
-                if keep || self.write_back(&mut lock, buf.as_ptr()) =>
-            {
+            Err(ChargeFailure::EventsPending) => {
                 mm.vmstat().pswpin.fetch_sub(1, Relaxed);
                 return Outcome::Retry;
             }

@@ -10,7 +10,10 @@ use crate::sync::lock_std;
 use crate::uffd::{Event, Msg};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
+use std::sync::atomic::{
+    AtomicUsize,
+    Ordering::{Acquire, Relaxed, Release},
+};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -198,7 +201,9 @@ impl<'a> Busy<'a> {
 
 impl Drop for Busy<'_> {
     fn drop(&mut self) {
-        self.0.fetch_sub(1, Relaxed);
+        // Release: the retries this handler queued are visible to a leader that sees it
+        // leave.
+        self.0.fetch_sub(1, Release);
     }
 }
 
@@ -227,8 +232,8 @@ fn next_messages<'a>(
             0
         } else if fault.has_pending()
             || retrying
-            || shared.busy.load(Relaxed) > 0
             || !lock_std(&shared.retry).is_empty()
+            || shared.busy.load(Acquire) > 0
         {
             // A busy handler may back a fault out (the fence) and queue its thread to be
             // woken after the next read: look at that queue every millisecond.

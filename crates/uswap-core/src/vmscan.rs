@@ -159,7 +159,9 @@ impl Reclaim {
     /// Charges `want` pages (at least one) to the budget, reclaiming directly when the free
     /// pages fall under the min watermark. `None` when nothing could be freed for a while:
     /// memory and swap are both spent (or nothing left can be unmapped).
-    pub fn charge(&self, want: u64) -> std::result::Result<u64, ChargeFailure> {
+    /// With `may_back_out`, a charge that makes no progress while vma events are handled
+    /// gives up with [`ChargeFailure::EventsPending`]; without, it waits as for memory.
+    pub fn charge(&self, want: u64, may_back_out: bool) -> std::result::Result<u64, ChargeFailure> {
         let budget = self.mm.budget();
         let mut deadline = None;
         let mut round = 0u32;
@@ -183,7 +185,7 @@ impl Reclaim {
             if got > 0 {
                 return Ok(got);
             }
-            if self.mm.mmap_events_held() {
+            if may_back_out && self.mm.mmap_events_held() {
                 // Aging cannot move pages out while events are handled, and the handler
                 // may be waiting for the page lock this fault holds: back out.
                 return Err(ChargeFailure::EventsPending);
