@@ -11,6 +11,18 @@ fn uswap(args: &[&str]) -> Output {
 }
 
 /// Runs `args`, expects failure, and returns stderr.
+/// Runs a command that must succeed and print one JSON object, and parses it.
+fn json_report(args: &[&str]) -> serde_json::Value {
+    let out = uswap(args);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "stdout: {stdout}\nstderr: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_str(&stdout).expect("one JSON object")
+}
+
 fn refused(args: &[&str]) -> String {
     let out = uswap(args);
     let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
@@ -75,7 +87,7 @@ fn bad_choices_are_refused() {
 
 #[test]
 fn a_small_random_run_is_verified_clean() {
-    let out = uswap(&[
+    let r = json_report(&[
         "bench",
         "random",
         "--size",
@@ -86,13 +98,6 @@ fn a_small_random_run_is_verified_clean() {
         "1",
         "--json",
     ]);
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "stdout: {stdout}\nstderr: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let r: serde_json::Value = serde_json::from_str(&stdout).expect("one JSON object");
     assert_eq!(r["verify_errors"], 0, "{r}");
     assert!(r["accesses"].as_u64().unwrap() > 0, "{r}");
     assert_eq!(r["backend"], "uswap");
@@ -142,7 +147,7 @@ fn swapback_refuses_a_set_that_fits_in_memory() {
 
 #[test]
 fn a_small_probe_run_swaps_and_reports_like_ping() {
-    let out = uswap(&[
+    let r = json_report(&[
         "bench",
         "probe",
         "--size",
@@ -157,13 +162,6 @@ fn a_small_probe_run_swaps_and_reports_like_ping() {
         "1",
         "--json",
     ]);
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "stdout: {stdout}\nstderr: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let r: serde_json::Value = serde_json::from_str(&stdout).expect("one JSON object");
     assert_eq!(
         (&r["bench"], &r["hot"]),
         (&"probe".into(), &(64 << 10).into())
