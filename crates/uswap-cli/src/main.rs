@@ -5,6 +5,7 @@ mod bench;
 mod info;
 mod kernel;
 mod report;
+mod run;
 mod workload;
 
 use anyhow::Result;
@@ -35,6 +36,8 @@ enum Command {
         #[command(subcommand)]
         bench: Bench,
     },
+    /// Run a program with its memory in uswap: at most --memory resident, the rest swapped
+    Run(run::RunArgs),
     /// Internal: the child process of `--backend kernel`
     #[command(name = kernel::child::SUBCOMMAND, hide = true)]
     KernelChild { spec: String },
@@ -66,6 +69,7 @@ fn run(cli: Cli) -> Result<()> {
             Bench::Swapback(a) => bench::swapback::run(&a),
             Bench::Probe(a) => bench::probe::run(&a),
         },
+        Command::Run(a) => run::run(&a),
         Command::KernelChild { spec } => kernel::child::main(&spec),
     }
 }

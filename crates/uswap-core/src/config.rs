@@ -50,7 +50,7 @@ pub fn parse_size(text: &str) -> Result<u64> {
 }
 
 /// How faults reach uswap.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum FaultMode {
     /// Handler threads read fault events from the userfaultfd. Correct for every access,
@@ -76,7 +76,7 @@ impl FromStr for FaultMode {
 }
 
 /// How swap I/O is issued.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum IoMode {
     /// `uring` for a swap file on a disk, `pread` for one in memory (tmpfs, ramfs), where
@@ -157,6 +157,13 @@ macro_rules! named_modes {
                 s.serialize_str(self.name())
             }
         }
+
+        impl<'de> serde::Deserialize<'de> for $name {
+            fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+                let name = <std::borrow::Cow<'de, str>>::deserialize(d)?;
+                name.parse().map_err(serde::de::Error::custom)
+            }
+        }
     };
 }
 
@@ -215,7 +222,7 @@ named_modes! {
 
 /// The readahead setting: a policy and its `page-cluster` (log2 of the largest window, as
 /// `vm.page-cluster`). Can be changed while a region is in use (`Region::set_readahead`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Readahead {
     pub policy: ReadaheadPolicy,
     /// 0 to [`Readahead::MAX_PAGE_CLUSTER`]; the window is at most 2^page_cluster pages.
@@ -257,7 +264,7 @@ impl Default for Readahead {
 }
 
 /// Where the swap file lives.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub enum SwapLocation {
     /// An unlinked `O_TMPFILE` (mode 0600) in this directory: nothing is left behind.
     TempIn(PathBuf),
@@ -274,7 +281,7 @@ impl Default for SwapLocation {
 }
 
 /// The swap device: where, how big, how I/O is done.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
 pub struct SwapConfig {
     pub location: SwapLocation,
     /// Fixed size in bytes; `None` grows the file on demand (bounded by the free space of
@@ -313,7 +320,7 @@ impl Default for SwapConfig {
 ///
 /// Decisions come from a splitmix64 stream seeded with `seed`: the same sequence of
 /// operations meets the same faults.
-#[derive(Clone, Copy, Debug, Default, PartialEq, serde::Serialize)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct FaultPlan {
     pub seed: u64,
     /// A read fails with EIO (transient: a later try succeeds).
@@ -398,7 +405,7 @@ impl FaultPlan {
 /// Free-page watermarks of the resident budget, in pages, as in the kernel's zone
 /// watermarks: below `low` the background reclaimer wakes and works until `high`; a fault
 /// that finds fewer than `min` free pages reclaims directly.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Watermarks {
     pub min: u64,
     pub low: u64,
@@ -443,7 +450,8 @@ fn default_handler_threads() -> usize {
 }
 
 /// Everything that shapes a region. Build with [`Config::new`] and adjust the fields.
-#[derive(Clone, Debug)]
+/// Serialized, it travels to programs run under `uswap run` (in their environment).
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
 pub struct Config {
     /// Resident memory the region may use, in bytes (rounded down to pages).
     pub memory_limit: u64,

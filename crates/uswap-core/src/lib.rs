@@ -20,6 +20,7 @@ mod mmap_changing;
 mod page;
 mod readahead;
 mod region;
+pub mod run;
 mod sigbus;
 mod signals;
 mod staging;

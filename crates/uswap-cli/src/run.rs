@@ -1,0 +1,206 @@
+//! `uswap run -- CMD ARGS…`: runs an unmodified, dynamically linked program with its heap
+//! and private anonymous mappings in uswap memory, limited to `--memory` resident.
+//!
+//! The command becomes the program (`exec`): its process ID, standard streams, signals and
+//! exit status are the program's own. What makes its memory uswap's is the preload library
+//! (`libuswap_preload.so`, built beside the `uswap` binary) and the settings it reads from
+//! the environment.
+
+use crate::args::{nonzero_size, CoreArgs};
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use std::ffi::OsString;
+use std::os::unix::fs::PermissionsExt;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use uswap_core::run::{Settings, ENV};
+use uswap_core::FaultMode;
+
+/// The preload library's file name, beside the `uswap` binary.
+const PRELOAD: &str = "libuswap_preload.so";
+
+#[derive(Args, Debug)]
+pub struct RunArgs {
+    /// Resident memory the program may use [default: half of the machine's memory]
+    #[arg(long, value_name = "SIZE", value_parser = nonzero_size)]
+    pub memory: Option<u64>,
+
+    /// Anonymous memory the program may hold in all, resident and swapped [default: memory
+    /// plus --swap-size when that is set, else 8 × memory, at least 4G]
+    #[arg(long, value_name = "SIZE", value_parser = nonzero_size)]
+    pub vm_size: Option<u64>,
+
+    #[command(flatten)]
+    pub core: CoreArgs,
+
+    /// The program and its arguments
+    #[arg(required = true, trailing_var_arg = true, value_name = "CMD")]
+    pub command: Vec<OsString>,
+}
+
+pub fn run(args: &RunArgs) -> Result<()> {
+    let memory = match args.memory {
+        Some(m) => m,
+        None => half_of_ram()?,
+    };
+    let config = args.core.config(memory)?;
+    if config.fault_mode != FaultMode::Thread {
+        bail!("uswap run needs --fault-mode thread: the program's system calls read its memory");
+    }
+    let vm_size = args.vm_size.unwrap_or_else(|| match config.swap.size {
+        Some(swap) => memory + swap,
+        None => (memory * 8).max(4 << 30),
+    });
+    uswap_core::probe()?;
+    let preload = preload_library()?;
+    let program = find_program(&args.command[0])?;
+    check_preloadable(&program)?;
+    let settings = Settings { config, vm_size };
+    let mut preloads = preload.into_os_string();
+    if let Some(old) = std::env::var_os("LD_PRELOAD").filter(|v| !v.is_empty()) {
+        preloads.push(":");
+        preloads.push(old);
+    }
+    let err = std::process::Command::new(&program)
+        .arg0(&args.command[0])
+        .args(&args.command[1..])
+        .env("LD_PRELOAD", preloads)
+        .env(ENV, settings.to_env())
+        .exec();
+    Err(err).with_context(|| format!("cannot run {}", program.display()))
+}
+
+fn half_of_ram() -> Result<u64> {
+    // SAFETY: sysconf has no preconditions.
+    let (pages, size) = unsafe {
+        (
+            libc::sysconf(libc::_SC_PHYS_PAGES),
+            libc::sysconf(libc::_SC_PAGESIZE),
+        )
+    };
+    if pages <= 0 || size <= 0 {
+        bail!("cannot tell the machine's memory size; give --memory");
+    }
+    Ok(pages as u64 * size as u64 / 2)
+}
+
+/// The preload library beside this binary.
+fn preload_library() -> Result<PathBuf> {
+    let exe = std::env::current_exe().context("cannot find the uswap binary's own path")?;
+    let lib = exe.with_file_name(PRELOAD);
+    if !lib.is_file() {
+        bail!(
+            "the preload library {} is missing: build the whole workspace (`cargo build \
+             --release` at its root), which builds it beside the uswap binary",
+            lib.display()
+        );
+    }
+    Ok(lib)
+}
+
+/// `name` as `execvp` would find it.
+fn find_program(name: &OsString) -> Result<PathBuf> {
+    let path = Path::new(name);
+    if path.components().count() > 1 {
+        return Ok(path.to_path_buf());
+    }
+    let dirs = std::env::var_os("PATH").unwrap_or_else(|| "/usr/bin:/bin".into());
+    std::env::split_paths(&dirs)
+        .map(|d| d.join(path))
+        .find(|p| is_executable(p))
+        .with_context(|| format!("{}: command not found", path.display()))
+}
+
+fn is_executable(path: &Path) -> bool {
+    std::fs::metadata(path).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+}
+
+/// Refuses what the dynamic loader would run without the preload library: a set-user-ID
+/// or set-group-ID program, or a static one. A script is judged by its interpreter.
+fn check_preloadable(program: &Path) -> Result<()> {
+    let meta =
+        std::fs::metadata(program).with_context(|| format!("cannot run {}", program.display()))?;
+    if meta.permissions().mode() & (libc::S_ISUID | libc::S_ISGID) != 0 {
+        bail!(
+            "{} is set-user-ID or set-group-ID: the dynamic loader ignores LD_PRELOAD for it, \
+             so its memory cannot be put in uswap; run a copy without those bits",
+            program.display()
+        );
+    }
+    let head = read_head(program)?;
+    if let Some(interpreter) = script_interpreter(&head) {
+        return check_preloadable(&interpreter);
+    }
+    if is_static_elf(&head) {
+        bail!(
+            "{} is statically linked: it loads no preload library, so its memory cannot be \
+             put in uswap; run a dynamically linked build of it",
+            program.display()
+        );
+    }
+    Ok(())
+}
+
+fn read_head(program: &Path) -> Result<Vec<u8>> {
+    use std::io::Read;
+    let mut head = Vec::new();
+    std::fs::File::open(program)
+        .and_then(|f| f.take(64 * 1024).read_to_end(&mut head))
+        .with_context(|| format!("cannot read {}", program.display()))?;
+    Ok(head)
+}
+
+/// The interpreter named on a `#!` line.
+fn script_interpreter(head: &[u8]) -> Option<PathBuf> {
+    let line = head.strip_prefix(b"#!")?.split(|&b| b == b'\n').next()?;
+    let text = String::from_utf8_lossy(line);
+    text.split_whitespace().next().map(PathBuf::from)
+}
+
+/// Whether `head` starts a 64-bit little-endian ELF executable with no program
+/// interpreter (PT_INTERP): one the kernel starts without the dynamic loader.
+fn is_static_elf(head: &[u8]) -> bool {
+    const PT_INTERP: u32 = 3;
+    if head.len() < 64 || &head[..4] != b"\x7fELF" || head[4] != 2 || head[5] != 1 {
+        return false;
+    }
+    let u16_at = |o: usize| u16::from_le_bytes([head[o], head[o + 1]]) as usize;
+    let phoff = u64::from_le_bytes(head[32..40].try_into().unwrap()) as usize;
+    let (phentsize, phnum) = (u16_at(54), u16_at(56));
+    let types: Vec<u32> = (0..phnum)
+        .map(|i| phoff + i * phentsize)
+        .filter(|&o| o + 4 <= head.len())
+        .map(|o| u32::from_le_bytes(head[o..o + 4].try_into().unwrap()))
+        .collect();
+    // A static PIE has no interpreter either: static for this purpose too.
+    !types.is_empty() && !types.contains(&PT_INTERP)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_dynamic_program_is_accepted_and_a_script_is_judged_by_its_interpreter() {
+        assert!(!is_static_elf(&read_head(Path::new("/bin/sh")).unwrap()));
+        assert_eq!(
+            script_interpreter(b"#!/bin/sh -e\necho hi\n"),
+            Some(PathBuf::from("/bin/sh"))
+        );
+        assert_eq!(script_interpreter(b"\x7fELF"), None);
+    }
+
+    #[test]
+    fn an_elf_without_an_interpreter_is_static() {
+        // A minimal ELF64 header with one PT_LOAD program header and no PT_INTERP.
+        let mut elf = vec![0u8; 64 + 56];
+        elf[..6].copy_from_slice(b"\x7fELF\x02\x01");
+        elf[32..40].copy_from_slice(&64u64.to_le_bytes());
+        elf[54..56].copy_from_slice(&56u16.to_le_bytes());
+        elf[56..58].copy_from_slice(&1u16.to_le_bytes());
+        elf[64..68].copy_from_slice(&1u32.to_le_bytes());
+        assert!(is_static_elf(&elf));
+        elf[64..68].copy_from_slice(&3u32.to_le_bytes());
+        assert!(!is_static_elf(&elf));
+    }
+}

@@ -1,0 +1,28 @@
+//! What `uswap run` hands the preload library in the program's environment: the settings
+//! of the program's region, as JSON in [`ENV`]. Children the program starts with `exec`
+//! inherit it and are set up the same way.
+
+use crate::{Config, Error, Result};
+
+/// The environment variable carrying [`Settings`].
+pub const ENV: &str = "USWAP_RUN";
+
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
+pub struct Settings {
+    pub config: Config,
+    /// Bytes of address space for the program's heap and private mappings, resident and
+    /// swapped together (the region's size).
+    pub vm_size: u64,
+}
+
+impl Settings {
+    /// The settings in `text` (the value of [`ENV`]).
+    pub fn parse(text: &str) -> Result<Settings> {
+        serde_json::from_str(text)
+            .map_err(|e| Error::invalid("uswap run settings", format!("{ENV} is malformed: {e}")))
+    }
+
+    pub fn to_env(&self) -> String {
+        serde_json::to_string(self).expect("settings always serialize")
+    }
+}

@@ -1,0 +1,296 @@
+//! The program's `malloc`: dlmalloc arenas whose segments are granules of the space, so
+//! the heap (glibc's brk heap included, which this replaces) is uswap memory.
+//!
+//! A thread takes an arena round robin on its first call and keeps it; `free` goes to the
+//! arena owning the block's granule, whichever thread calls it. A call made while the
+//! thread runs uswap code, or before the space exists, is served by the internal heap
+//! (kernel memory), and `free` sends such blocks back there by address.
+
+use crate::internal::{self, Inside};
+use crate::space::{self, Space, GRANULE, NO_ARENA};
+use crate::sys;
+use dlmalloc::{Allocator, Dlmalloc};
+use libc::{c_int, c_void, size_t};
+use std::cell::Cell;
+use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
+use std::sync::{Mutex, MutexGuard};
+
+const ARENAS: usize = 8;
+/// dlmalloc's alignment (two words); memalign is needed only above it.
+const MIN_ALIGN: usize = 16;
+
+/// Granules of the space for one arena.
+pub struct SpaceGranules {
+    arena: u8,
+}
+
+// SAFETY: segments are whole granules of the space, zeroed (freshly discarded), owned by
+// this arena until given back.
+unsafe impl Allocator for SpaceGranules {
+    fn alloc(&self, size: usize) -> (*mut u8, usize, u32) {
+        let Some(space) = space::get() else {
+            return (std::ptr::null_mut(), 0, 0);
+        };
+        let size = size.next_multiple_of(GRANULE);
+        match space.alloc(size, GRANULE) {
+            Some(addr) => {
+                space.set_owner(addr, size, self.arena + 1);
+                (addr as *mut u8, size, 0)
+            }
+            None => {
+                space::warn_exhausted();
+                (std::ptr::null_mut(), 0, 0)
+            }
+        }
+    }
+
+    fn remap(&self, _ptr: *mut u8, _old: usize, _new: usize, _can_move: bool) -> *mut u8 {
+        std::ptr::null_mut()
+    }
+
+    fn free_part(&self, ptr: *mut u8, old: usize, new: usize) -> bool {
+        // Only whole granules go back, so the granule table stays exact.
+        let cut = ptr as usize + new;
+        if cut % GRANULE != 0 {
+            return false;
+        }
+        release(cut, old - new);
+        true
+    }
+
+    fn free(&self, ptr: *mut u8, size: usize) -> bool {
+        release(ptr as usize, size);
+        true
+    }
+
+    fn can_release_part(&self, _flags: u32) -> bool {
+        true
+    }
+
+    fn allocates_zeros(&self) -> bool {
+        true
+    }
+
+    fn page_size(&self) -> usize {
+        uswap_core::PAGE_SIZE
+    }
+}
+
+fn release(addr: usize, len: usize) {
+    if let Some(space) = space::get() {
+        let _inside = Inside::enter();
+        space.release(addr, len);
+    }
+}
+
+type Arena = Mutex<Dlmalloc<SpaceGranules>>;
+
+static ARENA: [Arena; ARENAS] = {
+    let mut arenas =
+        [const { Mutex::new(Dlmalloc::new_with_allocator(SpaceGranules { arena: 0 })) }; ARENAS];
+    let mut i = 0;
+    while i < ARENAS {
+        arenas[i] = Mutex::new(Dlmalloc::new_with_allocator(SpaceGranules {
+            arena: i as u8,
+        }));
+        i += 1;
+    }
+    arenas
+};
+
+static NEXT_ARENA: AtomicUsize = AtomicUsize::new(0);
+
+thread_local! {
+    static MY_ARENA: Cell<usize> = const { Cell::new(usize::MAX) };
+}
+
+fn lock(i: usize) -> MutexGuard<'static, Dlmalloc<SpaceGranules>> {
+    ARENA[i].lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn my_arena() -> usize {
+    MY_ARENA.with(|a| {
+        if a.get() == usize::MAX {
+            a.set(NEXT_ARENA.fetch_add(1, Relaxed) % ARENAS);
+        }
+        a.get()
+    })
+}
+
+/// The space, if this call should be served from it.
+fn serving() -> Option<&'static Space> {
+    space::get().filter(|_| !internal::inside() && !crate::fork::in_child())
+}
+
+/// Where a block lives.
+enum Owner {
+    Arena(usize),
+    Internal,
+    /// Neither: a block of the dynamic loader's early allocator, say. Left alone.
+    Foreign,
+}
+
+fn owner(ptr: usize) -> Owner {
+    if let Some(space) = space::get().filter(|s| s.contains(ptr)) {
+        if crate::fork::in_child() {
+            // The parent's memory is not mapped in a child of fork.
+            return Owner::Foreign;
+        }
+        return match space.owner(ptr) {
+            NO_ARENA => invalid_free(ptr),
+            a => Owner::Arena(a as usize - 1),
+        };
+    }
+    match internal::owns(ptr) {
+        true => Owner::Internal,
+        false => Owner::Foreign,
+    }
+}
+
+fn invalid_free(ptr: usize) -> ! {
+    let _ = ptr;
+    sys::warn("uswap: free() of a pointer into program memory that malloc did not return\n");
+    std::process::abort()
+}
+
+unsafe fn alloc(size: usize, align: usize) -> *mut u8 {
+    let ptr = match serving() {
+        Some(_) => lock(my_arena()).malloc(size, align.max(MIN_ALIGN)),
+        None => internal::heap().malloc(size, align.max(MIN_ALIGN)),
+    };
+    if ptr.is_null() {
+        sys::set_errno(libc::ENOMEM);
+    }
+    ptr
+}
+
+/// The bytes usable at `ptr`, read from dlmalloc 0.2.14's chunk header: the chunk size
+/// (the word before the block, less its three flag bits) minus the chunk's overhead, one
+/// word, or two for a chunk mapped on its own (both in-use bits clear).
+unsafe fn usable_size(ptr: *mut u8) -> usize {
+    let head = *(ptr as *const usize).sub(1);
+    let size = head & !7;
+    let overhead = if head & 3 == 0 { 16 } else { 8 };
+    size - overhead
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn malloc(size: size_t) -> *mut c_void {
+    alloc(size, MIN_ALIGN).cast()
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn calloc(n: size_t, size: size_t) -> *mut c_void {
+    let Some(bytes) = n.checked_mul(size) else {
+        sys::set_errno(libc::ENOMEM);
+        return std::ptr::null_mut();
+    };
+    // Fresh segments are zero; dlmalloc clears what it reuses.
+    let ptr = match serving() {
+        Some(_) => lock(my_arena()).calloc(bytes, MIN_ALIGN),
+        None => internal::heap().calloc(bytes, MIN_ALIGN),
+    };
+    if ptr.is_null() {
+        sys::set_errno(libc::ENOMEM);
+    }
+    ptr.cast()
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn free(ptr: *mut c_void) {
+    if ptr.is_null() {
+        return;
+    }
+    match owner(ptr as usize) {
+        Owner::Arena(a) => lock(a).c_free(ptr.cast()),
+        Owner::Internal => internal::heap().c_free(ptr.cast()),
+        Owner::Foreign => {}
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn realloc(ptr: *mut c_void, size: size_t) -> *mut c_void {
+    if ptr.is_null() {
+        return malloc(size);
+    }
+    if size == 0 {
+        free(ptr);
+        return std::ptr::null_mut();
+    }
+    let new = match owner(ptr as usize) {
+        Owner::Arena(a) => lock(a).c_realloc(ptr.cast(), size),
+        Owner::Internal => internal::heap().c_realloc(ptr.cast(), size),
+        Owner::Foreign => return std::ptr::null_mut(),
+    };
+    if new.is_null() {
+        sys::set_errno(libc::ENOMEM);
+    }
+    new.cast()
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn reallocarray(ptr: *mut c_void, n: size_t, size: size_t) -> *mut c_void {
+    match n.checked_mul(size) {
+        Some(bytes) => realloc(ptr, bytes),
+        None => {
+            sys::set_errno(libc::ENOMEM);
+            std::ptr::null_mut()
+        }
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn posix_memalign(
+    out: *mut *mut c_void,
+    align: size_t,
+    size: size_t,
+) -> c_int {
+    if !align.is_power_of_two() || align % std::mem::size_of::<usize>() != 0 {
+        return libc::EINVAL;
+    }
+    let p = alloc(size, align);
+    if p.is_null() {
+        return libc::ENOMEM;
+    }
+    *out = p.cast();
+    0
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn aligned_alloc(align: size_t, size: size_t) -> *mut c_void {
+    if !align.is_power_of_two() {
+        sys::set_errno(libc::EINVAL);
+        return std::ptr::null_mut();
+    }
+    alloc(size, align).cast()
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn memalign(align: size_t, size: size_t) -> *mut c_void {
+    aligned_alloc(align.max(1).next_power_of_two(), size)
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn valloc(size: size_t) -> *mut c_void {
+    alloc(size, uswap_core::PAGE_SIZE).cast()
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn pvalloc(size: size_t) -> *mut c_void {
+    let size = size.max(1).next_multiple_of(uswap_core::PAGE_SIZE);
+    alloc(size, uswap_core::PAGE_SIZE).cast()
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn malloc_usable_size(ptr: *mut c_void) -> size_t {
+    match ptr.is_null() {
+        true => 0,
+        false => usable_size(ptr.cast()),
+    }
+}
+
+/// Takes every arena's lock (before `fork`), so the child finds none held by a thread it
+/// does not have. The guards are kept until [`unlock_all`].
+pub fn lock_all() -> Vec<MutexGuard<'static, Dlmalloc<SpaceGranules>>> {
+    (0..ARENAS).map(lock).collect()
+}

@@ -1,0 +1,62 @@
+//! The preload library of `uswap run`: an unmodified, dynamically linked program's
+//! anonymous memory in a uswap region, limited in what it keeps resident, the rest swapped.
+//!
+//! `uswap run` sets `LD_PRELOAD` to this library and [`uswap_core::run::ENV`] to the
+//! region's settings. When the library is loaded (before the program's own constructors),
+//! it makes the region (the space), starts uswap's threads, and from then on serves:
+//! - `malloc` and its family from arenas whose segments are the space's (`heap`);
+//! - private anonymous read-write `mmap`s from the space, with `munmap` and `mremap` on
+//!   them (`mmap`); jemalloc-style allocators land here;
+//! - `madvise` unchanged: the kernel tells uswap about discards through userfaultfd.
+//!
+//! uswap's own allocations never use the space (`internal`). Faults are served by handler
+//! threads (thread mode), so the program's system calls can read and write its memory.
+
+mod fork;
+mod heap;
+mod internal;
+mod mmap;
+mod space;
+mod sys;
+mod threads;
+
+use uswap_core::run::{Settings, ENV};
+use uswap_core::{FaultMode, Region};
+
+/// Runs when the library is loaded, before the program's constructors.
+#[used]
+#[link_section = ".init_array"]
+static INIT: extern "C" fn() = init;
+
+extern "C" fn init() {
+    let _inside = internal::Inside::enter();
+    let Ok(text) = std::env::var(ENV) else {
+        return;
+    };
+    let program = std::env::args().next().unwrap_or_default();
+    match start(&text) {
+        Ok(region) => {
+            space::install(region);
+            fork::register();
+        }
+        Err(e) => {
+            // Running the program without its limit would hide the failure; stop instead.
+            sys::warn(&format!(
+                "uswap run: cannot put {program} in uswap memory: {e}\n"
+            ));
+            // SAFETY: ending the process before the program starts.
+            unsafe { libc::_exit(125) };
+        }
+    }
+}
+
+fn start(text: &str) -> uswap_core::Result<Region> {
+    let settings = Settings::parse(text)?;
+    if settings.config.fault_mode != FaultMode::Thread {
+        return Err(uswap_core::Error::InvalidConfig {
+            what: "fault mode",
+            why: "uswap run needs thread mode: the program's system calls read its memory".into(),
+        });
+    }
+    Region::new(settings.vm_size, settings.config)
+}

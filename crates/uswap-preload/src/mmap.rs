@@ -1,0 +1,191 @@
+//! The program's private anonymous mappings, served from the space: `mmap`, `munmap` and
+//! `mremap` as exported here. File mappings, shared mappings, stacks, executable or
+//! inaccessible reservations, and every mapping made while uswap code runs go to the
+//! kernel unchanged.
+
+use crate::internal::{self, Inside};
+use crate::space::{self, Space, NO_ARENA};
+use crate::sys;
+use libc::{c_int, c_void, off_t, size_t};
+use uswap_core::PAGE_SIZE;
+
+const PROT_RW: c_int = libc::PROT_READ | libc::PROT_WRITE;
+
+/// Flags that keep a mapping with the kernel even when it is private and anonymous.
+const KERNEL_ONLY: c_int = libc::MAP_SHARED
+    | libc::MAP_SHARED_VALIDATE
+    | libc::MAP_GROWSDOWN
+    | libc::MAP_STACK
+    | libc::MAP_HUGETLB
+    | libc::MAP_32BIT;
+
+fn space() -> Option<&'static Space> {
+    space::get().filter(|_| !internal::inside() && !crate::fork::in_child())
+}
+
+fn fail<T>(errno: c_int, value: T) -> T {
+    sys::set_errno(errno);
+    value
+}
+
+fn page_round(len: size_t) -> Option<size_t> {
+    len.checked_next_multiple_of(PAGE_SIZE)
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn mmap(
+    addr: *mut c_void,
+    len: size_t,
+    prot: c_int,
+    flags: c_int,
+    fd: c_int,
+    off: off_t,
+) -> *mut c_void {
+    let ours = flags & libc::MAP_ANONYMOUS != 0
+        && flags & libc::MAP_PRIVATE != 0
+        && flags & KERNEL_ONLY == 0
+        && prot == PROT_RW
+        && len > 0;
+    let fixed = flags & (libc::MAP_FIXED | libc::MAP_FIXED_NOREPLACE) != 0;
+    let Some(space) = space() else {
+        return sys::mmap(addr, len, prot, flags, fd, off);
+    };
+    if fixed && space.overlaps(addr as usize, len) {
+        return map_fixed_inside(space, addr, len, ours, flags);
+    }
+    if !ours || fixed {
+        return sys::mmap(addr, len, prot, flags, fd, off);
+    }
+    let Some(len) = page_round(len) else {
+        return fail(libc::ENOMEM, libc::MAP_FAILED);
+    };
+    let _inside = Inside::enter();
+    match space.alloc(len, PAGE_SIZE) {
+        Some(at) => at as *mut c_void,
+        None => {
+            space::warn_exhausted();
+            fail(libc::ENOMEM, libc::MAP_FAILED)
+        }
+    }
+}
+
+/// A fixed mapping over the space: a fresh private anonymous one over a range the program
+/// holds is its own memory made zero again; anything else would tear the region apart.
+unsafe fn map_fixed_inside(
+    space: &Space,
+    addr: *mut c_void,
+    len: size_t,
+    ours: bool,
+    flags: c_int,
+) -> *mut c_void {
+    let start = addr as usize;
+    let Some(len) = page_round(len) else {
+        return fail(libc::ENOMEM, libc::MAP_FAILED);
+    };
+    if flags & libc::MAP_FIXED_NOREPLACE != 0 {
+        return fail(libc::EEXIST, libc::MAP_FAILED);
+    }
+    if !ours || start % PAGE_SIZE != 0 || !space.holds(start, len) {
+        sys::warn(
+            "uswap: refused a fixed mapping of another kind over memory uswap manages \
+             (only private anonymous read-write memory can replace it)\n",
+        );
+        return fail(libc::EINVAL, libc::MAP_FAILED);
+    }
+    let _inside = Inside::enter();
+    if sys::madvise(addr, len, libc::MADV_DONTNEED) != 0 {
+        return libc::MAP_FAILED;
+    }
+    addr
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn mmap64(
+    addr: *mut c_void,
+    len: size_t,
+    prot: c_int,
+    flags: c_int,
+    fd: c_int,
+    off: off_t,
+) -> *mut c_void {
+    mmap(addr, len, prot, flags, fd, off)
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn munmap(addr: *mut c_void, len: size_t) -> c_int {
+    let start = addr as usize;
+    let Some(space) = space().filter(|s| s.overlaps(start, len)) else {
+        return sys::munmap(addr, len);
+    };
+    let Some(len) = page_round(len).filter(|&l| l > 0) else {
+        return fail(libc::EINVAL, -1);
+    };
+    if start % PAGE_SIZE != 0 || !space.holds(start, len) || holds_heap(space, start, len) {
+        sys::warn("uswap: refused munmap() of memory uswap manages that mmap did not return\n");
+        return fail(libc::EINVAL, -1);
+    }
+    let _inside = Inside::enter();
+    space.release(start, len);
+    0
+}
+
+/// Whether any granule of `[start, start + len)` belongs to the malloc heap.
+fn holds_heap(space: &Space, start: usize, len: usize) -> bool {
+    (start..start + len)
+        .step_by(PAGE_SIZE)
+        .any(|a| space.owner(a) != NO_ARENA)
+}
+
+/// `mremap(2)`. Declared with its optional fifth argument as a plain one: on x86-64 and
+/// aarch64 Linux a variadic pointer argument is passed where a fixed one is.
+#[no_mangle]
+pub unsafe extern "C" fn mremap(
+    old: *mut c_void,
+    old_len: size_t,
+    new_len: size_t,
+    flags: c_int,
+    new_addr: *mut c_void,
+) -> *mut c_void {
+    let start = old as usize;
+    let Some(space) = space().filter(|s| s.overlaps(start, old_len)) else {
+        let target = match flags & libc::MREMAP_FIXED {
+            0 => std::ptr::null_mut(),
+            _ => new_addr,
+        };
+        return sys::mremap(old, old_len, new_len, flags, target);
+    };
+    let (Some(old_len), Some(new_len)) = (page_round(old_len), page_round(new_len)) else {
+        return fail(libc::EINVAL, libc::MAP_FAILED);
+    };
+    if start % PAGE_SIZE != 0
+        || old_len == 0
+        || new_len == 0
+        || !space.holds(start, old_len)
+        || holds_heap(space, start, old_len)
+        || flags & (libc::MREMAP_FIXED | libc::MREMAP_DONTUNMAP) != 0
+    {
+        sys::warn("uswap: refused an mremap() of memory uswap manages that it cannot do\n");
+        return fail(libc::EINVAL, libc::MAP_FAILED);
+    }
+    let _inside = Inside::enter();
+    if new_len <= old_len {
+        if new_len < old_len {
+            space.release(start + new_len, old_len - new_len);
+        }
+        return old;
+    }
+    if space.holds(start, new_len) && space.take(start + old_len, new_len - old_len) {
+        return old;
+    }
+    if flags & libc::MREMAP_MAYMOVE == 0 {
+        return fail(libc::ENOMEM, libc::MAP_FAILED);
+    }
+    let Some(to) = space.alloc(new_len, PAGE_SIZE) else {
+        space::warn_exhausted();
+        return fail(libc::ENOMEM, libc::MAP_FAILED);
+    };
+    // Copied through memory: pages out on swap come back on the way.
+    std::ptr::copy_nonoverlapping(old as *const u8, to as *mut u8, old_len);
+    space.release(start, old_len);
+    to as *mut c_void
+}

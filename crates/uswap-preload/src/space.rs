@@ -1,0 +1,187 @@
+//! The program's anonymous memory: one uswap region, carved into the program's private
+//! mappings and the segments of its `malloc` heap.
+//!
+//! Ranges are handed out first fit by address from a free list of page runs. A range given
+//! back is discarded first (`MADV_DONTNEED`: the kernel tells uswap, which frees its
+//! frames and swap slots), so a range handed out again reads as zeros, as a fresh mapping
+//! does. Heap segments are whole granules of 64 KiB, and the granule table says which
+//! heap arena owns each one, so `free` finds a block's arena without a lock.
+//!
+//! Lock order: an arena's lock (`heap`), then the free list's lock.
+
+use crate::sys;
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU8, Ordering::Relaxed};
+use std::sync::{Mutex, OnceLock};
+use uswap_core::{Region, PAGE_SIZE};
+
+/// Heap segments are made of whole granules of this size.
+pub const GRANULE: usize = 64 * 1024;
+
+/// Granule owner meaning "no heap arena" (a mapping, or free).
+pub const NO_ARENA: u8 = 0;
+
+pub type FreeListGuard = std::sync::MutexGuard<'static, BTreeMap<usize, usize>>;
+
+pub struct Space {
+    region: Region,
+    start: usize,
+    end: usize,
+    /// Free runs: first page index → pages.
+    free: Mutex<BTreeMap<usize, usize>>,
+    /// For each granule, the heap arena owning it plus one, or `NO_ARENA`.
+    owner: Box<[AtomicU8]>,
+}
+
+static SPACE: OnceLock<Space> = OnceLock::new();
+
+/// The space, once it exists.
+pub fn get() -> Option<&'static Space> {
+    SPACE.get()
+}
+
+/// Makes `region` the program's memory.
+pub fn install(region: Region) {
+    let start = region.as_ptr() as usize;
+    let pages = region.len() / PAGE_SIZE;
+    let granules = region.len().div_ceil(GRANULE);
+    let space = Space {
+        start,
+        end: start + region.len(),
+        free: Mutex::new(BTreeMap::from([(0, pages)])),
+        owner: (0..granules).map(|_| AtomicU8::new(NO_ARENA)).collect(),
+        region,
+    };
+    if SPACE.set(space).is_err() {
+        sys::warn("uswap: the program's memory was set up twice; keeping the first\n");
+    }
+}
+
+impl Space {
+    pub fn region(&self) -> &Region {
+        &self.region
+    }
+
+    pub fn contains(&self, addr: usize) -> bool {
+        (self.start..self.end).contains(&addr)
+    }
+
+    /// Whether `[addr, addr + len)` touches the space.
+    pub fn overlaps(&self, addr: usize, len: usize) -> bool {
+        addr < self.end && addr.saturating_add(len) > self.start
+    }
+
+    /// Whether `[addr, addr + len)` lies wholly inside the space.
+    pub fn holds(&self, addr: usize, len: usize) -> bool {
+        addr >= self.start && addr.saturating_add(len) <= self.end
+    }
+
+    /// The heap arena owning the granule of `addr` (plus one), or `NO_ARENA`.
+    pub fn owner(&self, addr: usize) -> u8 {
+        self.owner[(addr - self.start) / GRANULE].load(Relaxed)
+    }
+
+    /// A range of `len` bytes (a multiple of pages) aligned to `align` bytes, or `None`
+    /// when the space is used up.
+    pub fn alloc(&self, len: usize, align: usize) -> Option<usize> {
+        let pages = len / PAGE_SIZE;
+        let align_pages = (align / PAGE_SIZE).max(1);
+        let base_page = self.start / PAGE_SIZE;
+        let mut free = self.free.lock().unwrap_or_else(|e| e.into_inner());
+        let (run, at) = free.iter().find_map(|(&run, &run_pages)| {
+            let at = (base_page + run).next_multiple_of(align_pages) - base_page;
+            (at + pages <= run + run_pages).then_some((run, at))
+        })?;
+        let run_pages = free.remove(&run).expect("the run just found");
+        if at > run {
+            free.insert(run, at - run);
+        }
+        if at + pages < run + run_pages {
+            free.insert(at + pages, run + run_pages - at - pages);
+        }
+        Some(self.start + at * PAGE_SIZE)
+    }
+
+    /// Takes `[addr, addr + len)` out of the free list if all of it is free (growing a
+    /// range in place).
+    pub fn take(&self, addr: usize, len: usize) -> bool {
+        let (first, pages) = ((addr - self.start) / PAGE_SIZE, len / PAGE_SIZE);
+        let mut free = self.free.lock().unwrap_or_else(|e| e.into_inner());
+        let Some((&run, &run_pages)) = free.range(..=first).next_back() else {
+            return false;
+        };
+        if first + pages > run + run_pages {
+            return false;
+        }
+        free.remove(&run);
+        if first > run {
+            free.insert(run, first - run);
+        }
+        if first + pages < run + run_pages {
+            free.insert(first + pages, run + run_pages - first - pages);
+        }
+        true
+    }
+
+    /// Gives `[addr, addr + len)` back: its contents are discarded and it reads as zeros
+    /// when handed out again.
+    pub fn release(&self, addr: usize, len: usize) {
+        // SAFETY: the range is the space's own and no longer in use.
+        if unsafe { sys::madvise(addr as *mut _, len, libc::MADV_DONTNEED) } != 0 {
+            // The contents would survive into the next user of the range: keep it out.
+            sys::warn("uswap: discarding freed program memory failed; the range is kept\n");
+            return;
+        }
+        self.set_owner(addr, len, NO_ARENA);
+        let (mut first, mut pages) = ((addr - self.start) / PAGE_SIZE, len / PAGE_SIZE);
+        let mut free = self.free.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some((&run, &run_pages)) = free.range(..first).next_back() {
+            debug_assert!(run + run_pages <= first, "a range given back twice");
+            if run + run_pages == first {
+                free.remove(&run);
+                first = run;
+                pages += run_pages;
+            }
+        }
+        if let Some(next_pages) = free.remove(&(first + pages)) {
+            pages += next_pages;
+        }
+        free.insert(first, pages);
+    }
+
+    /// Records the heap arena owning the whole granules of `[addr, addr + len)`.
+    pub fn set_owner(&self, addr: usize, len: usize, owner: u8) {
+        let first = (addr - self.start).div_ceil(GRANULE);
+        let end = (addr + len - self.start) / GRANULE;
+        for g in first..end {
+            self.owner[g].store(owner, Relaxed);
+        }
+    }
+
+    /// Holds the free list (across `fork`).
+    pub fn lock_free_list(&'static self) -> FreeListGuard {
+        self.free.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Bytes of the space not handed out.
+    pub fn free_bytes(&self) -> usize {
+        let free = self.free.lock().unwrap_or_else(|e| e.into_inner());
+        free.values().sum::<usize>() * PAGE_SIZE
+    }
+
+    pub fn len(&self) -> usize {
+        self.end - self.start
+    }
+}
+
+/// Says once that the space is used up, and what to do.
+pub fn warn_exhausted() {
+    static SAID: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+    if !SAID.swap(true, Relaxed) {
+        sys::warn(
+            "uswap: the program used up the memory uswap set aside for it (resident and \
+             swapped together); allocations now fail with ENOMEM. Rerun with a larger \
+             --vm-size (or --swap-size).\n",
+        );
+    }
+}
