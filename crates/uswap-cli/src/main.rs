@@ -2,9 +2,11 @@
 
 mod args;
 mod bench;
+mod ctl;
 mod info;
 mod kernel;
 mod report;
+mod stat;
 mod workload;
 
 use anyhow::Result;
@@ -35,6 +37,12 @@ enum Command {
         #[command(subcommand)]
         bench: Bench,
     },
+    /// Counters and fault latency of a program running under uswap, once or every few
+    /// seconds (like vmstat)
+    Stat(stat::StatArgs),
+    /// Show or change the run-time knobs of a program running under uswap (memory limit,
+    /// swap_ra_policy, page-cluster)
+    Ctl(ctl::CtlArgs),
     /// Internal: the child process of `--backend kernel`
     #[command(name = kernel::child::SUBCOMMAND, hide = true)]
     KernelChild { spec: String },
@@ -66,6 +74,8 @@ fn run(cli: Cli) -> Result<()> {
             Bench::Swapback(a) => bench::swapback::run(&a),
             Bench::Probe(a) => bench::probe::run(&a),
         },
+        Command::Stat(a) => stat::run(&a),
+        Command::Ctl(a) => ctl::run(&a),
         Command::KernelChild { spec } => kernel::child::main(&spec),
     }
 }
