@@ -2,10 +2,12 @@
 
 mod args;
 mod bench;
+mod ctl;
 mod info;
 mod kernel;
 mod report;
 mod run;
+mod stat;
 mod workload;
 
 use anyhow::Result;
@@ -38,6 +40,12 @@ enum Command {
     },
     /// Run a program with its memory in uswap: at most --memory resident, the rest swapped
     Run(run::RunArgs),
+    /// Counters and fault latency of a program running under uswap, once or every few
+    /// seconds (like vmstat)
+    Stat(stat::StatArgs),
+    /// Show or change the run-time knobs of a program running under uswap (memory limit,
+    /// swap_ra_policy, page-cluster)
+    Ctl(ctl::CtlArgs),
     /// Internal: the child process of `--backend kernel`
     #[command(name = kernel::child::SUBCOMMAND, hide = true)]
     KernelChild { spec: String },
@@ -70,6 +78,8 @@ fn run(cli: Cli) -> Result<()> {
             Bench::Probe(a) => bench::probe::run(&a),
         },
         Command::Run(a) => run::run(&a),
+        Command::Stat(a) => stat::run(&a),
+        Command::Ctl(a) => ctl::run(&a),
         Command::KernelChild { spec } => kernel::child::main(&spec),
     }
 }

@@ -1,30 +1,46 @@
 //! The `uswap` binary end to end: bad input is refused clearly, and a small benchmark runs
 //! clean. (The kernel backend is not run here: it needs root and changes the machine.)
 
-use std::process::{Command, Output};
+use std::os::unix::fs::PermissionsExt;
+use std::os::unix::process::CommandExt;
+use std::path::Path;
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
 
+const BIN: &str = env!("CARGO_BIN_EXE_uswap");
+
+/// `uswap` with its control sockets in a temporary directory (`bench random` serves one),
+/// so nothing is left in /tmp.
 fn uswap(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_uswap"))
-        .args(args)
-        .output()
-        .expect("the uswap binary runs")
+    in_runtime(tempfile::tempdir().unwrap().path(), args)
+}
+
+/// Runs a command that must succeed and print one JSON object, and parses it.
+fn json_report(args: &[&str]) -> serde_json::Value {
+    json_of(args, uswap(args))
+}
+
+fn json_of(args: &[&str], out: Output) -> serde_json::Value {
+    serde_json::from_str(&stdout_of(args, out)).expect("one JSON object")
+}
+
+/// The output of a command that must succeed.
+fn stdout_of(args: &[&str], out: Output) -> String {
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "{args:?}\nstdout: {stdout}\nstderr: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    stdout
 }
 
 /// Runs `args`, expects failure, and returns stderr.
-/// Runs a command that must succeed and print one JSON object, and parses it.
-fn json_report(args: &[&str]) -> serde_json::Value {
-    let out = uswap(args);
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "stdout: {stdout}\nstderr: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    serde_json::from_str(&stdout).expect("one JSON object")
+fn refused(args: &[&str]) -> String {
+    refusal_of(args, uswap(args))
 }
 
-fn refused(args: &[&str]) -> String {
-    let out = uswap(args);
+fn refusal_of(args: &[&str], out: Output) -> String {
     let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
     assert!(
         !out.status.success(),
@@ -193,4 +209,133 @@ fn probe_refuses_a_hot_set_that_would_not_stay_resident() {
         err.contains("--hot") && err.contains("half of --memory"),
         "{err}"
     );
+}
+
+/// `uswap` with its control sockets in `runtime`.
+fn in_runtime(runtime: &Path, args: &[&str]) -> Output {
+    Command::new(BIN)
+        .args(args)
+        .env("USWAP_RUNTIME_DIR", runtime)
+        .output()
+        .expect("the uswap binary runs")
+}
+
+/// Waits for `socket` to appear while `bench` runs.
+fn wait_for_socket(socket: &Path, bench: &mut Child) {
+    let start = Instant::now();
+    while !socket.exists() {
+        if let Some(status) = bench.try_wait().unwrap() {
+            panic!("the benchmark ended ({status}) before its control socket appeared");
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(30),
+            "no control socket"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn a_running_benchmark_is_watched_and_tuned_through_its_control_socket() {
+    let tmp = tempfile::tempdir().unwrap();
+    let runtime = tmp.path().join("run");
+    let mut bench = Command::new(BIN)
+        .args(["bench", "random", "--size", "8M", "--memory", "4M"])
+        .args(["--seconds", "8", "--json"])
+        .env("USWAP_RUNTIME_DIR", &runtime)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let pid = bench.id().to_string();
+    let socket = runtime.join(format!("{pid}.sock"));
+    wait_for_socket(&socket, &mut bench);
+
+    let args = ["stat", &pid, "--json"];
+    let stat = json_of(&args, in_runtime(&runtime, &args));
+    assert_eq!(stat["pid"].to_string(), pid);
+    assert_eq!(stat["knobs"]["memory"], 4 << 20);
+    assert!(
+        stat["stats"]["vmstat"]["pgfault"].as_u64().unwrap() > 0,
+        "{stat}"
+    );
+    let args = ["stat", &pid];
+    let block = stdout_of(&args, in_runtime(&runtime, &args));
+    assert!(
+        block.contains("resident") && block.contains("major"),
+        "{block}"
+    );
+
+    let args = ["ctl", &pid, "page-cluster=2"];
+    assert!(stdout_of(&args, in_runtime(&runtime, &args)).contains("page-cluster=2"));
+    let args = ["ctl", &pid];
+    let knobs = stdout_of(&args, in_runtime(&runtime, &args));
+    assert!(
+        knobs.contains("page-cluster=2") && knobs.contains("memory=4M"),
+        "{knobs}"
+    );
+    let args = ["ctl", &pid, "swappiness=60"];
+    let err = refusal_of(&args, in_runtime(&runtime, &args));
+    for name in ["swappiness", "memory", "swap_ra_policy", "page-cluster"] {
+        assert!(err.contains(name), "{err}");
+    }
+    refused_to_another_user(tmp.path(), &runtime, &pid);
+
+    let out = bench.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(!socket.exists(), "the socket goes with the benchmark");
+}
+
+/// As root, checks that `uswap stat` and `uswap ctl` run as nobody (uid 65534) get nothing
+/// from the benchmark `pid` (a copy of the binary in `tmp` lets them run it).
+fn refused_to_another_user(tmp: &Path, runtime: &Path, pid: &str) {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        eprintln!("SKIPPED the other-user check: needs root");
+        return;
+    }
+    std::fs::set_permissions(tmp, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let bin = tmp.join("uswap");
+    std::fs::copy(BIN, &bin).unwrap();
+    for args in [
+        vec!["stat", pid, "--json"],
+        vec!["ctl", pid, "page-cluster=0"],
+    ] {
+        let mut cmd = Command::new(&bin);
+        cmd.args(&args)
+            .env("USWAP_RUNTIME_DIR", runtime)
+            .current_dir("/");
+        // SAFETY: only system calls between fork and exec.
+        unsafe {
+            cmd.pre_exec(|| {
+                if libc::setgroups(0, std::ptr::null()) != 0
+                    || libc::setgid(65534) != 0
+                    || libc::setuid(65534) != 0
+                {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            })
+        };
+        let out = cmd.output().unwrap();
+        let err = refusal_of(&args, out.clone());
+        assert!(err.contains("permission denied"), "{err}");
+        assert!(out.stdout.is_empty(), "{args:?} printed something");
+    }
+}
+
+#[test]
+fn stat_of_a_process_not_under_uswap_says_so() {
+    let tmp = tempfile::tempdir().unwrap();
+    let err = refusal_of(&["stat", "1"], in_runtime(tmp.path(), &["stat", "1"]));
+    assert!(
+        err.contains("process 1 is not running under uswap"),
+        "{err}"
+    );
+    let err = refused(&["ctl", "5000000"]);
+    assert!(err.contains("no process 5000000"), "{err}");
 }

@@ -62,6 +62,34 @@ pub enum Error {
         capacity: u64,
     },
 
+    #[error(
+        "cannot use {dir} for uswap's control socket: {why}. It may have been made by another \
+         user to intercept the socket: remove it, or set USWAP_RUNTIME_DIR to a directory of \
+         your own with mode 0700"
+    )]
+    ControlDir { dir: PathBuf, why: String },
+
+    #[error("cannot serve uswap's control socket at {path}: {why}")]
+    ControlSocket { path: PathBuf, why: String },
+
+    #[error("no process {pid}")]
+    NoSuchProcess { pid: u32 },
+
+    #[error(
+        "process {pid} is not running under uswap: it has no control socket at {path} (or it \
+         runs with another USWAP_RUNTIME_DIR)"
+    )]
+    NotUnderUswap { pid: u32, path: PathBuf },
+
+    #[error(
+        "permission denied: the control socket of process {pid} ({path}) belongs to another \
+         user; only its owner or root may read its statistics or change its knobs"
+    )]
+    ControlDenied { pid: u32, path: PathBuf },
+
+    #[error("process {pid} refused the request: {message}")]
+    ControlRefused { pid: u32, message: String },
+
     #[error("{op} failed: {source}")]
     Os {
         op: &'static str,

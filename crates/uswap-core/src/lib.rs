@@ -7,6 +7,7 @@
 mod breakdown;
 mod budget;
 pub mod config;
+pub mod control;
 pub mod cpu;
 pub mod error;
 mod fault;

@@ -310,6 +310,16 @@ impl Region {
         self.fault.mm().breakdown().map(|b| b.times())
     }
 
+    /// The memory limit in force, in bytes (whole pages).
+    pub fn memory_limit(&self) -> u64 {
+        self.fault.mm().budget().limit() * PAGE_SIZE as u64
+    }
+
+    /// Pages resident now (active + inactive): cheap enough to poll.
+    pub fn resident_pages(&self) -> u64 {
+        self.fault.mm().budget().resident()
+    }
+
     /// The swap-in readahead in force.
     pub fn readahead(&self) -> Readahead {
         self.fault.readahead.get()

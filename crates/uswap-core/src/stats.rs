@@ -13,7 +13,7 @@ macro_rules! vmstat {
         pub struct VmStat { $($(#[$doc])* pub $name: AtomicU64,)* }
 
         /// A copy of the counters at one moment.
-        #[derive(Clone, Copy, Debug, Default, Serialize, PartialEq, Eq)]
+        #[derive(Clone, Copy, Debug, Default, Serialize, serde::Deserialize, PartialEq, Eq)]
         pub struct VmStatSnapshot { $($(#[$doc])* pub $name: u64,)* }
 
         impl VmStat {

@@ -9,6 +9,9 @@ use crate::workload::random::{self, RandomOutcome, RandomParams};
 use anyhow::{bail, ensure, Context, Result};
 use clap::{value_parser, Args};
 use serde::Serialize;
+use std::io::IsTerminal;
+use std::sync::Arc;
+use uswap_core::control::ControlServer;
 use uswap_core::{
     LockClass, PhaseSummary, Region, SlotAlloc, Stats, SwapCacheMode, SwapCacheStats,
     VmStatSnapshot,
@@ -117,13 +120,14 @@ pub fn run(a: &RandomArgs) -> Result<()> {
 fn run_uswap(a: &RandomArgs, params: &RandomParams) -> Result<Report> {
     let mut cfg = a.core.config(a.memory)?;
     cfg.breakdown = a.breakdown;
-    let region = Region::new(a.size, cfg).with_context(|| {
+    let region = Arc::new(Region::new(a.size, cfg).with_context(|| {
         format!(
             "creating a {} region with a {} memory limit",
             report::size(a.size),
             report::size(a.memory)
         )
-    })?;
+    })?);
+    let _control = serve_control(&region);
     let (outcome, (before, times_before), (after, times_after)) =
         random::run(region.mem(), params, || {
             (region.stats(), region.phase_times())
@@ -142,6 +146,26 @@ fn run_uswap(a: &RandomArgs, params: &RandomParams) -> Result<Report> {
         breakdown,
     };
     Ok(build_report(a, outcome, swapped, Some(detail), None))
+}
+
+/// Serves the region on this process's control socket, so that `uswap stat` and `uswap ctl`
+/// can watch and tune the run. The benchmark runs without it if it cannot be had.
+fn serve_control(region: &Arc<Region>) -> Option<ControlServer> {
+    match ControlServer::start(region.clone()) {
+        Ok(server) => {
+            if std::io::stderr().is_terminal() {
+                eprintln!(
+                    "live: uswap stat {pid} --watch 1, uswap ctl {pid}",
+                    pid = std::process::id()
+                );
+            }
+            Some(server)
+        }
+        Err(e) => {
+            eprintln!("uswap bench random: no live statistics: {e}");
+            None
+        }
+    }
 }
 
 fn run_kernel(a: &RandomArgs, params: &RandomParams) -> Result<Report> {

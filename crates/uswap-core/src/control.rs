@@ -1,0 +1,509 @@
+//! The control socket: live statistics and run-time knobs of a running uswap process, for
+//! `uswap stat` and `uswap ctl` (what `/proc/vmstat` and the sysfs/sysctl knobs are for the
+//! kernel's swap).
+//!
+//! # Where, and who may use it
+//!
+//! One socket per process: `<dir>/<pid>.sock`, where `<dir>` is `$USWAP_RUNTIME_DIR` when
+//! set, else `/tmp/uswap-<uid>` (`uid`: the server's effective uid; a client finds it as the
+//! owner of `/proc/<pid>`). The server creates `<dir>` with mode 0700 and refuses one that is
+//! not a directory of its own (checked with lstat, so a symbolic link is refused) or that
+//! lets group or others in: in a shared `/tmp` another user could otherwise create the
+//! directory first and read or replace the socket. The socket itself is 0600, and every
+//! connection is checked once more by its peer credentials (`SO_PEERCRED`): only the
+//! server's effective uid and root are served; anyone else gets an error reply and nothing
+//! else. Dropping the [`ControlServer`] removes the socket.
+//!
+//! # Protocol
+//!
+//! A client connects, writes one request as one line of JSON, reads one reply line, and the
+//! server closes the connection (one request per connection, so a client that watches
+//! cannot keep others waiting). Connections are served one at a time.
+//!
+//! - `{"cmd":"stat"}` → `{"pid":P,"size":BYTES,"page_size":4096,"knobs":{...},
+//!   "stats":{...},"breakdown":[...]}`: `stats` is [`Region::stats`] (vmstat counters,
+//!   fault service times by kind, resident and swap pages, I/O, swap cache, readahead,
+//!   charge stocks, lock statistics); `breakdown` (present with `Config::breakdown`) the
+//!   time per phase since the region was made.
+//! - `{"cmd":"get"}` → `{"knobs":{"memory":BYTES,"page-cluster":N,"swap_ra_policy":NAME}}`.
+//! - `{"cmd":"set","key":KEY,"value":VALUE}` → `{"ok":true}`. VALUE is a JSON string or
+//!   number.
+//! - Anything that fails → `{"error":"what went wrong"}`.
+//!
+//! # Knobs
+//!
+//! Named as the kernel names its own where it has one:
+//!
+//! - `memory`: the memory limit (`memory.max` of a cgroup), bytes or a size such as `512M`.
+//!   Like a write to `memory.max`, lowering it reclaims before the reply comes (for at most
+//!   [`RECLAIM_WAIT`]; kswapd goes on after that).
+//! - `swap_ra_policy`: the readahead policy (seed 002's sysfs knob): `none`, `fixed`,
+//!   `scaling` or `vma`.
+//! - `page-cluster`: log2 of the largest readahead window, 0 to 8 (`vm.page-cluster`).
+//!
+//! Everything else a region is configured with is fixed when it is made.
+
+use crate::config::{parse_size, Readahead, ReadaheadPolicy};
+use crate::error::{Error, Result};
+use crate::region::Region;
+use crate::PAGE_SIZE;
+use serde_json::{json, Value};
+use std::io::{self, BufRead, BufReader, ErrorKind, Read, Write};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::unix::fs::{DirBuilderExt, FileTypeExt, MetadataExt, PermissionsExt};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+/// The environment variable that moves the socket directory.
+pub const RUNTIME_DIR_VAR: &str = "USWAP_RUNTIME_DIR";
+
+/// How long a `memory` request that lowers the limit waits for reclaim to reach it.
+pub const RECLAIM_WAIT: Duration = Duration::from_secs(5);
+
+/// How long the server waits for a request line or for its reply to be taken: a client that
+/// stalls must not hold the thread (nor the drop of the server) for long.
+const SERVER_IO_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// How long a client waits for a reply: longer than a `memory` request may take.
+const CLIENT_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// The longest request line the server reads.
+const MAX_REQUEST: u64 = 4096;
+
+/// The control socket of process `pid` whose effective uid is `uid`.
+pub fn socket_path(pid: u32, uid: u32) -> PathBuf {
+    let dir = match std::env::var_os(RUNTIME_DIR_VAR) {
+        Some(dir) if !dir.is_empty() => PathBuf::from(dir),
+        _ => PathBuf::from(format!("/tmp/uswap-{uid}")),
+    };
+    dir.join(format!("{pid}.sock"))
+}
+
+/// Serves statistics and knobs of one region on the process's control socket, from a
+/// thread of its own, until dropped.
+pub struct ControlServer {
+    path: PathBuf,
+    /// The write end of a pipe the thread polls: closing it stops the thread.
+    stop: Option<OwnedFd>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl ControlServer {
+    /// Binds `<dir>/<pid>.sock` (see the module documentation) and starts serving `region`.
+    /// A stale socket of an earlier process with this pid is replaced; one this process
+    /// serves already is an error (one control socket per process).
+    pub fn start(region: Arc<Region>) -> Result<ControlServer> {
+        // SAFETY: geteuid has no preconditions.
+        let euid = unsafe { libc::geteuid() };
+        let path = socket_path(std::process::id(), euid);
+        prepare_dir(path.parent().unwrap_or(Path::new("/")), euid)?;
+        let listener = bind(&path)?;
+        let (stop_rx, stop_tx) = pipe()?;
+        let server = Server {
+            region,
+            listener,
+            stop: stop_rx,
+            euid,
+        };
+        match crate::signals::spawn_quiet("uswap-control", move || server.run()) {
+            Ok(thread) => Ok(ControlServer {
+                path,
+                stop: Some(stop_tx),
+                thread: Some(thread),
+            }),
+            Err(source) => {
+                let _ = std::fs::remove_file(&path);
+                Err(Error::Os {
+                    op: "starting the control socket's thread",
+                    source,
+                })
+            }
+        }
+    }
+
+    /// Where the socket is.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+}
+
+impl Drop for ControlServer {
+    fn drop(&mut self) {
+        // The read end then polls as hung up, and the thread returns.
+        drop(self.stop.take());
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+/// Creates the socket directory if it is missing and checks that it is private.
+fn prepare_dir(dir: &Path, euid: u32) -> Result<()> {
+    let refuse = |why: String| Error::ControlDir {
+        dir: dir.to_path_buf(),
+        why,
+    };
+    match std::fs::DirBuilder::new().mode(0o700).create(dir) {
+        Ok(()) => {}
+        Err(e) if e.kind() == ErrorKind::AlreadyExists => {}
+        Err(e) => return Err(refuse(format!("it cannot be created: {e}"))),
+    }
+    let meta = std::fs::symlink_metadata(dir).map_err(|e| refuse(e.to_string()))?;
+    let mode = meta.mode() & 0o7777;
+    if !meta.file_type().is_dir() {
+        Err(refuse(
+            "it is not a directory (a symbolic link or a file)".into(),
+        ))
+    } else if meta.uid() != euid {
+        Err(refuse(format!(
+            "it belongs to uid {}, not to this process's uid {euid}",
+            meta.uid()
+        )))
+    } else if mode & 0o077 != 0 {
+        Err(refuse(format!(
+            "its mode {mode:04o} lets other users in (it must be 0700)"
+        )))
+    } else {
+        Ok(())
+    }
+}
+
+/// Binds the socket at `path` with mode 0600, replacing a stale one.
+fn bind(path: &Path) -> Result<UnixListener> {
+    let refuse = |why: String| Error::ControlSocket {
+        path: path.to_path_buf(),
+        why,
+    };
+    remove_stale(path)?;
+    let listener = UnixListener::bind(path).map_err(|e| refuse(e.to_string()))?;
+    // bind creates the file by the umask; the directory keeps others out already, and 0600
+    // keeps them out should someone loosen it.
+    let private = std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))
+        .and_then(|()| listener.set_nonblocking(true));
+    if let Err(e) = private {
+        let _ = std::fs::remove_file(path);
+        return Err(refuse(e.to_string()));
+    }
+    Ok(listener)
+}
+
+/// Removes a socket left at `path` by an earlier process with this pid (nobody accepts on
+/// it). Anything else there is an error.
+fn remove_stale(path: &Path) -> Result<()> {
+    let refuse = |why: String| Error::ControlSocket {
+        path: path.to_path_buf(),
+        why,
+    };
+    match std::fs::symlink_metadata(path) {
+        Err(e) if e.kind() == ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(refuse(e.to_string())),
+        Ok(meta) if !meta.file_type().is_socket() => {
+            Err(refuse("something that is not a socket is there".into()))
+        }
+        Ok(_) if UnixStream::connect(path).is_ok() => Err(refuse(
+            "this process serves one there already (one control socket per process)".into(),
+        )),
+        Ok(_) => std::fs::remove_file(path).map_err(|e| refuse(e.to_string())),
+    }
+}
+
+/// A pipe, both ends close-on-exec: (read end, write end).
+fn pipe() -> Result<(OwnedFd, OwnedFd)> {
+    let mut fds = [0; 2];
+    // SAFETY: pipe2 fills the two descriptors, which are then owned here alone.
+    unsafe {
+        if libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) != 0 {
+            return Err(Error::os("pipe2"));
+        }
+        Ok((OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])))
+    }
+}
+
+/// What the server thread owns.
+struct Server {
+    region: Arc<Region>,
+    listener: UnixListener,
+    stop: OwnedFd,
+    euid: u32,
+}
+
+impl Server {
+    fn run(self) {
+        while self.wait_for_client() {
+            match self.listener.accept() {
+                Ok((stream, _)) => self.serve(&stream),
+                // The client left between poll and accept.
+                Err(e) if e.kind() == ErrorKind::WouldBlock => {}
+                // Out of descriptors, say: the listener stays readable, so pause rather
+                // than spin.
+                Err(_) => std::thread::sleep(Duration::from_millis(100)),
+            }
+        }
+    }
+
+    /// Waits until a client connects (true) or the server is stopped (false).
+    fn wait_for_client(&self) -> bool {
+        let mut fds = [self.listener.as_raw_fd(), self.stop.as_raw_fd()].map(|fd| libc::pollfd {
+            fd,
+            events: libc::POLLIN,
+            revents: 0,
+        });
+        loop {
+            // SAFETY: two valid pollfd entries.
+            let r = unsafe { libc::poll(fds.as_mut_ptr(), 2, -1) };
+            if r < 0 && io::Error::last_os_error().kind() == ErrorKind::Interrupted {
+                continue;
+            }
+            // The stop pipe hung up, or poll or the listener failed: serving ends.
+            return r > 0 && fds[1].revents == 0 && fds[0].revents == libc::POLLIN;
+        }
+    }
+
+    fn serve(&self, stream: &UnixStream) {
+        let reply = match peer_uid(stream) {
+            Ok(uid) if uid == self.euid || uid == 0 => self.answer(stream),
+            Ok(uid) => error(format!(
+                "permission denied: uid {uid} may not use the control socket of a process of \
+                 uid {}",
+                self.euid
+            )),
+            Err(e) => error(format!("cannot check who is asking: {e}")),
+        };
+        let _ = write_line(stream, &reply);
+    }
+
+    fn answer(&self, stream: &UnixStream) -> Value {
+        match read_line(stream, SERVER_IO_TIMEOUT) {
+            // A panic inside uswap must not end the thread: the client gets an error.
+            Ok(request) => std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                handle(&self.region, &request)
+            }))
+            .unwrap_or_else(|_| error("the request failed inside uswap (a bug)")),
+            Err(e) => error(format!("bad request: {e}")),
+        }
+    }
+}
+
+/// The uid of the process at the other end, as it was when it connected.
+fn peer_uid(stream: &UnixStream) -> io::Result<u32> {
+    let mut cred = libc::ucred {
+        pid: 0,
+        uid: 0,
+        gid: 0,
+    };
+    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: cred and len describe a ucred the call fills.
+    let r = unsafe {
+        libc::getsockopt(
+            stream.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_PEERCRED,
+            (&mut cred as *mut libc::ucred).cast(),
+            &mut len,
+        )
+    };
+    if r != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(cred.uid)
+}
+
+/// Reads one line of JSON (at most [`MAX_REQUEST`] bytes for a request).
+fn read_line(stream: &UnixStream, timeout: Duration) -> io::Result<Value> {
+    stream.set_read_timeout(Some(timeout))?;
+    let mut line = String::new();
+    BufReader::new(stream.take(MAX_REQUEST)).read_line(&mut line)?;
+    if !line.ends_with('\n') {
+        return Err(io::Error::new(
+            ErrorKind::InvalidData,
+            format!(
+                "no complete line (a request is one line of JSON, at most {MAX_REQUEST} bytes)"
+            ),
+        ));
+    }
+    serde_json::from_str(&line).map_err(|e| io::Error::new(ErrorKind::InvalidData, e))
+}
+
+fn write_line(stream: &UnixStream, value: &Value) -> io::Result<()> {
+    stream.set_write_timeout(Some(SERVER_IO_TIMEOUT))?;
+    let mut line = value.to_string();
+    line.push('\n');
+    (&*stream).write_all(line.as_bytes())
+}
+
+fn error(message: impl Into<String>) -> Value {
+    json!({ "error": message.into() })
+}
+
+/// Answers one request.
+fn handle(region: &Region, request: &Value) -> Value {
+    match request.get("cmd").and_then(Value::as_str) {
+        Some("stat") => stat(region),
+        Some("get") => json!({ "knobs": knobs(region) }),
+        Some("set") => match set(region, request) {
+            Ok(()) => json!({ "ok": true }),
+            Err(why) => error(why),
+        },
+        Some(other) => error(format!("unknown command {other:?}: use stat, get or set")),
+        None => error("a request is a JSON object with a \"cmd\": stat, get or set"),
+    }
+}
+
+fn stat(region: &Region) -> Value {
+    let stats = match serde_json::to_value(region.stats()) {
+        Ok(stats) => stats,
+        Err(e) => return error(format!("the statistics could not be encoded: {e}")),
+    };
+    let mut snapshot = json!({
+        "pid": std::process::id(),
+        "size": region.len(),
+        "page_size": PAGE_SIZE,
+        "knobs": knobs(region),
+        "stats": stats,
+    });
+    if let Some(times) = region.phase_times() {
+        snapshot["breakdown"] = serde_json::to_value(times.summary()).unwrap_or(Value::Null);
+    }
+    snapshot
+}
+
+/// A knob: its name, how to read it, how to set it from text.
+struct Knob {
+    name: &'static str,
+    get: fn(&Region) -> Value,
+    set: fn(&Region, &str) -> Result<()>,
+}
+
+const KNOBS: [Knob; 3] = [
+    Knob {
+        name: "memory",
+        get: |r| r.memory_limit().into(),
+        set: set_memory,
+    },
+    Knob {
+        name: "swap_ra_policy",
+        get: |r| r.readahead().policy.name().into(),
+        set: |r, text| {
+            let policy = text.parse::<ReadaheadPolicy>()?;
+            r.set_readahead(Readahead {
+                policy,
+                ..r.readahead()
+            })
+        },
+    },
+    Knob {
+        name: "page-cluster",
+        get: |r| r.readahead().page_cluster.into(),
+        set: |r, text| {
+            let page_cluster = text.parse::<u8>().map_err(|_| {
+                Error::invalid("page-cluster", format!("{text:?}: use a number, 0 to 8"))
+            })?;
+            r.set_readahead(Readahead {
+                page_cluster,
+                ..r.readahead()
+            })
+        },
+    },
+];
+
+fn knobs(region: &Region) -> Value {
+    KNOBS
+        .iter()
+        .map(|k| (k.name.to_string(), (k.get)(region)))
+        .collect::<serde_json::Map<_, _>>()
+        .into()
+}
+
+fn set(region: &Region, request: &Value) -> std::result::Result<(), String> {
+    let key = request.get("key").and_then(Value::as_str).unwrap_or("");
+    let names = || KNOBS.map(|k| k.name).join(", ");
+    let knob = KNOBS
+        .iter()
+        .find(|k| k.name == key)
+        .ok_or_else(|| format!("unknown knob {key:?}: the knobs are {}", names()))?;
+    // The command line sends text; a JSON number is as good.
+    let text = match request.get("value") {
+        Some(Value::String(s)) => s.clone(),
+        Some(Value::Number(n)) => n.to_string(),
+        _ => return Err(format!("{key}: give the value as a JSON string or number")),
+    };
+    (knob.set)(region, &text).map_err(|e| format!("{key}={text}: {e}"))
+}
+
+/// Sets the memory limit and, when that leaves too much resident, waits a while for reclaim
+/// to bring it under.
+fn set_memory(region: &Region, text: &str) -> Result<()> {
+    region.set_memory_limit(parse_size(text)?)?;
+    let limit = region.memory_limit() / PAGE_SIZE as u64;
+    let deadline = Instant::now() + RECLAIM_WAIT;
+    while region.resident_pages() > limit && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    Ok(())
+}
+
+/// Sends `request` to the control socket of process `pid` and returns the reply. An error
+/// reply is an error ([`Error::ControlRefused`]), as are a missing process, a process
+/// without a control socket and a socket of another user, each its own [`Error`].
+pub fn request(pid: u32, request: &Value) -> Result<Value> {
+    let path = socket_path(pid, process_owner(pid)?);
+    let stream = UnixStream::connect(&path).map_err(|e| match e.kind() {
+        // No socket, or one nobody accepts on (its process is gone and the pid reused).
+        ErrorKind::NotFound | ErrorKind::ConnectionRefused => Error::NotUnderUswap {
+            pid,
+            path: path.clone(),
+        },
+        ErrorKind::PermissionDenied => Error::ControlDenied {
+            pid,
+            path: path.clone(),
+        },
+        _ => Error::Os {
+            op: "connecting to the control socket",
+            source: e,
+        },
+    })?;
+    let reply = exchange(&stream, request).map_err(|source| Error::Os {
+        op: "talking to the control socket",
+        source,
+    })?;
+    match reply.get("error") {
+        Some(message) => Err(Error::ControlRefused {
+            pid,
+            message: message.as_str().unwrap_or("(no message)").to_string(),
+        }),
+        None => Ok(reply),
+    }
+}
+
+/// The effective uid of process `pid`: the owner of its `/proc` directory.
+fn process_owner(pid: u32) -> Result<u32> {
+    match std::fs::metadata(format!("/proc/{pid}")) {
+        Ok(meta) => Ok(meta.uid()),
+        Err(e) if e.kind() == ErrorKind::NotFound => Err(Error::NoSuchProcess { pid }),
+        Err(source) => Err(Error::Os {
+            op: "looking up the process",
+            source,
+        }),
+    }
+}
+
+fn exchange(stream: &UnixStream, request: &Value) -> io::Result<Value> {
+    stream.set_write_timeout(Some(CLIENT_TIMEOUT))?;
+    let mut line = request.to_string();
+    line.push('\n');
+    (&*stream).write_all(line.as_bytes())?;
+    let mut reply = String::new();
+    stream.set_read_timeout(Some(CLIENT_TIMEOUT))?;
+    BufReader::new(stream).read_line(&mut reply)?;
+    if reply.is_empty() {
+        return Err(io::Error::new(
+            ErrorKind::UnexpectedEof,
+            "the server closed the connection without a reply",
+        ));
+    }
+    serde_json::from_str(&reply).map_err(|e| io::Error::new(ErrorKind::InvalidData, e))
+}
