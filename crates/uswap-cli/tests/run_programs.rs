@@ -738,10 +738,15 @@ while :; do :; done"#;
         .stderr(Stdio::piped());
     let mut running = Running::start(cmd, "uswap run sh");
     let stderr = read_in_thread(running.child.stderr.take().unwrap());
-    let mut stdout = BufReader::new(running.child.stdout.take().unwrap());
-    let mut line = String::new();
-    // A program that never says ready exits (and closes stdout) or hits the timeout below.
-    let _ = stdout.read_line(&mut line);
+    let stdout = running.child.stdout.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    thread::spawn(move || {
+        let mut line = String::new();
+        // A program that never says ready exits (and closes stdout) or is killed below.
+        let _ = BufReader::new(stdout).read_line(&mut line);
+        let _ = tx.send(line);
+    });
+    let line = rx.recv_timeout(Duration::from_secs(60)).unwrap_or_default();
     if line != "ready\n" {
         running.kill_group();
         let stderr = String::from_utf8_lossy(&stderr.join().unwrap()).into_owned();
