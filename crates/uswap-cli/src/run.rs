@@ -26,7 +26,8 @@ pub struct RunArgs {
     pub memory: Option<u64>,
 
     /// Anonymous memory the program may hold in all, resident and swapped [default: memory
-    /// plus --swap-size when that is set, else 8 × memory, at least 4G]
+    /// plus --swap-size when that is set, else memory plus 3 × memory (at least 4G, at most
+    /// 64G and 90% of the swap directory's free space)]
     #[arg(long, value_name = "SIZE", value_parser = nonzero_size)]
     pub vm_size: Option<u64>,
 
@@ -47,10 +48,16 @@ pub fn run(args: &RunArgs) -> Result<()> {
     if config.fault_mode != FaultMode::Thread {
         bail!("uswap run needs --fault-mode thread: the program's system calls read its memory");
     }
-    let vm_size = args.vm_size.unwrap_or_else(|| match config.swap.size {
-        Some(swap) => memory + swap,
-        None => (memory * 8).max(4 << 30),
-    });
+    let vm_size = match args.vm_size {
+        Some(size) => size,
+        None => {
+            memory
+                + config
+                    .swap
+                    .size
+                    .unwrap_or(default_swap(memory, &args.core.swap_dir()))
+        }
+    };
     uswap_core::probe()?;
     let preload = preload_library()?;
     let program = find_program(&args.command[0])?;
@@ -68,6 +75,25 @@ pub fn run(args: &RunArgs) -> Result<()> {
         .env(ENV, settings.to_env())
         .exec();
     Err(err).with_context(|| format!("cannot run {}", program.display()))
+}
+
+/// Swap space when none is set: three times the memory, at least 4 GiB, at most 64 GiB and
+/// what the swap directory's file system has free. (uswap keeps 20 bytes per page of the
+/// whole space, so it is not made larger than a program is likely to need.)
+fn default_swap(memory: u64, swap_dir: &Path) -> u64 {
+    let free = free_space(swap_dir).map_or(u64::MAX, |f| f / 10 * 9);
+    (memory.saturating_mul(3))
+        .clamp(4 << 30, 64 << 30)
+        .min(free)
+}
+
+fn free_space(dir: &Path) -> Option<u64> {
+    use std::os::unix::ffi::OsStrExt;
+    let path = std::ffi::CString::new(dir.as_os_str().as_bytes()).ok()?;
+    // SAFETY: a NUL-terminated path and a statvfs to fill.
+    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+    (unsafe { libc::statvfs(path.as_ptr(), &mut st) } == 0)
+        .then(|| st.f_bavail as u64 * st.f_frsize as u64)
 }
 
 fn half_of_ram() -> Result<u64> {

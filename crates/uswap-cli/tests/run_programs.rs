@@ -117,8 +117,30 @@ fn heavy() -> MutexGuard<'static, ()> {
         .unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
+/// Builds the preload library beside the `uswap` binary if it is not there: `cargo test`
+/// builds the binary but not the workspace's cdylib (`cargo build` does).
+fn preload_library_built() {
+    static BUILT: std::sync::Once = std::sync::Once::new();
+    BUILT.call_once(|| {
+        let uswap = Path::new(env!("CARGO_BIN_EXE_uswap"));
+        if uswap.with_file_name("libuswap_preload.so").is_file() {
+            return;
+        }
+        let profile = match uswap.parent().and_then(|d| d.file_name()) {
+            Some(dir) if dir == "release" => "release",
+            _ => "test",
+        };
+        let status = Command::new(env!("CARGO"))
+            .args(["build", "-p", "uswap-preload", "--profile", profile])
+            .status()
+            .expect("cargo runs");
+        assert!(status.success(), "building the preload library failed");
+    });
+}
+
 /// `uswap run [--memory M --swap-dir TMP/swap] -- PROGRAM`, with $TMPDIR in `tmp` too.
 fn uswap_run(tmp: &Path, memory: Option<&str>, program: impl AsRef<OsStr>) -> Command {
+    preload_library_built();
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_uswap"));
     cmd.arg("run");
     if let Some(memory) = memory {

@@ -51,7 +51,7 @@ unsafe impl Allocator for SpaceGranules {
     fn free_part(&self, ptr: *mut u8, old: usize, new: usize) -> bool {
         // Only whole granules go back, so the granule table stays exact.
         let cut = ptr as usize + new;
-        if cut % GRANULE != 0 {
+        if !cut.is_multiple_of(GRANULE) {
             return false;
         }
         release(cut, old - new);
@@ -245,7 +245,7 @@ pub unsafe extern "C" fn posix_memalign(
     align: size_t,
     size: size_t,
 ) -> c_int {
-    if !align.is_power_of_two() || align % std::mem::size_of::<usize>() != 0 {
+    if !align.is_power_of_two() || !align.is_multiple_of(std::mem::size_of::<usize>()) {
         return libc::EINVAL;
     }
     let p = alloc(size, align);

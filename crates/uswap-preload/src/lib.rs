@@ -20,6 +20,9 @@ mod space;
 mod sys;
 mod threads;
 
+use std::path::PathBuf;
+use std::sync::{Arc, OnceLock};
+use uswap_core::control::ControlServer;
 use uswap_core::run::{Settings, ENV};
 use uswap_core::{FaultMode, Region};
 
@@ -36,6 +39,7 @@ extern "C" fn init() {
     let program = std::env::args().next().unwrap_or_default();
     match start(&text) {
         Ok(region) => {
+            serve_control(&region);
             space::install(region);
             fork::register();
         }
@@ -50,7 +54,34 @@ extern "C" fn init() {
     }
 }
 
-fn start(text: &str) -> uswap_core::Result<Region> {
+/// Starts the control socket of `uswap stat` and `uswap ctl`; the program runs without it
+/// (and is told) if it cannot be made.
+fn serve_control(region: &Arc<Region>) {
+    match ControlServer::start(region.clone()) {
+        Ok(server) => {
+            let path = server.path().to_path_buf();
+            // The server lives as long as the process; its socket goes at exit.
+            std::mem::forget(server);
+            let _ = CONTROL_SOCKET.set(path);
+            // SAFETY: registering a function with C linkage.
+            unsafe { libc::atexit(remove_control_socket) };
+        }
+        Err(e) => sys::warn(&format!(
+            "uswap run: no control socket for uswap stat/ctl: {e}\n"
+        )),
+    }
+}
+
+static CONTROL_SOCKET: OnceLock<PathBuf> = OnceLock::new();
+
+extern "C" fn remove_control_socket() {
+    // The socket of a child of fork is its parent's.
+    if let Some(path) = CONTROL_SOCKET.get().filter(|_| !fork::in_child()) {
+        let _ = std::fs::remove_file(path);
+    }
+}
+
+fn start(text: &str) -> uswap_core::Result<Arc<Region>> {
     let settings = Settings::parse(text)?;
     if settings.config.fault_mode != FaultMode::Thread {
         return Err(uswap_core::Error::InvalidConfig {
@@ -58,5 +89,5 @@ fn start(text: &str) -> uswap_core::Result<Region> {
             why: "uswap run needs thread mode: the program's system calls read its memory".into(),
         });
     }
-    Region::new(settings.vm_size, settings.config)
+    Region::new(settings.vm_size, settings.config).map(Arc::new)
 }

@@ -85,7 +85,7 @@ unsafe fn map_fixed_inside(
     if flags & libc::MAP_FIXED_NOREPLACE != 0 {
         return fail(libc::EEXIST, libc::MAP_FAILED);
     }
-    if !ours || start % PAGE_SIZE != 0 || !space.holds(start, len) {
+    if !ours || !start.is_multiple_of(PAGE_SIZE) || !space.holds(start, len) {
         sys::warn(
             "uswap: refused a fixed mapping of another kind over memory uswap manages \
              (only private anonymous read-write memory can replace it)\n",
@@ -120,7 +120,8 @@ pub unsafe extern "C" fn munmap(addr: *mut c_void, len: size_t) -> c_int {
     let Some(len) = page_round(len).filter(|&l| l > 0) else {
         return fail(libc::EINVAL, -1);
     };
-    if start % PAGE_SIZE != 0 || !space.holds(start, len) || holds_heap(space, start, len) {
+    if !start.is_multiple_of(PAGE_SIZE) || !space.holds(start, len) || holds_heap(space, start, len)
+    {
         sys::warn("uswap: refused munmap() of memory uswap manages that mmap did not return\n");
         return fail(libc::EINVAL, -1);
     }
@@ -157,7 +158,7 @@ pub unsafe extern "C" fn mremap(
     let (Some(old_len), Some(new_len)) = (page_round(old_len), page_round(new_len)) else {
         return fail(libc::EINVAL, libc::MAP_FAILED);
     };
-    if start % PAGE_SIZE != 0
+    if !start.is_multiple_of(PAGE_SIZE)
         || old_len == 0
         || new_len == 0
         || !space.holds(start, old_len)

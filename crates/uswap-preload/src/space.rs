@@ -12,7 +12,7 @@
 use crate::sys;
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU8, Ordering::Relaxed};
-use std::sync::{Mutex, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 use uswap_core::{Region, PAGE_SIZE};
 
 /// Heap segments are made of whole granules of this size.
@@ -24,7 +24,8 @@ pub const NO_ARENA: u8 = 0;
 pub type FreeListGuard = std::sync::MutexGuard<'static, BTreeMap<usize, usize>>;
 
 pub struct Space {
-    region: Region,
+    /// Kept here so the region lives as long as the process.
+    _region: Arc<Region>,
     start: usize,
     end: usize,
     /// Free runs: first page index → pages.
@@ -41,16 +42,16 @@ pub fn get() -> Option<&'static Space> {
 }
 
 /// Makes `region` the program's memory.
-pub fn install(region: Region) {
+pub fn install(region: Arc<Region>) {
     let start = region.as_ptr() as usize;
     let pages = region.len() / PAGE_SIZE;
-    let granules = region.len().div_ceil(GRANULE);
+    let granules = (start + region.len() - 1) / GRANULE - start / GRANULE + 1;
     let space = Space {
         start,
         end: start + region.len(),
         free: Mutex::new(BTreeMap::from([(0, pages)])),
         owner: (0..granules).map(|_| AtomicU8::new(NO_ARENA)).collect(),
-        region,
+        _region: region,
     };
     if SPACE.set(space).is_err() {
         sys::warn("uswap: the program's memory was set up twice; keeping the first\n");
@@ -58,10 +59,6 @@ pub fn install(region: Region) {
 }
 
 impl Space {
-    pub fn region(&self) -> &Region {
-        &self.region
-    }
-
     pub fn contains(&self, addr: usize) -> bool {
         (self.start..self.end).contains(&addr)
     }
@@ -78,7 +75,13 @@ impl Space {
 
     /// The heap arena owning the granule of `addr` (plus one), or `NO_ARENA`.
     pub fn owner(&self, addr: usize) -> u8 {
-        self.owner[(addr - self.start) / GRANULE].load(Relaxed)
+        self.owner[self.granule(addr)].load(Relaxed)
+    }
+
+    /// The index of the granule holding `addr` (granules are aligned in the address
+    /// space, not to the region's start).
+    fn granule(&self, addr: usize) -> usize {
+        addr / GRANULE - self.start / GRANULE
     }
 
     /// A range of `len` bytes (a multiple of pages) aligned to `align` bytes, or `None`
@@ -151,8 +154,8 @@ impl Space {
 
     /// Records the heap arena owning the whole granules of `[addr, addr + len)`.
     pub fn set_owner(&self, addr: usize, len: usize, owner: u8) {
-        let first = (addr - self.start).div_ceil(GRANULE);
-        let end = (addr + len - self.start) / GRANULE;
+        let base = self.start / GRANULE;
+        let (first, end) = (addr.div_ceil(GRANULE) - base, (addr + len) / GRANULE - base);
         for g in first..end {
             self.owner[g].store(owner, Relaxed);
         }
@@ -161,16 +164,6 @@ impl Space {
     /// Holds the free list (across `fork`).
     pub fn lock_free_list(&'static self) -> FreeListGuard {
         self.free.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    /// Bytes of the space not handed out.
-    pub fn free_bytes(&self) -> usize {
-        let free = self.free.lock().unwrap_or_else(|e| e.into_inner());
-        free.values().sum::<usize>() * PAGE_SIZE
-    }
-
-    pub fn len(&self) -> usize {
-        self.end - self.start
     }
 }
 
