@@ -83,27 +83,31 @@ fn program_source(name: &str) -> PathBuf {
         .join(name)
 }
 
-/// Compiles malloc_stress.c into `dir`, or returns None after a visible SKIPPED line when
-/// there is no C compiler.
-fn build_malloc_stress(dir: &Path) -> Option<PathBuf> {
+/// Compiles tests/programs/NAME.c into `dir`, or returns None after a visible SKIPPED line
+/// when there is no C compiler.
+fn build_c_program(dir: &Path, name: &str) -> Option<PathBuf> {
     let Some(cc) = ["cc", "gcc", "clang"].into_iter().find_map(which) else {
         eprintln!("SKIPPED: no C compiler (cc, gcc or clang) installed");
         return None;
     };
-    let exe = dir.join("malloc_stress");
+    let exe = dir.join(name);
     let out = Command::new(&cc)
         .args(["-O2", "-pthread", "-o"])
         .arg(&exe)
-        .arg(program_source("malloc_stress.c"))
+        .arg(program_source(&format!("{name}.c")))
         .output()
         .expect("the C compiler runs");
     assert!(
         out.status.success(),
-        "{} failed on malloc_stress.c:\n{}",
+        "{} failed on {name}.c:\n{}",
         cc.display(),
         String::from_utf8_lossy(&out.stderr)
     );
     Some(exe)
+}
+
+fn build_malloc_stress(dir: &Path) -> Option<PathBuf> {
+    build_c_program(dir, "malloc_stress")
 }
 
 // ---- running programs ---------------------------------------------------------------
@@ -348,6 +352,21 @@ fn malloc_stress_under_uswap_run() {
     cmd.args(args).env("TMPDIR", tmp.path());
     let native = expect_ok(&run(cmd, b"", "malloc_stress"), "malloc_stress");
     assert_eq!(line, native);
+}
+
+/// Every allocation entry point uswap run interposes (aligned allocations,
+/// malloc_usable_size, reallocarray, mmap/munmap/mremap/MAP_FIXED), its data verified after
+/// four times the limit has pushed it out.
+#[test]
+fn allocation_api_under_uswap_run() {
+    let _heavy = heavy();
+    let tmp = TempDir::new().unwrap();
+    let Some(exe) = build_c_program(tmp.path(), "alloc_api") else {
+        return;
+    };
+    let mut cmd = uswap_run(tmp.path(), Some(MEMORY), &exe);
+    cmd.arg("256");
+    expect_ok(&run(cmd, b"", "uswap run alloc_api"), "alloc_api");
 }
 
 #[test]

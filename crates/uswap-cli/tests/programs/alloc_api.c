@@ -1,0 +1,119 @@
+/* alloc_api: every allocation entry point uswap run interposes, under memory pressure.
+ *
+ * Usage: alloc_api SIZE_MIB
+ * Fills SIZE_MIB of memory through each path (aligned allocations, malloc_usable_size,
+ * reallocarray, private anonymous mmap with munmap of a middle part, mremap growing in place
+ * and moving, MAP_FIXED over its own mapping), with a pattern per page, and verifies it all
+ * after the rest has pushed it out to swap. Prints "ok ..." and exits 0, or names the first
+ * failure and exits 1. */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <malloc.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#define PAGE 4096UL
+
+static int failures;
+
+static void fail(const char *what, size_t at) {
+    if (failures++ == 0) {
+        printf("FAILED: %s (offset %zu)\n", what, at);
+    }
+}
+
+static void fill(unsigned char *p, size_t len, unsigned seed) {
+    for (size_t i = 0; i < len; i += 64) {
+        p[i] = (unsigned char)(seed * 131 + i / 64);
+    }
+}
+
+static void check(const char *what, const unsigned char *p, size_t len, unsigned seed) {
+    for (size_t i = 0; i < len; i += 64) {
+        if (p[i] != (unsigned char)(seed * 131 + i / 64)) {
+            fail(what, i);
+            return;
+        }
+    }
+}
+
+int main(int argc, char **argv) {
+    size_t total = (argc > 1 ? strtoul(argv[1], NULL, 10) : 256) << 20;
+    size_t piece = total / 8;
+
+    /* Aligned allocations keep their alignment and their data. */
+    void *a = NULL;
+    if (posix_memalign(&a, 1 << 16, piece) != 0 || (uintptr_t)a % (1 << 16)) fail("posix_memalign", 0);
+    void *b = aligned_alloc(4096, piece);
+    if (!b || (uintptr_t)b % 4096) fail("aligned_alloc", 0);
+    void *c = memalign(1 << 12, piece);
+    if (!c || (uintptr_t)c % 4096) fail("memalign", 0);
+    void *v = valloc(3 * PAGE + 1);
+    if (!v || (uintptr_t)v % PAGE) fail("valloc", 0);
+    if (posix_memalign(&a, 3, 16) != EINVAL) fail("posix_memalign(3) must be EINVAL", 0);
+    posix_memalign(&a, 1 << 16, piece);
+    fill(a, piece, 1);
+    fill(b, piece, 2);
+    fill(c, piece, 3);
+
+    /* malloc_usable_size covers the request, and every usable byte is the caller's. */
+    for (size_t n = 1; n < 300000; n = n * 3 + 7) {
+        unsigned char *p = malloc(n);
+        size_t u = malloc_usable_size(p);
+        if (!p || u < n) fail("malloc_usable_size", n);
+        memset(p, 0xA5, u);
+        free(p);
+    }
+    /* reallocarray refuses an overflowing count and keeps the block. */
+    unsigned char *r = malloc(64);
+    volatile size_t huge = SIZE_MAX / 2;
+    errno = 0;
+    if (reallocarray(r, huge, 4) != NULL || errno != ENOMEM) fail("reallocarray overflow", 0);
+    r = reallocarray(r, piece / 16, 16);
+    if (!r) fail("reallocarray", 0);
+    fill(r, piece, 4);
+
+    /* Private anonymous mappings: zero at first, unmapped in the middle, grown, moved. */
+    int prot = PROT_READ | PROT_WRITE, flags = MAP_PRIVATE | MAP_ANONYMOUS;
+    unsigned char *m = mmap(NULL, piece, prot, flags, -1, 0);
+    if (m == MAP_FAILED) fail("mmap", 0);
+    for (size_t i = 0; i < piece; i += PAGE) {
+        if (m[i]) { fail("fresh mapping not zero", i); break; }
+    }
+    fill(m, piece, 5);
+    if (munmap(m + PAGE, PAGE) != 0) fail("munmap of a middle page", 0);
+    unsigned char *again = mmap(NULL, PAGE, prot, flags, -1, 0);
+    if (again == MAP_FAILED || again[0] || again[PAGE - 1]) fail("reused range not zero", 0);
+    unsigned char *g = mremap(m + 2 * PAGE, piece - 2 * PAGE, 2 * piece, MREMAP_MAYMOVE);
+    if (g == MAP_FAILED) fail("mremap grow", 0);
+    for (size_t i = 0; i < piece - 2 * PAGE; i += 64) {
+        if (g[i] != (unsigned char)(5 * 131 + (i + 2 * PAGE) / 64)) { fail("mremap kept data", i); break; }
+    }
+    fill(g, 2 * piece, 6);
+    unsigned char *fx = mmap(g, PAGE, prot, flags | MAP_FIXED, -1, 0);
+    if (fx != g || g[0] != 0) fail("MAP_FIXED over own mapping reads zeros", 0);
+    fill(g, PAGE, 6);
+
+    /* Push everything out, then verify. */
+    unsigned char *push = malloc(total);
+    if (!push) fail("malloc(total)", 0);
+    else { memset(push, 0x5A, total); }
+    check("posix_memalign data", a, piece, 1);
+    check("aligned_alloc data", b, piece, 2);
+    check("memalign data", c, piece, 3);
+    check("reallocarray data", r, piece, 4);
+    check("mapping head", m, PAGE, 5);
+    check("mremap data", g, 2 * piece, 6);
+    for (size_t i = 0; push && i < total; i += PAGE) {
+        if (push[i] != 0x5A) { fail("push data", i); break; }
+    }
+    if (munmap(g, 2 * piece) != 0) fail("munmap", 0);
+    free(push); free(a); free(b); free(c); free(v); free(r);
+    if (failures) return 1;
+    printf("ok every entry point\n");
+    return 0;
+}
