@@ -266,11 +266,16 @@ impl Server {
     fn serve(&self, stream: &UnixStream) {
         let reply = match peer_uid(stream) {
             Ok(uid) if uid == self.euid || uid == 0 => self.answer(stream),
-            Ok(uid) => error(format!(
-                "permission denied: uid {uid} may not use the control socket of a process of \
-                 uid {}",
-                self.euid
-            )),
+            Ok(uid) => {
+                // The request is taken and dropped unread before the refusal, so the
+                // client's write never meets a closed socket and the refusal reaches it.
+                let _ = read_line(stream, SERVER_IO_TIMEOUT);
+                error(format!(
+                    "permission denied: uid {uid} may not use the control socket of a process \
+                     of uid {}",
+                    self.euid
+                ))
+            }
             Err(e) => error(format!("cannot check who is asking: {e}")),
         };
         let _ = write_line(stream, &reply);
