@@ -43,7 +43,7 @@
 use crate::config::LruLockMode;
 use crate::lockstat::{LockClass, StatMutex, StatRwLock, StatSpin};
 use crate::page::{PageLock, PageTable};
-use crate::sync::{AtomicU32, AtomicUsize};
+use crate::sync::{zeroed_slice, AtomicUsize, XorU32};
 use crossbeam_utils::CachePadded;
 use std::sync::atomic::Ordering::{AcqRel, Acquire, Relaxed, Release};
 
@@ -68,11 +68,12 @@ const LOCKED: u32 = 1 << 8;
 /// The link of a node on no list.
 const NIL: u32 = u32::MAX;
 
+/// A page's list node; all-zero memory reads as off every list, unlinked.
 struct Node {
-    prev: AtomicU32,
-    next: AtomicU32,
+    prev: XorU32<NIL>,
+    next: XorU32<NIL>,
     /// List number (`OFF_LIST`: none) and `LOCKED`.
-    state: AtomicU32,
+    state: XorU32<OFF_LIST>,
 }
 
 enum LruLock {
@@ -118,18 +119,19 @@ impl Lru {
     /// Lists for `pages` pages; with `batch` above 1, `cpus` per-CPU batches of that size.
     pub fn new(pages: usize, mode: LruLockMode, batch: usize, cpus: usize) -> Self {
         let pages = pages as u32;
-        let nodes: Box<[Node]> = (0..pages + 2)
-            .map(|i| {
-                // A sentinel starts as an empty circle: linked to itself.
-                let link = if i >= pages { i } else { NIL };
-                let list = if i >= pages { i - pages } else { OFF_LIST };
-                Node {
-                    prev: AtomicU32::new(link),
-                    next: AtomicU32::new(link),
-                    state: AtomicU32::new(list),
-                }
-            })
-            .collect();
+        // Page nodes come from zeroed memory (off every list, touched only when used); a
+        // sentinel starts as an empty circle, linked to itself.
+        let nodes: Box<[Node]> = zeroed_slice(pages as usize + 2, || Node {
+            prev: XorU32::new(NIL),
+            next: XorU32::new(NIL),
+            state: XorU32::new(OFF_LIST),
+        });
+        for i in pages..pages + 2 {
+            let sentinel = &nodes[i as usize];
+            sentinel.prev.store(i, Relaxed);
+            sentinel.next.store(i, Relaxed);
+            sentinel.state.store(i - pages, Relaxed);
+        }
         Lru {
             nodes,
             pages,

@@ -39,7 +39,7 @@
 //! while holding one page lock; reclaim holds many page locks (an isolated batch) but only
 //! blocks on I/O, never on another lock of this list except the leaves.
 
-use crate::sync::{backoff, AtomicU64};
+use crate::sync::{backoff, zeroed_slice, XorU64};
 use std::sync::atomic::Ordering::{Acquire, Relaxed, Release};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -172,17 +172,19 @@ impl PageState {
     }
 }
 
+/// A page's state word, reading `NONE` from zeroed memory.
+type Word = XorU64<{ PageState::NONE.0 }>;
+
 /// The state words of all pages of one region.
 pub struct PageTable {
-    words: Box<[AtomicU64]>,
+    words: Box<[Word]>,
 }
 
 impl PageTable {
+    /// Every page `None`, from zeroed memory: a word costs nothing until its page is used.
     pub fn new(pages: usize) -> Self {
         PageTable {
-            words: (0..pages)
-                .map(|_| AtomicU64::new(PageState::NONE.0))
-                .collect(),
+            words: zeroed_slice(pages, || Word::new(PageState::NONE.0)),
         }
     }
 
@@ -250,7 +252,7 @@ impl PageTable {
 /// which checks (in debug builds) that it starts from a kind it applies to. The state is
 /// published and the lock released on drop.
 pub struct PageLock<'a> {
-    word: &'a AtomicU64,
+    word: &'a Word,
     page: usize,
     state: PageState,
 }

@@ -39,3 +39,73 @@ pub(crate) fn backoff(round: u32) {
         }
     }
 }
+
+/// An atomic word that holds `value ^ INIT`, so that all-zero memory reads as `INIT`.
+/// Per-page metadata made of these comes from zeroed allocations, which the kernel maps on
+/// first touch: a region's page table costs memory and start-up time only for the pages the
+/// program uses, not for its whole address space. Bits that are clear in `INIT` read and
+/// change as in a plain atomic (`fetch_and` keeps to those).
+macro_rules! xor_atomic {
+    ($name:ident, $atomic:ident, $int:ty) => {
+        #[repr(transparent)]
+        pub(crate) struct $name<const INIT: $int>($atomic);
+
+        impl<const INIT: $int> $name<INIT> {
+            pub fn new(value: $int) -> Self {
+                $name($atomic::new(value ^ INIT))
+            }
+
+            pub fn load(&self, order: std::sync::atomic::Ordering) -> $int {
+                self.0.load(order) ^ INIT
+            }
+
+            pub fn store(&self, value: $int, order: std::sync::atomic::Ordering) {
+                self.0.store(value ^ INIT, order)
+            }
+
+            pub fn compare_exchange(
+                &self,
+                current: $int,
+                new: $int,
+                success: std::sync::atomic::Ordering,
+                failure: std::sync::atomic::Ordering,
+            ) -> Result<$int, $int> {
+                self.0
+                    .compare_exchange(current ^ INIT, new ^ INIT, success, failure)
+                    .map(|v| v ^ INIT)
+                    .map_err(|v| v ^ INIT)
+            }
+
+            /// `mask` must keep every bit set in `INIT`: those are stored inverted.
+            #[allow(dead_code)] // not every width needs it
+            pub fn fetch_and(&self, mask: $int, order: std::sync::atomic::Ordering) -> $int {
+                debug_assert_eq!(
+                    mask & INIT,
+                    INIT,
+                    "fetch_and would clear a stored-inverted bit"
+                );
+                self.0.fetch_and(mask, order) ^ INIT
+            }
+        }
+    };
+}
+
+xor_atomic!(XorU32, AtomicU32, u32);
+xor_atomic!(XorU64, AtomicU64, u64);
+
+/// `n` values of `T` whose all-zero bits are their initial state (a type made only of the
+/// atomics above), from zeroed memory: nothing is written, so nothing is touched. Under loom,
+/// whose atomics are not plain memory, each is made with `init`.
+pub(crate) fn zeroed_slice<T>(n: usize, init: impl Fn() -> T) -> Box<[T]> {
+    #[cfg(loom)]
+    {
+        (0..n).map(|_| init()).collect()
+    }
+    #[cfg(not(loom))]
+    {
+        let _ = init;
+        // SAFETY: callers pass only types made of std atomics wrapped by `xor_atomic!`, for
+        // which all-zero bits are a valid value, the initial one.
+        unsafe { Box::new_zeroed_slice(n).assume_init() }
+    }
+}

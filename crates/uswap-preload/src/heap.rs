@@ -7,6 +7,7 @@
 //! (kernel memory), and `free` sends such blocks back there by address.
 
 use crate::internal::{self, Inside};
+use crate::large;
 use crate::space::{self, Space, GRANULE, NO_ARENA};
 use crate::sys;
 use dlmalloc::{Allocator, Dlmalloc};
@@ -125,6 +126,7 @@ fn serving() -> Option<&'static Space> {
 /// Where a block lives.
 enum Owner {
     Arena(usize),
+    Large,
     Internal,
     /// Neither: a block of the dynamic loader's early allocator, say. Left alone.
     Foreign,
@@ -138,6 +140,7 @@ fn owner(ptr: usize) -> Owner {
         }
         return match space.owner(ptr) {
             NO_ARENA => invalid_free(ptr),
+            large::OWNER => Owner::Large,
             a => Owner::Arena(a as usize - 1),
         };
     }
@@ -153,10 +156,17 @@ fn invalid_free(ptr: usize) -> ! {
     std::process::abort()
 }
 
+/// Whether a request goes to a large block of its own.
+fn is_large(size: usize, align: usize) -> bool {
+    size >= large::THRESHOLD && align <= large::MAX_ALIGN
+}
+
 unsafe fn alloc(size: usize, align: usize) -> *mut u8 {
+    let align = align.max(MIN_ALIGN);
     let ptr = match serving() {
-        Some(_) => lock(my_arena()).malloc(size, align.max(MIN_ALIGN)),
-        None => internal::heap().malloc(size, align.max(MIN_ALIGN)),
+        Some(space) if is_large(size, align) => large::alloc(space, size, align),
+        Some(_) => lock(my_arena()).malloc(size, align),
+        None => internal::heap().malloc(size, align),
     };
     if ptr.is_null() {
         sys::set_errno(libc::ENOMEM);
@@ -185,8 +195,9 @@ pub unsafe extern "C" fn calloc(n: size_t, size: size_t) -> *mut c_void {
         sys::set_errno(libc::ENOMEM);
         return std::ptr::null_mut();
     };
-    // Fresh segments are zero; dlmalloc clears what it reuses.
+    // Large blocks and fresh segments are zero; dlmalloc clears what it reuses.
     let ptr = match serving() {
+        Some(space) if is_large(bytes, MIN_ALIGN) => large::alloc(space, bytes, MIN_ALIGN),
         Some(_) => lock(my_arena()).calloc(bytes, MIN_ALIGN),
         None => internal::heap().calloc(bytes, MIN_ALIGN),
     };
@@ -203,9 +214,26 @@ pub unsafe extern "C" fn free(ptr: *mut c_void) {
     }
     match owner(ptr as usize) {
         Owner::Arena(a) => lock(a).c_free(ptr.cast()),
+        Owner::Large => free_large(ptr.cast()),
         Owner::Internal => internal::heap().c_free(ptr.cast()),
         Owner::Foreign => {}
     }
+}
+
+unsafe fn free_large(ptr: *mut u8) {
+    let space = space::get().expect("a large block lives in the space");
+    let _inside = Inside::enter();
+    large::free(space, ptr);
+}
+
+/// Moves a block to a new one of `size` bytes (of whatever kind suits that size).
+unsafe fn move_block(ptr: *mut u8, old_usable: usize, size: usize) -> *mut u8 {
+    let new = alloc(size, MIN_ALIGN);
+    if !new.is_null() {
+        std::ptr::copy_nonoverlapping(ptr, new, old_usable.min(size));
+        free(ptr.cast());
+    }
+    new
 }
 
 #[no_mangle]
@@ -217,9 +245,20 @@ pub unsafe extern "C" fn realloc(ptr: *mut c_void, size: size_t) -> *mut c_void 
         free(ptr);
         return std::ptr::null_mut();
     }
+    let ptr = ptr.cast::<u8>();
     let new = match owner(ptr as usize) {
-        Owner::Arena(a) => lock(a).c_realloc(ptr.cast(), size),
-        Owner::Internal => internal::heap().c_realloc(ptr.cast(), size),
+        Owner::Arena(_) if is_large(size, MIN_ALIGN) => move_block(ptr, usable_size(ptr), size),
+        Owner::Arena(a) => lock(a).c_realloc(ptr, size),
+        Owner::Large if size >= large::THRESHOLD => {
+            let space = space::get().expect("a large block lives in the space");
+            let _inside = Inside::enter();
+            match large::resize_in_place(space, ptr, size) {
+                true => ptr,
+                false => move_block(ptr, large::usable_size(ptr), size),
+            }
+        }
+        Owner::Large => move_block(ptr, large::usable_size(ptr), size),
+        Owner::Internal => internal::heap().c_realloc(ptr, size),
         Owner::Foreign => return std::ptr::null_mut(),
     };
     if new.is_null() {
@@ -283,9 +322,13 @@ pub unsafe extern "C" fn pvalloc(size: size_t) -> *mut c_void {
 
 #[no_mangle]
 pub unsafe extern "C" fn malloc_usable_size(ptr: *mut c_void) -> size_t {
-    match ptr.is_null() {
-        true => 0,
-        false => usable_size(ptr.cast()),
+    if ptr.is_null() {
+        return 0;
+    }
+    match owner(ptr as usize) {
+        Owner::Large => large::usable_size(ptr.cast()),
+        Owner::Foreign => 0,
+        _ => usable_size(ptr.cast()),
     }
 }
 

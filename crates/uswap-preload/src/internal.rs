@@ -99,22 +99,75 @@ pub fn heap() -> MutexGuard<'static, Dlmalloc<KernelPages>> {
 
 struct InternalHeap;
 
-// SAFETY: dlmalloc honours size and alignment; every call holds the heap's lock.
+/// Rust allocations this large or larger (a region's page table) are mappings of their own:
+/// zeroed by the kernel and touched only where used, where dlmalloc would clear them.
+const DIRECT: usize = 1 << 20;
+
+fn is_direct(layout: &Layout) -> bool {
+    layout.size() >= DIRECT && layout.align() <= uswap_core::PAGE_SIZE
+}
+
+fn map_direct(size: usize) -> *mut u8 {
+    let flags = libc::MAP_PRIVATE | libc::MAP_ANONYMOUS;
+    // SAFETY: a new mapping at an address of the kernel's choice.
+    match unsafe { sys::mmap(std::ptr::null_mut(), size, PROT_RW, flags, -1, 0) } {
+        libc::MAP_FAILED => std::ptr::null_mut(),
+        p => p.cast(),
+    }
+}
+
+// SAFETY: dlmalloc honours size and alignment and every call holds the heap's lock; direct
+// mappings are page aligned and unmapped with the size they were made with.
 unsafe impl GlobalAlloc for InternalHeap {
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        heap().malloc(layout.size(), layout.align())
+        match is_direct(&layout) {
+            true => map_direct(layout.size()),
+            false => heap().malloc(layout.size(), layout.align()),
+        }
     }
 
     unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
-        heap().calloc(layout.size(), layout.align())
+        match is_direct(&layout) {
+            true => map_direct(layout.size()),
+            false => heap().calloc(layout.size(), layout.align()),
+        }
     }
 
     unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        heap().free(ptr, layout.size(), layout.align())
+        match is_direct(&layout) {
+            true => {
+                sys::munmap(ptr.cast(), layout.size());
+            }
+            false => heap().free(ptr, layout.size(), layout.align()),
+        }
     }
 
     unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        heap().realloc(ptr, layout.size(), layout.align(), new_size)
+        let new_layout = Layout::from_size_align_unchecked(new_size, layout.align());
+        match (is_direct(&layout), is_direct(&new_layout)) {
+            (false, false) => heap().realloc(ptr, layout.size(), layout.align(), new_size),
+            (true, true) => {
+                let flags = libc::MREMAP_MAYMOVE;
+                match sys::mremap(
+                    ptr.cast(),
+                    layout.size(),
+                    new_size,
+                    flags,
+                    std::ptr::null_mut(),
+                ) {
+                    libc::MAP_FAILED => std::ptr::null_mut(),
+                    p => p.cast(),
+                }
+            }
+            _ => {
+                let new = self.alloc(new_layout);
+                if !new.is_null() {
+                    std::ptr::copy_nonoverlapping(ptr, new, layout.size().min(new_size));
+                    self.dealloc(ptr, layout);
+                }
+                new
+            }
+        }
     }
 }
 

@@ -15,6 +15,7 @@
 mod fork;
 mod heap;
 mod internal;
+mod large;
 mod mmap;
 mod space;
 mod sys;

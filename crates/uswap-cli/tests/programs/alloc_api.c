@@ -77,6 +77,28 @@ int main(int argc, char **argv) {
     if (!r) fail("reallocarray", 0);
     fill(r, piece, 4);
 
+    /* Large blocks: calloc reads zero (also a range freed and handed out again), realloc
+     * grows and shrinks them with their data. */
+    for (int round = 0; round < 2; round++) {
+        unsigned char *z = calloc(piece / 64, 64);
+        if (!z) { fail("calloc large", 0); break; }
+        for (size_t i = 0; i < piece; i += PAGE / 2) {
+            if (z[i]) { fail("calloc large not zero", i); break; }
+        }
+        memset(z, 0xEE, piece);
+        free(z);
+    }
+    unsigned char *big = malloc(piece / 2);
+    fill(big, piece / 2, 7);
+    big = realloc(big, piece);
+    check("realloc large grown", big, piece / 2, 7);
+    fill(big, piece, 7);
+    big = realloc(big, piece / 3);
+    check("realloc large shrunk", big, piece / 3, 7);
+    big = realloc(big, 1000);
+    check("realloc large to small", big, 1000, 7);
+    free(big);
+
     /* Private anonymous mappings: zero at first, unmapped in the middle, grown, moved. */
     int prot = PROT_READ | PROT_WRITE, flags = MAP_PRIVATE | MAP_ANONYMOUS;
     unsigned char *m = mmap(NULL, piece, prot, flags, -1, 0);
