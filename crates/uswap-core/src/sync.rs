@@ -104,8 +104,19 @@ pub(crate) fn zeroed_slice<T>(n: usize, init: impl Fn() -> T) -> Box<[T]> {
     #[cfg(not(loom))]
     {
         let _ = init;
-        // SAFETY: callers pass only types made of std atomics wrapped by `xor_atomic!`, for
-        // which all-zero bits are a valid value, the initial one.
-        unsafe { Box::new_zeroed_slice(n).assume_init() }
+        let layout = std::alloc::Layout::array::<T>(n).expect("a table that fits in memory");
+        if layout.size() == 0 {
+            return Vec::new().into_boxed_slice();
+        }
+        // SAFETY: a non-empty layout for `n` values; callers pass only types made of std
+        // atomics wrapped by `xor_atomic!`, for which all-zero bits are a valid value, the
+        // initial one, so the zeroed memory holds `n` initialized values owned by the box.
+        unsafe {
+            let ptr = std::alloc::alloc_zeroed(layout).cast::<T>();
+            if ptr.is_null() {
+                std::alloc::handle_alloc_error(layout);
+            }
+            Box::from_raw(std::ptr::slice_from_raw_parts_mut(ptr, n))
+        }
     }
 }
