@@ -78,8 +78,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
 }
 
 /// Swap space when none is set: three times the memory, at least 4 GiB, at most 64 GiB and
-/// what the swap directory's file system has free. (uswap keeps 20 bytes per page of the
-/// whole space, so it is not made larger than a program is likely to need.)
+/// what the swap directory's file system has free.
 fn default_swap(memory: u64, swap_dir: &Path) -> u64 {
     let free = free_space(swap_dir).map_or(u64::MAX, |f| f / 10 * 9);
     (memory.saturating_mul(3))
