@@ -13,6 +13,7 @@ use std::ffi::OsString;
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
+use uswap_core::memcg::MemCgroup;
 use uswap_core::run::{Settings, ENV};
 use uswap_core::FaultMode;
 
@@ -62,18 +63,28 @@ pub fn run(args: &RunArgs) -> Result<()> {
     let preload = preload_library()?;
     let program = find_program(&args.command[0])?;
     check_preloadable(&program)?;
-    let settings = Settings { config, vm_size };
+    // One limit for the program and every program it execs, as a cgroup's memory.max.
+    let (_memcg, memcg) = MemCgroup::create_shared(config.limit_pages(), &args.core.swap_dir())?;
+    let settings = Settings {
+        config,
+        vm_size,
+        memcg: Some(memcg),
+    };
     let mut preloads = preload.into_os_string();
     if let Some(old) = std::env::var_os("LD_PRELOAD").filter(|v| !v.is_empty()) {
         preloads.push(":");
         preloads.push(old);
     }
+    let memcg_file = settings.memcg.clone();
     let err = std::process::Command::new(&program)
         .arg0(&args.command[0])
         .args(&args.command[1..])
         .env("LD_PRELOAD", preloads)
         .env(ENV, settings.to_env())
         .exec();
+    if let Some(file) = memcg_file {
+        let _ = std::fs::remove_file(file);
+    }
     Err(err).with_context(|| format!("cannot run {}", program.display()))
 }
 

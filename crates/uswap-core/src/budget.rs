@@ -1,12 +1,15 @@
 //! The resident budget ([mm/page_alloc.c]'s free-page count against the watermarks): the
 //! region's resident pages (active + inactive + being filled) against its memory limit. A
-//! lock-free counter, with a per-CPU stock of pages charged ahead in front of it (on with
-//! `Config::pcp`); `vmscan` decides what to do when it runs short.
+//! lock-free counter (the region's member slot of its memory cgroup, `memcg.rs`, whose
+//! limit may cover a whole process tree), with a per-CPU stock of pages charged ahead in
+//! front of it (on with `Config::pcp`); `vmscan` decides what to do when it runs short.
 
+use crate::memcg::MemCgroup;
 use crate::sync::AtomicU64;
 use crossbeam_utils::CachePadded;
 use serde::Serialize;
 use std::sync::atomic::Ordering::Relaxed;
+use std::sync::Arc;
 
 /// One CPU's stock of pages charged ahead, and its counters (kept per CPU, so counting
 /// shares no line either).
@@ -32,9 +35,11 @@ pub struct StockStats {
 }
 
 pub struct Budget {
-    limit: AtomicU64,
-    /// Pages charged: the resident ones and those held in per-CPU stocks.
-    charged: AtomicU64,
+    /// The limit, and the counters of every region under it.
+    cg: Arc<MemCgroup>,
+    /// This region's member slot: its counter holds the pages charged, the resident ones
+    /// and those held in per-CPU stocks.
+    member: usize,
     /// Per-CPU stocks (the memcg charge stock): a charge served from its CPU's stock
     /// touches no shared counter. Empty when stocks are off.
     stocks: Box<[CachePadded<Stock>]>,
@@ -50,20 +55,34 @@ impl Budget {
     /// A budget of `limit` pages, with a stock for each of `cpus` CPUs (0: none). Stocks
     /// hold at most a sixteenth of the limit in all, so a small limit gets small stocks.
     pub fn new(limit: u64, cpus: usize) -> Self {
+        Self::in_group(Arc::new(MemCgroup::private(limit)), cpus)
+            .expect("a private group has room for its one member")
+    }
+
+    /// A budget charged against `cg`'s limit, as one of its members; `None` when the group
+    /// has no member slot left.
+    pub fn in_group(cg: Arc<MemCgroup>, cpus: usize) -> Option<Self> {
+        let member = cg.join()?;
+        let limit = cg.limit();
         let batch = match cpus {
             0 => 0,
             n => STOCK_BATCH.min(limit / 32 / n as u64),
         };
         let cpus = if batch == 0 { 0 } else { cpus };
-        Budget {
-            limit: AtomicU64::new(limit),
-            charged: AtomicU64::new(0),
+        Some(Budget {
+            cg,
+            member,
             stocks: (0..cpus)
                 .map(|_| CachePadded::new(Stock::default()))
                 .collect(),
             batch,
             drains: AtomicU64::new(0),
-        }
+        })
+    }
+
+    /// This region's counter.
+    fn charged(&self) -> &AtomicU64 {
+        self.cg.charged(self.member)
     }
 
     /// Charges up to `want` pages; returns how many were granted (0 when the budget is
@@ -96,18 +115,26 @@ impl Budget {
         taken + got + self.charge_shared(need - got)
     }
 
-    /// Charges the shared counter alone: up to `want` pages.
+    /// Charges the shared counter alone: up to `want` pages. In a group shared by a
+    /// process tree, slots of members that died are reaped before it gives up.
     fn charge_shared(&self, want: u64) -> u64 {
-        let mut cur = self.charged.load(Relaxed);
+        let got = self.charge_member(want);
+        if got == 0 && self.cg.is_shared() && self.cg.reap_dead() {
+            return self.charge_member(want);
+        }
+        got
+    }
+
+    fn charge_member(&self, want: u64) -> u64 {
+        let charged = self.charged();
+        let mut cur = charged.load(Relaxed);
         loop {
-            let got = want.min(self.limit().saturating_sub(cur));
+            let others = self.cg.others(self.member);
+            let got = want.min(self.limit().saturating_sub(others + cur));
             if got == 0 {
                 return 0;
             }
-            match self
-                .charged
-                .compare_exchange_weak(cur, cur + got, Relaxed, Relaxed)
-            {
+            match charged.compare_exchange_weak(cur, cur + got, Relaxed, Relaxed) {
                 Ok(_) => return got,
                 Err(now) => cur = now,
             }
@@ -117,7 +144,7 @@ impl Budget {
     /// Charges pages past the limit: for data that has nowhere else to go (see
     /// `FaultPath::swap_in`). Reclaim brings the budget back under the limit.
     pub fn overdraw(&self, pages: u64) {
-        self.charged.fetch_add(pages, Relaxed);
+        self.charged().fetch_add(pages, Relaxed);
     }
 
     /// Gives pages back, to this CPU's stock while it holds less than twice a batch.
@@ -133,7 +160,7 @@ impl Budget {
 
     fn uncharge_on(&self, cpu: usize, pages: u64) {
         let Some(stock) = self.stock(cpu) else {
-            let before = self.charged.fetch_sub(pages, Relaxed);
+            let before = self.charged().fetch_sub(pages, Relaxed);
             debug_assert!(before >= pages, "uncharging more pages than are resident");
             return;
         };
@@ -142,7 +169,7 @@ impl Budget {
             let back = take_up_to(&stock.pages, held - self.batch);
             if back > 0 {
                 stock.shared.fetch_add(1, Relaxed);
-                self.charged.fetch_sub(back, Relaxed);
+                self.charged().fetch_sub(back, Relaxed);
             }
         }
     }
@@ -156,7 +183,7 @@ impl Budget {
         for stock in self.stocks.iter() {
             let pages = stock.pages.swap(0, Relaxed);
             if pages > 0 {
-                self.charged.fetch_sub(pages, Relaxed);
+                self.charged().fetch_sub(pages, Relaxed);
             }
         }
     }
@@ -171,23 +198,24 @@ impl Budget {
     /// Pages resident: charged and not in a stock. Exact when nothing charges meanwhile.
     pub fn resident(&self) -> u64 {
         let stocked: u64 = self.stocks.iter().map(|s| s.pages.load(Relaxed)).sum();
-        self.charged.load(Relaxed).saturating_sub(stocked)
+        self.charged().load(Relaxed).saturating_sub(stocked)
     }
 
     /// Free pages under the limit (0 while overdrawn). Stocked pages count as used, as
     /// the kernel's memcg counts its stocks: at most a sixteenth of the limit.
+    /// In a group shared by a process tree, what every member charged counts.
     pub fn free(&self) -> u64 {
-        self.limit().saturating_sub(self.charged.load(Relaxed))
+        self.limit().saturating_sub(self.cg.usage())
     }
 
     pub fn limit(&self) -> u64 {
-        self.limit.load(Relaxed)
+        self.cg.limit()
     }
 
-    /// A new limit. Lowering it leaves pages over the limit resident until reclaim takes
-    /// the budget under it.
+    /// A new limit (for the whole group). Lowering it leaves pages over the limit resident
+    /// until reclaim takes the budget under it.
     pub fn set_limit(&self, pages: u64) {
-        self.limit.store(pages, Relaxed);
+        self.cg.set_limit(pages);
     }
 
     pub fn stock_stats(&self) -> StockStats {
@@ -199,6 +227,12 @@ impl Budget {
             shared_updates: sum(|s| &s.shared),
             drains: self.drains.load(Relaxed),
         }
+    }
+}
+
+impl Drop for Budget {
+    fn drop(&mut self) {
+        self.cg.leave(self.member);
     }
 }
 
@@ -285,7 +319,7 @@ mod tests {
                     for i in 0..50_000usize {
                         let cpu = (t + i / 1000) % 4;
                         let got = b.try_charge_on(cpu, 1 + (i % 7) as u64);
-                        assert!(b.charged.load(Relaxed) <= 4096);
+                        assert!(b.charged().load(Relaxed) <= 4096);
                         b.uncharge_on((cpu + 1) % 4, got);
                     }
                 });
@@ -293,7 +327,7 @@ mod tests {
         });
         assert_eq!(b.resident(), 0);
         b.drain_stocks();
-        assert_eq!(b.charged.load(Relaxed), 0);
+        assert_eq!(b.charged().load(Relaxed), 0);
     }
 
     #[test]
@@ -354,7 +388,7 @@ mod loom_tests {
                     let b = b.clone();
                     loom::thread::spawn(move || {
                         let got = b.try_charge_on(cpu, 2);
-                        assert!(b.charged.load(Relaxed) <= 64);
+                        assert!(b.charged().load(Relaxed) <= 64);
                         b.uncharge_on(1 - cpu, got);
                         got
                     })
@@ -365,7 +399,7 @@ mod loom_tests {
             }
             assert_eq!(b.resident(), 0);
             b.drain_stocks();
-            assert_eq!(b.charged.load(Relaxed), 0);
+            assert_eq!(b.charged().load(Relaxed), 0);
         });
     }
 }

@@ -483,6 +483,11 @@ pub struct Config {
     /// Per-CPU stocks in front of the resident budget (the memcg charge stock) and per-CPU
     /// lists in front of the staging frame list (the page allocator's per-CPU lists).
     pub pcp: bool,
+    /// A memory cgroup whose limit this region shares with others, e.g. every process of a
+    /// tree under `uswap run` (`None`: a limit of its own, `memory_limit`). Not serialized:
+    /// a process joins its tree's group through an inherited descriptor.
+    #[serde(skip)]
+    pub memcg: Option<std::sync::Arc<crate::memcg::MemCgroup>>,
 }
 
 impl Config {
@@ -502,6 +507,7 @@ impl Config {
             lru_lock: LruLockMode::Mutex,
             lru_batch: DEFAULT_LRU_BATCH,
             breakdown: false,
+            memcg: None,
         }
     }
 

@@ -16,6 +16,7 @@ mod list;
 pub mod lockstat;
 mod lru;
 mod mapping;
+pub mod memcg;
 mod mm;
 mod mmap_changing;
 mod page;

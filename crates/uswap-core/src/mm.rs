@@ -126,6 +126,8 @@ pub(crate) struct Parts {
     pub bounce_buffers: usize,
     /// Per-CPU stocks and lists in front of the shared budget and frame lists.
     pub pcp: bool,
+    /// The memory cgroup to charge (`None`: a private one of `limit`).
+    pub memcg: Option<std::sync::Arc<crate::memcg::MemCgroup>>,
     pub lru_lock: crate::config::LruLockMode,
     pub lru_batch: usize,
     pub breakdown: bool,
@@ -178,11 +180,25 @@ fn next_region_id() -> u32 {
 impl Mm {
     pub fn new(p: Parts) -> Result<Mm> {
         let pages = p.map.len() / PAGE_SIZE;
+        let cpus = if p.pcp { crate::cpu::count() } else { 0 };
+        let budget = match p.memcg {
+            None => Budget::new(p.limit, cpus),
+            Some(cg) => Budget::in_group(cg, cpus).ok_or_else(|| {
+                Error::invalid(
+                    "memory cgroup",
+                    format!(
+                        "its {} member slots are all taken: too many processes of the tree \
+                         use uswap at once",
+                        crate::memcg::MEMBERS
+                    ),
+                )
+            })?,
+        };
         Ok(Mm {
             zeros: Mapping::new(p.fault_around * PAGE_SIZE)?,
             pages: PageTable::new(pages),
             lru: Lru::new(pages, p.lru_lock, p.lru_batch, crate::cpu::count()),
-            budget: Budget::new(p.limit, if p.pcp { crate::cpu::count() } else { 0 }),
+            budget,
             bounce: BouncePool::new(p.bounce_buffers),
             pagemap: std::fs::File::open("/proc/self/pagemap").ok(),
             uffd: p.uffd,

@@ -191,6 +191,7 @@ impl Region {
             fault_around: cfg.fault_around,
             bounce_buffers: cfg.handler_threads + 2,
             pcp: cfg.pcp,
+            memcg: cfg.memcg.clone(),
             lru_lock: cfg.lru_lock,
             lru_batch: cfg.lru_batch,
             breakdown: cfg.breakdown,
@@ -423,6 +424,35 @@ impl Region {
         progress(total, total);
         report.seconds = start.elapsed().as_secs_f64();
         Ok(report)
+    }
+
+    /// The program is done with `[offset, offset + len)` and has discarded it with
+    /// `MADV_DONTNEED`, which has returned: every page of it reads as zeros from now on.
+    /// This closes a window the discard event leaves open: between uswap's handling of the
+    /// event and the kernel's zap, reclaim may move a still-mapped page out to a staging
+    /// frame (it must, to keep the data of a page `MADV_FREE`d and written again), and the
+    /// zap then finds nothing. An allocator that hands discarded memory out again as zeros
+    /// calls this after `madvise` and before reuse (the preload library of `uswap run`
+    /// does); the range must not be touched meanwhile. A program that reads discarded
+    /// memory back without this may see its old contents there instead of zeros (see
+    /// docs/architecture.md, "Known gap").
+    pub fn forget(&self, offset: usize, len: usize) -> Result<()> {
+        let end = offset
+            .checked_add(len)
+            .filter(|&e| e <= self.len())
+            .ok_or_else(|| {
+                Error::invalid(
+                    "forget range",
+                    format!(
+                        "{offset}+{len} is outside the region of {} bytes",
+                        self.len()
+                    ),
+                )
+            })?;
+        let _quiet = Quiet::new();
+        let start = self.as_ptr() as usize;
+        self.fault.forget(start + offset, start + end);
+        Ok(())
     }
 
     /// Applies `advice` to the pages overlapping `[offset, offset + len)`.

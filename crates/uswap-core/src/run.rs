@@ -1,6 +1,7 @@
 //! What `uswap run` hands the preload library in the program's environment: the settings
-//! of the program's region, as JSON in [`ENV`]. Children the program starts with `exec`
-//! inherit it and are set up the same way.
+//! of the program's region, as JSON in [`ENV`], with the file of the tree's memory
+//! cgroup. Children the program starts with `exec` inherit both and are set up the same
+//! way, charging the same limit.
 
 use crate::{Config, Error, Result};
 
@@ -13,6 +14,9 @@ pub struct Settings {
     /// Bytes of address space for the program's heap and private mappings, resident and
     /// swapped together (the region's size).
     pub vm_size: u64,
+    /// The file of the tree's memory cgroup (`MemCgroup::create_shared`): every program of
+    /// the tree charges the one limit.
+    pub memcg: Option<std::path::PathBuf>,
 }
 
 impl Settings {

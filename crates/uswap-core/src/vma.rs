@@ -125,6 +125,12 @@ impl FaultPath {
         }
     }
 
+    /// A discarded range whose zap has run (`Region::forget`): discarded again, which
+    /// catches pages reclaim moved out before the zap.
+    pub(crate) fn forget(&self, start: usize, end: usize) {
+        self.discard(start, end);
+    }
+
     /// munmap: nothing is mapped in the range any more.
     fn unmap(&self, start: usize, end: usize) {
         let mm = self.mm();

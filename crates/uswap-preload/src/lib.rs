@@ -24,6 +24,7 @@ mod threads;
 use std::path::PathBuf;
 use std::sync::{Arc, OnceLock};
 use uswap_core::control::ControlServer;
+use uswap_core::memcg::MemCgroup;
 use uswap_core::run::{Settings, ENV};
 use uswap_core::{FaultMode, Region};
 
@@ -43,6 +44,8 @@ extern "C" fn init() {
             serve_control(&region);
             space::install(region);
             fork::register();
+            // SAFETY: registering a function with C linkage.
+            unsafe { libc::atexit(at_exit) };
         }
         Err(e) => {
             // Running the program without its limit would hide the failure; stop instead.
@@ -64,8 +67,6 @@ fn serve_control(region: &Arc<Region>) {
             // The server lives as long as the process; its socket goes at exit.
             std::mem::forget(server);
             let _ = CONTROL_SOCKET.set(path);
-            // SAFETY: registering a function with C linkage.
-            unsafe { libc::atexit(remove_control_socket) };
         }
         Err(e) => sys::warn(&format!(
             "uswap run: no control socket for uswap stat/ctl: {e}\n"
@@ -75,20 +76,47 @@ fn serve_control(region: &Arc<Region>) {
 
 static CONTROL_SOCKET: OnceLock<PathBuf> = OnceLock::new();
 
-extern "C" fn remove_control_socket() {
-    // The socket of a child of fork is its parent's.
-    if let Some(path) = CONTROL_SOCKET.get().filter(|_| !fork::in_child()) {
+/// The tree's memory cgroup, when this program shares one.
+static MEMCG: OnceLock<Arc<MemCgroup>> = OnceLock::new();
+
+/// On the way out: the control socket goes, and the tree's memory cgroup file if this was
+/// the last process of the tree. A child of fork leaves both to its parent.
+extern "C" fn at_exit() {
+    if fork::in_child() {
+        return;
+    }
+    if let Some(path) = CONTROL_SOCKET.get() {
         let _ = std::fs::remove_file(path);
+    }
+    if let Some(cg) = MEMCG.get() {
+        cg.last_one_out();
     }
 }
 
 fn start(text: &str) -> uswap_core::Result<Arc<Region>> {
-    let settings = Settings::parse(text)?;
+    let mut settings = Settings::parse(text)?;
     if settings.config.fault_mode != FaultMode::Thread {
         return Err(uswap_core::Error::InvalidConfig {
             what: "fault mode",
             why: "uswap run needs thread mode: the program's system calls read its memory".into(),
         });
     }
+    settings.config.memcg =
+        settings
+            .memcg
+            .as_deref()
+            .and_then(|p| match MemCgroup::open_shared(p) {
+                Ok(cg) => {
+                    cg.forget_previous_image();
+                    Some(MEMCG.get_or_init(|| Arc::new(cg)).clone())
+                }
+                Err(e) => {
+                    sys::warn(&format!(
+                "uswap run: this program gets a memory limit of its own, not a share of its \
+                 tree's: {e}\n"
+            ));
+                    None
+                }
+            });
     Region::new(settings.vm_size, settings.config).map(Arc::new)
 }

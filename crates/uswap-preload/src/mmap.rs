@@ -12,12 +12,12 @@ use uswap_core::PAGE_SIZE;
 const PROT_RW: c_int = libc::PROT_READ | libc::PROT_WRITE;
 
 /// Flags that keep a mapping with the kernel even when it is private and anonymous.
-const KERNEL_ONLY: c_int = libc::MAP_SHARED
-    | libc::MAP_SHARED_VALIDATE
-    | libc::MAP_GROWSDOWN
-    | libc::MAP_STACK
-    | libc::MAP_HUGETLB
-    | libc::MAP_32BIT;
+const KERNEL_ONLY: c_int =
+    libc::MAP_GROWSDOWN | libc::MAP_STACK | libc::MAP_HUGETLB | libc::MAP_32BIT | libc::MAP_LOCKED;
+
+/// The mapping-type field of the flags (`MAP_SHARED`, `MAP_PRIVATE`, `MAP_SHARED_VALIDATE`,
+/// which has both bits set).
+const MAP_TYPE: c_int = 0x0f;
 
 fn space() -> Option<&'static Space> {
     space::get().filter(|_| !internal::inside() && !crate::fork::in_child())
@@ -42,7 +42,7 @@ pub unsafe extern "C" fn mmap(
     off: off_t,
 ) -> *mut c_void {
     let ours = flags & libc::MAP_ANONYMOUS != 0
-        && flags & libc::MAP_PRIVATE != 0
+        && flags & MAP_TYPE == libc::MAP_PRIVATE
         && flags & KERNEL_ONLY == 0
         && prot == PROT_RW
         && len > 0;
@@ -93,8 +93,8 @@ unsafe fn map_fixed_inside(
         return fail(libc::EINVAL, libc::MAP_FAILED);
     }
     let _inside = Inside::enter();
-    if sys::madvise(addr, len, libc::MADV_DONTNEED) != 0 {
-        return libc::MAP_FAILED;
+    if !space.zero(start, len) {
+        return fail(libc::ENOMEM, libc::MAP_FAILED);
     }
     addr
 }

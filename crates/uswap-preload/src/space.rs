@@ -24,8 +24,8 @@ pub const NO_ARENA: u8 = 0;
 pub type FreeListGuard = std::sync::MutexGuard<'static, BTreeMap<usize, usize>>;
 
 pub struct Space {
-    /// Kept here so the region lives as long as the process.
-    _region: Arc<Region>,
+    /// The region (kept here so it lives as long as the process).
+    region: Arc<Region>,
     start: usize,
     end: usize,
     /// Free runs: first page index → pages.
@@ -51,7 +51,7 @@ pub fn install(region: Arc<Region>) {
         end: start + region.len(),
         free: Mutex::new(BTreeMap::from([(0, pages)])),
         owner: (0..granules).map(|_| AtomicU8::new(NO_ARENA)).collect(),
-        _region: region,
+        region,
     };
     if SPACE.set(space).is_err() {
         sys::warn("uswap: the program's memory was set up twice; keeping the first\n");
@@ -129,8 +129,7 @@ impl Space {
     /// Gives `[addr, addr + len)` back: its contents are discarded and it reads as zeros
     /// when handed out again.
     pub fn release(&self, addr: usize, len: usize) {
-        // SAFETY: the range is the space's own and no longer in use.
-        if unsafe { sys::madvise(addr as *mut _, len, libc::MADV_DONTNEED) } != 0 {
+        if !self.zero(addr, len) {
             // The contents would survive into the next user of the range: keep it out.
             sys::warn("uswap: discarding freed program memory failed; the range is kept\n");
             return;
@@ -150,6 +149,16 @@ impl Space {
             pages += next_pages;
         }
         free.insert(first, pages);
+    }
+
+    /// Makes `[addr, addr + len)` read as zeros: discarded (the kernel tells uswap, which
+    /// frees its frames and slots), then forgotten, so a page reclaim moved out between
+    /// uswap's handling of the discard and the kernel's zap does not come back with its
+    /// old data. The range must not be in use. False if the kernel refused.
+    pub fn zero(&self, addr: usize, len: usize) -> bool {
+        // SAFETY: the range is the space's own and no longer in use.
+        let zapped = unsafe { sys::madvise(addr as *mut _, len, libc::MADV_DONTNEED) } == 0;
+        zapped && self.region.forget(addr - self.start, len).is_ok()
     }
 
     /// Records the heap arena owning the whole granules of `[addr, addr + len)`.

@@ -1,0 +1,398 @@
+//! The memory cgroup of a process tree: one limit that every region of the tree charges
+//! against, as a cgroup's `memory.max` covers all its processes (`uswap run`, whose
+//! programs and the programs they `exec` all draw from the limit given on its command
+//! line). A region made on its own (the library API) gets a private group of one.
+//!
+//! A shared group lives in a small file `uswap run` makes in the swap directory, which every
+//! member maps by name (named, because programs that close every descriptor before they
+//! exec would cut an inherited one). Each region charges a member slot of its own, so its
+//! own usage stays exact, and the tree's usage is the sum of the slots: a charge counts the
+//! others and then moves only its own counter, so two members racing for the last pages may
+//! overshoot by what they asked for at once (a stock's batch at most), as per-CPU charge
+//! stocks let a memcg overshoot. A member that dies without leaving (killed) still holds
+//! its pages' worth in its slot; when the group runs short, slots whose process is gone are
+//! reaped. A process that `exec`s keeps its pid: the program it becomes frees the slots of
+//! its previous image when it starts (`forget_previous_image`).
+
+use crate::sync::{AtomicU32, AtomicU64};
+use std::sync::atomic::Ordering::{AcqRel, Acquire, Relaxed, Release};
+
+/// Member slots of a group: processes of one tree using uswap at once.
+#[cfg(not(loom))]
+pub const MEMBERS: usize = 64;
+#[cfg(loom)]
+pub const MEMBERS: usize = 2;
+
+/// The group's state, laid out the same in every member's mapping.
+#[repr(C)]
+struct Group {
+    /// The limit, in pages.
+    limit: AtomicU64,
+    /// Slots ever used (a bound for the sums).
+    used: AtomicU32,
+    members: [Member; MEMBERS],
+}
+
+#[repr(C)]
+struct Member {
+    /// The member's process id; 0 for a free slot.
+    pid: AtomicU32,
+    /// Pages the member has charged.
+    charged: AtomicU64,
+}
+
+enum Backing {
+    Private(Box<Group>),
+    /// Mapped from the file at the path, shared with the other members.
+    #[cfg(not(loom))]
+    Shared(*const Group, std::path::PathBuf),
+}
+
+/// A memory cgroup: a limit and the members charging against it.
+pub struct MemCgroup {
+    backing: Backing,
+}
+
+// SAFETY: the shared mapping holds only atomics and lives as long as the group.
+unsafe impl Send for MemCgroup {}
+unsafe impl Sync for MemCgroup {}
+
+impl std::fmt::Debug for MemCgroup {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "MemCgroup(limit {} pages, usage {} pages)",
+            self.limit(),
+            self.usage()
+        )
+    }
+}
+
+fn new_group(limit: u64) -> Group {
+    Group {
+        limit: AtomicU64::new(limit),
+        used: AtomicU32::new(0),
+        members: std::array::from_fn(|_| Member {
+            pid: AtomicU32::new(0),
+            charged: AtomicU64::new(0),
+        }),
+    }
+}
+
+impl MemCgroup {
+    /// A group of one region, with a limit of `limit` pages.
+    pub fn private(limit: u64) -> MemCgroup {
+        MemCgroup {
+            backing: Backing::Private(Box::new(new_group(limit))),
+        }
+    }
+
+    fn group(&self) -> &Group {
+        match &self.backing {
+            Backing::Private(g) => g,
+            // SAFETY: mapped for as long as self lives.
+            #[cfg(not(loom))]
+            Backing::Shared(g, _) => unsafe { &**g },
+        }
+    }
+
+    pub fn is_shared(&self) -> bool {
+        !matches!(self.backing, Backing::Private(_))
+    }
+
+    pub fn limit(&self) -> u64 {
+        self.group().limit.load(Relaxed)
+    }
+
+    pub fn set_limit(&self, pages: u64) {
+        self.group().limit.store(pages, Relaxed);
+    }
+
+    /// Pages charged by every member.
+    pub fn usage(&self) -> u64 {
+        self.others(usize::MAX)
+    }
+
+    /// Pages charged by every member but `slot`.
+    pub fn others(&self, slot: usize) -> u64 {
+        let g = self.group();
+        let used = (g.used.load(Acquire) as usize).min(MEMBERS);
+        (0..used)
+            .filter(|&i| i != slot)
+            .map(|i| g.members[i].charged.load(Relaxed))
+            .sum()
+    }
+
+    /// The counter of member `slot`.
+    pub fn charged(&self, slot: usize) -> &AtomicU64 {
+        &self.group().members[slot].charged
+    }
+
+    /// Takes a free member slot for a region of this process, reaping the slots of dead
+    /// members if none is free. `None` when all are taken.
+    pub fn join(&self) -> Option<usize> {
+        let g = self.group();
+        let pid = std::process::id();
+        for round in 0..2 {
+            for (i, m) in g.members.iter().enumerate() {
+                if m.pid.compare_exchange(0, pid, AcqRel, Relaxed).is_ok() {
+                    m.charged.store(0, Relaxed);
+                    g.used.fetch_max(i as u32 + 1, Release);
+                    return Some(i);
+                }
+            }
+            if round == 0 && !self.reap_dead() {
+                break;
+            }
+        }
+        None
+    }
+
+    /// Frees the slots this process id holds: a process that `exec`ed keeps its pid, and
+    /// what its previous program charged went with that program's memory. Called once
+    /// when a program starts, before its region joins.
+    pub fn forget_previous_image(&self) {
+        let pid = std::process::id();
+        for m in &self.group().members {
+            if m.pid.load(Acquire) == pid {
+                m.charged.store(0, Relaxed);
+                m.pid.store(0, Release);
+            }
+        }
+    }
+
+    /// Gives member `slot` up with what it charged (its region is gone).
+    pub fn leave(&self, slot: usize) {
+        let m = &self.group().members[slot];
+        m.charged.store(0, Relaxed);
+        m.pid.store(0, Release);
+    }
+
+    /// Frees the slots of members whose process is gone; true if there were any.
+    pub fn reap_dead(&self) -> bool {
+        let mut reaped = false;
+        for m in &self.group().members {
+            let pid = m.pid.load(Acquire);
+            if pid != 0 && !process_alive(pid) {
+                m.charged.store(0, Relaxed);
+                reaped |= m.pid.compare_exchange(pid, 0, AcqRel, Relaxed).is_ok();
+            }
+        }
+        reaped
+    }
+}
+
+#[cfg(not(loom))]
+fn process_alive(pid: u32) -> bool {
+    // SAFETY: signal 0 only checks that the process exists.
+    let alive = unsafe { libc::kill(pid as libc::pid_t, 0) } == 0;
+    alive || std::io::Error::last_os_error().raw_os_error() != Some(libc::ESRCH)
+}
+
+#[cfg(loom)]
+fn process_alive(_pid: u32) -> bool {
+    true
+}
+
+#[cfg(not(loom))]
+mod shared {
+    use super::*;
+    use crate::error::{Error, Result};
+    use std::ffi::CString;
+    use std::os::unix::ffi::OsStrExt;
+    use std::path::{Path, PathBuf};
+
+    const SIZE: usize = std::mem::size_of::<Group>();
+
+    fn c_path(path: &Path) -> Result<CString> {
+        CString::new(path.as_os_str().as_bytes())
+            .map_err(|_| Error::invalid("memory cgroup file", "a path with a NUL byte"))
+    }
+
+    /// Maps the group file open at `fd` (closed after).
+    fn map(fd: libc::c_int) -> Result<*const Group> {
+        let prot = libc::PROT_READ | libc::PROT_WRITE;
+        // SAFETY: mapping a file of at least SIZE bytes, shared; the mapping outlives fd.
+        let p = unsafe { libc::mmap(std::ptr::null_mut(), SIZE, prot, libc::MAP_SHARED, fd, 0) };
+        // SAFETY: closing our own descriptor.
+        unsafe { libc::close(fd) };
+        if p == libc::MAP_FAILED {
+            return Err(Error::os("mmap of the tree's memory cgroup"));
+        }
+        Ok(p as *const Group)
+    }
+
+    impl MemCgroup {
+        /// A new group for a process tree, with a limit of `limit` pages, in a new file
+        /// (mode 0600) in `dir` that its processes open by name: a descriptor would not
+        /// survive the programs that close every descriptor before they exec. The file
+        /// goes when the last member leaves (see [`MemCgroup::last_one_out`]).
+        pub fn create_shared(limit: u64, dir: &Path) -> Result<(MemCgroup, PathBuf)> {
+            let path = dir.join(format!("uswap-memcg-{}", std::process::id()));
+            let flags =
+                libc::O_RDWR | libc::O_CREAT | libc::O_EXCL | libc::O_NOFOLLOW | libc::O_CLOEXEC;
+            // SAFETY: a NUL-terminated path; a new file only (O_EXCL).
+            let fd = unsafe { libc::open(c_path(&path)?.as_ptr(), flags, 0o600) };
+            if fd < 0 {
+                return Err(Error::os("creating the tree's memory cgroup file"));
+            }
+            // SAFETY: sizing our own new file.
+            if unsafe { libc::ftruncate(fd, SIZE as libc::off_t) } != 0 {
+                let e = Error::os("ftruncate");
+                // SAFETY: closing our own descriptor.
+                unsafe { libc::close(fd) };
+                let _ = std::fs::remove_file(&path);
+                return Err(e);
+            }
+            let group = map(fd)?;
+            // SAFETY: the new file reads as zeros: every member free, usage 0.
+            unsafe { (*group).limit.store(limit, Relaxed) };
+            let cg = MemCgroup {
+                backing: Backing::Shared(group, path.clone()),
+            };
+            Ok((cg, path))
+        }
+
+        /// The group in the file at `path`, which must be this user's own.
+        pub fn open_shared(path: &Path) -> Result<MemCgroup> {
+            let flags = libc::O_RDWR | libc::O_NOFOLLOW | libc::O_CLOEXEC;
+            // SAFETY: a NUL-terminated path.
+            let fd = unsafe { libc::open(c_path(path)?.as_ptr(), flags) };
+            if fd < 0 {
+                return Err(Error::os("opening the tree's memory cgroup file"));
+            }
+            // SAFETY: fstat of our descriptor into a zeroed stat.
+            let mut st: libc::stat = unsafe { std::mem::zeroed() };
+            let ok = unsafe { libc::fstat(fd, &mut st) } == 0
+                && st.st_size as usize == SIZE
+                // SAFETY: geteuid has no preconditions.
+                && st.st_uid == unsafe { libc::geteuid() };
+            if !ok {
+                // SAFETY: closing our own descriptor.
+                unsafe { libc::close(fd) };
+                return Err(Error::invalid(
+                    "tree memory cgroup",
+                    format!(
+                        "{} is not a memory cgroup file of this user",
+                        path.display()
+                    ),
+                ));
+            }
+            Ok(MemCgroup {
+                backing: Backing::Shared(map(fd)?, path.to_path_buf()),
+            })
+        }
+
+        /// Removes the group's file if no other member is alive: called by a process of
+        /// the tree on its way out (its own slot is reaped later, or never needed again).
+        pub fn last_one_out(&self) {
+            let Backing::Shared(_, path) = &self.backing else {
+                return;
+            };
+            let me = std::process::id();
+            let others = self.group().members.iter().any(|m| {
+                let pid = m.pid.load(Acquire);
+                pid != 0 && pid != me && process_alive(pid)
+            });
+            if !others {
+                let _ = std::fs::remove_file(path);
+            }
+        }
+    }
+
+    impl Drop for MemCgroup {
+        fn drop(&mut self) {
+            if let Backing::Shared(g, _) = &self.backing {
+                // SAFETY: unmapping our mapping of the group.
+                unsafe { libc::munmap(*g as *mut _, SIZE) };
+            }
+        }
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+    use crate::budget::Budget;
+    use std::sync::Arc;
+
+    #[test]
+    fn members_of_one_group_share_its_limit_and_leave_with_their_charges() {
+        let dir = tempfile::tempdir().unwrap();
+        let (cg, path) = MemCgroup::create_shared(100, dir.path()).unwrap();
+        let cg = Arc::new(cg);
+        let a = Budget::in_group(cg.clone(), 0).unwrap();
+        let b = Budget::in_group(cg.clone(), 0).unwrap();
+        assert_eq!(a.try_charge(70), 70);
+        assert_eq!(b.try_charge(70), 30, "the other member holds 70 of 100");
+        assert_eq!((a.resident(), b.resident(), a.free()), (70, 30, 0));
+        // A second mapping of the file (another process's) sees the same group.
+        let other = MemCgroup::open_shared(&path).unwrap();
+        assert_eq!((other.limit(), other.usage()), (100, 100));
+        other.set_limit(120);
+        assert_eq!(b.try_charge(70), 20, "a raised limit is everyone's");
+        drop(a);
+        assert_eq!(cg.usage(), 50, "a member leaves with its charges");
+        assert_eq!(b.try_charge(100), 70);
+    }
+
+    #[test]
+    fn a_dead_members_charges_are_reaped_when_the_group_runs_short() {
+        let dir = tempfile::tempdir().unwrap();
+        let (cg, _) = MemCgroup::create_shared(10, dir.path()).unwrap();
+        let cg = Arc::new(cg);
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let dead = child.id();
+        child.wait().unwrap();
+        let slot = cg.join().unwrap();
+        cg.group().members[slot].pid.store(dead, Relaxed);
+        cg.charged(slot).store(10, Relaxed);
+        let b = Budget::in_group(cg.clone(), 0).unwrap();
+        assert_eq!(b.try_charge(4), 4, "the dead member's 10 pages were reaped");
+        assert_eq!(cg.group().members[slot].pid.load(Relaxed), 0);
+    }
+
+    #[test]
+    fn a_program_that_execs_drops_what_its_previous_image_charged() {
+        let cg = Arc::new(MemCgroup::private(10));
+        let old = Budget::in_group(cg.clone(), 0).unwrap();
+        assert_eq!(old.try_charge(10), 10);
+        std::mem::forget(old); // exec: the old image never leaves
+        cg.forget_previous_image();
+        let new = Budget::in_group(cg.clone(), 0).unwrap();
+        assert_eq!(new.try_charge(10), 10);
+    }
+
+    #[test]
+    fn the_last_process_out_removes_the_file_and_others_keep_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let (cg, path) = MemCgroup::create_shared(10, dir.path()).unwrap();
+        let slot = cg.join().unwrap();
+        let mut child = std::process::Command::new("sleep")
+            .arg("5")
+            .spawn()
+            .unwrap();
+        let other = cg.join().unwrap();
+        cg.group().members[other].pid.store(child.id(), Relaxed);
+        cg.last_one_out();
+        assert!(path.exists(), "another member is alive");
+        child.kill().unwrap();
+        child.wait().unwrap();
+        cg.last_one_out();
+        assert!(!path.exists(), "the last one out removes the file");
+        cg.leave(slot);
+    }
+
+    #[test]
+    fn a_file_of_the_wrong_size_or_owner_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("not-a-group");
+        std::fs::write(&path, b"short").unwrap();
+        let err = MemCgroup::open_shared(&path).unwrap_err();
+        assert!(
+            err.to_string().contains("not a memory cgroup file"),
+            "{err}"
+        );
+        assert!(MemCgroup::open_shared(&dir.path().join("missing")).is_err());
+    }
+}
