@@ -124,6 +124,14 @@ fn half_of_ram() -> Result<u64> {
 fn preload_library() -> Result<PathBuf> {
     let exe = std::env::current_exe().context("cannot find the uswap binary's own path")?;
     let lib = exe.with_file_name(PRELOAD);
+    if lib.to_string_lossy().contains([' ', '\t', ':']) {
+        bail!(
+            "the preload library's path {} has a space or a colon, which LD_PRELOAD cannot \
+             carry (the loader would skip it and run the program unlimited); build uswap in \
+             a directory without them",
+            lib.display()
+        );
+    }
     if !lib.is_file() {
         bail!(
             "the preload library {} is missing: build the whole workspace (`cargo build \
@@ -152,8 +160,13 @@ fn is_executable(path: &Path) -> bool {
 }
 
 /// Refuses what the dynamic loader would run without the preload library: a set-user-ID
-/// or set-group-ID program, or a static one. A script is judged by its interpreter.
+/// or set-group-ID program, a static one, or one of another ELF class or machine. A script
+/// is judged by its interpreter (`#!` lines nest at most 4 deep, as the kernel allows).
 fn check_preloadable(program: &Path) -> Result<()> {
+    check_preloadable_at(program, 0)
+}
+
+fn check_preloadable_at(program: &Path, depth: u32) -> Result<()> {
     let meta =
         std::fs::metadata(program).with_context(|| format!("cannot run {}", program.display()))?;
     if meta.permissions().mode() & (libc::S_ISUID | libc::S_ISGID) != 0 {
@@ -165,7 +178,17 @@ fn check_preloadable(program: &Path) -> Result<()> {
     }
     let head = read_head(program)?;
     if let Some(interpreter) = script_interpreter(&head) {
-        return check_preloadable(&interpreter);
+        if depth >= 4 {
+            bail!("{}: too many nested #! interpreters", program.display());
+        }
+        return check_preloadable_at(&interpreter, depth + 1);
+    }
+    if is_foreign_elf(&head) {
+        bail!(
+            "{} is not a 64-bit program for this machine: the preload library cannot be \
+             loaded into it",
+            program.display()
+        );
     }
     if is_static_elf(&head) {
         bail!(
@@ -191,6 +214,18 @@ fn script_interpreter(head: &[u8]) -> Option<PathBuf> {
     let line = head.strip_prefix(b"#!")?.split(|&b| b == b'\n').next()?;
     let text = String::from_utf8_lossy(line);
     text.split_whitespace().next().map(PathBuf::from)
+}
+
+/// Whether `head` starts an ELF file of another class or machine than this binary's.
+fn is_foreign_elf(head: &[u8]) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    const MACHINE: u16 = 62; // EM_X86_64
+    #[cfg(target_arch = "aarch64")]
+    const MACHINE: u16 = 183; // EM_AARCH64
+    if head.len() < 20 || &head[..4] != b"\x7fELF" {
+        return false;
+    }
+    head[4] != 2 || head[5] != 1 || u16::from_le_bytes([head[18], head[19]]) != MACHINE
 }
 
 /// Whether `head` starts a 64-bit little-endian ELF executable with no program
@@ -224,6 +259,19 @@ mod tests {
             Some(PathBuf::from("/bin/sh"))
         );
         assert_eq!(script_interpreter(b"\x7fELF"), None);
+    }
+
+    #[test]
+    fn an_elf_of_another_class_or_machine_is_foreign() {
+        let ours = read_head(Path::new("/bin/sh")).unwrap();
+        assert!(!is_foreign_elf(&ours));
+        let mut elf32 = ours.clone();
+        elf32[4] = 1;
+        assert!(is_foreign_elf(&elf32));
+        let mut other_machine = ours;
+        other_machine[18] = 40; // EM_ARM
+        assert!(is_foreign_elf(&other_machine));
+        assert!(!is_foreign_elf(b"#!/bin/sh\n"));
     }
 
     #[test]

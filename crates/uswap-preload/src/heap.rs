@@ -306,7 +306,13 @@ pub unsafe extern "C" fn aligned_alloc(align: size_t, size: size_t) -> *mut c_vo
 
 #[no_mangle]
 pub unsafe extern "C" fn memalign(align: size_t, size: size_t) -> *mut c_void {
-    aligned_alloc(align.max(1).next_power_of_two(), size)
+    match align.max(1).checked_next_power_of_two() {
+        Some(align) => aligned_alloc(align, size),
+        None => {
+            sys::set_errno(libc::EINVAL);
+            std::ptr::null_mut()
+        }
+    }
 }
 
 #[no_mangle]
@@ -316,8 +322,13 @@ pub unsafe extern "C" fn valloc(size: size_t) -> *mut c_void {
 
 #[no_mangle]
 pub unsafe extern "C" fn pvalloc(size: size_t) -> *mut c_void {
-    let size = size.max(1).next_multiple_of(uswap_core::PAGE_SIZE);
-    alloc(size, uswap_core::PAGE_SIZE).cast()
+    match size.max(1).checked_next_multiple_of(uswap_core::PAGE_SIZE) {
+        Some(size) => alloc(size, uswap_core::PAGE_SIZE).cast(),
+        None => {
+            sys::set_errno(libc::ENOMEM);
+            std::ptr::null_mut()
+        }
+    }
 }
 
 #[no_mangle]
@@ -330,6 +341,45 @@ pub unsafe extern "C" fn malloc_usable_size(ptr: *mut c_void) -> size_t {
         Owner::Foreign => 0,
         _ => usable_size(ptr.cast()),
     }
+}
+
+// glibc's own names for the same functions, which some programs call directly: a block
+// from one must be freed by the other.
+
+#[no_mangle]
+pub unsafe extern "C" fn __libc_malloc(size: size_t) -> *mut c_void {
+    malloc(size)
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn __libc_calloc(n: size_t, size: size_t) -> *mut c_void {
+    calloc(n, size)
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn __libc_realloc(ptr: *mut c_void, size: size_t) -> *mut c_void {
+    realloc(ptr, size)
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn __libc_free(ptr: *mut c_void) {
+    free(ptr)
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn __libc_memalign(align: size_t, size: size_t) -> *mut c_void {
+    memalign(align, size)
+}
+
+/// Gives free memory at the top of every arena back (glibc's `malloc_trim`); 1 if any went.
+#[no_mangle]
+pub unsafe extern "C" fn malloc_trim(pad: size_t) -> c_int {
+    let mut trimmed = false;
+    for i in 0..ARENAS {
+        let _inside = Inside::enter();
+        trimmed |= lock(i).trim(pad);
+    }
+    c_int::from(trimmed)
 }
 
 /// Takes every arena's lock (before `fork`), so the child finds none held by a thread it

@@ -17,6 +17,7 @@ mod heap;
 mod internal;
 mod large;
 mod mmap;
+mod runs;
 mod space;
 mod sys;
 mod threads;
@@ -93,7 +94,24 @@ extern "C" fn at_exit() {
     }
 }
 
+/// Whether the program's `malloc` is this library's: a program that brings its own (a
+/// statically linked tcmalloc or jemalloc) would put the C library's allocations for
+/// uswap's threads in memory uswap swaps, where a fault handler could wait for itself.
+fn malloc_is_ours() -> bool {
+    // SAFETY: looking up a symbol by a NUL-terminated name.
+    let found = unsafe { libc::dlsym(libc::RTLD_DEFAULT, c"malloc".as_ptr()) };
+    std::ptr::eq(found.cast_const(), heap::malloc as *const libc::c_void)
+}
+
 fn start(text: &str) -> uswap_core::Result<Arc<Region>> {
+    if !malloc_is_ours() {
+        return Err(uswap_core::Error::InvalidConfig {
+            what: "program",
+            why: "it brings a malloc of its own (linked into the executable), which uswap \
+                  cannot serve from its memory"
+                .into(),
+        });
+    }
     let mut settings = Settings::parse(text)?;
     if settings.config.fault_mode != FaultMode::Thread {
         return Err(uswap_core::Error::InvalidConfig {

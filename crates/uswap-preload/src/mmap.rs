@@ -69,8 +69,9 @@ pub unsafe extern "C" fn mmap(
     }
 }
 
-/// A fixed mapping over the space: a fresh private anonymous one over a range the program
-/// holds is its own memory made zero again; anything else would tear the region apart.
+/// A fixed mapping over the space: a fresh private anonymous one over a range of it (not
+/// the malloc heap) is that memory made zero again, and the program's; anything else
+/// would tear the region apart.
 unsafe fn map_fixed_inside(
     space: &Space,
     addr: *mut c_void,
@@ -85,7 +86,11 @@ unsafe fn map_fixed_inside(
     if flags & libc::MAP_FIXED_NOREPLACE != 0 {
         return fail(libc::EEXIST, libc::MAP_FAILED);
     }
-    if !ours || !start.is_multiple_of(PAGE_SIZE) || !space.holds(start, len) {
+    if !ours
+        || !start.is_multiple_of(PAGE_SIZE)
+        || !space.holds(start, len)
+        || holds_heap(space, start, len)
+    {
         sys::warn(
             "uswap: refused a fixed mapping of another kind over memory uswap manages \
              (only private anonymous read-write memory can replace it)\n",
@@ -96,6 +101,8 @@ unsafe fn map_fixed_inside(
     if !space.zero(start, len) {
         return fail(libc::ENOMEM, libc::MAP_FAILED);
     }
+    // Over pages that were free too (mapped again where it unmapped before): they are its.
+    space.claim(start, len);
     addr
 }
 
@@ -148,10 +155,16 @@ pub unsafe extern "C" fn mremap(
     new_addr: *mut c_void,
 ) -> *mut c_void {
     let start = old as usize;
+    let fixed = flags & libc::MREMAP_FIXED != 0;
     let Some(space) = space().filter(|s| s.overlaps(start, old_len)) else {
-        let target = match flags & libc::MREMAP_FIXED {
-            0 => std::ptr::null_mut(),
-            _ => new_addr,
+        if fixed && space().is_some_and(|s| s.overlaps(new_addr as usize, new_len)) {
+            sys::warn("uswap: refused an mremap() onto memory uswap manages\n");
+            return fail(libc::EINVAL, libc::MAP_FAILED);
+        }
+        let target = if fixed {
+            new_addr
+        } else {
+            std::ptr::null_mut()
         };
         return sys::mremap(old, old_len, new_len, flags, target);
     };

@@ -9,7 +9,7 @@
 //!
 //! Lock order: an arena's lock (`heap`), then the free list's lock.
 
-use crate::sys;
+use crate::{runs, sys};
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU8, Ordering::Relaxed};
 use std::sync::{Arc, Mutex, OnceLock};
@@ -17,6 +17,8 @@ use uswap_core::{Region, PAGE_SIZE};
 
 /// Heap segments are made of whole granules of this size.
 pub const GRANULE: usize = 64 * 1024;
+
+const PROT_RW: libc::c_int = libc::PROT_READ | libc::PROT_WRITE;
 
 /// Granule owner meaning "no heap arena" (a mapping, or free).
 pub const NO_ARENA: u8 = 0;
@@ -87,47 +89,39 @@ impl Space {
     /// A range of `len` bytes (a multiple of pages) aligned to `align` bytes, or `None`
     /// when the space is used up.
     pub fn alloc(&self, len: usize, align: usize) -> Option<usize> {
-        let pages = len / PAGE_SIZE;
         let align_pages = (align / PAGE_SIZE).max(1);
-        let base_page = self.start / PAGE_SIZE;
-        let mut free = self.free.lock().unwrap_or_else(|e| e.into_inner());
-        let (run, at) = free.iter().find_map(|(&run, &run_pages)| {
-            let at = (base_page + run).next_multiple_of(align_pages) - base_page;
-            (at + pages <= run + run_pages).then_some((run, at))
-        })?;
-        let run_pages = free.remove(&run).expect("the run just found");
-        if at > run {
-            free.insert(run, at - run);
-        }
-        if at + pages < run + run_pages {
-            free.insert(at + pages, run + run_pages - at - pages);
-        }
+        let mut free = self.lock_free();
+        let at = runs::alloc(
+            &mut free,
+            len / PAGE_SIZE,
+            align_pages,
+            self.start / PAGE_SIZE,
+        )?;
         Some(self.start + at * PAGE_SIZE)
     }
 
     /// Takes `[addr, addr + len)` out of the free list if all of it is free (growing a
     /// range in place).
     pub fn take(&self, addr: usize, len: usize) -> bool {
-        let (first, pages) = ((addr - self.start) / PAGE_SIZE, len / PAGE_SIZE);
-        let mut free = self.free.lock().unwrap_or_else(|e| e.into_inner());
-        let Some((&run, &run_pages)) = free.range(..=first).next_back() else {
-            return false;
-        };
-        if first + pages > run + run_pages {
-            return false;
+        let (first, pages) = self.pages(addr, len);
+        let mut free = self.lock_free();
+        let ok = runs::all_free(&free, first, pages);
+        if ok {
+            runs::claim(&mut free, first, pages);
         }
-        free.remove(&run);
-        if first > run {
-            free.insert(run, first - run);
-        }
-        if first + pages < run + run_pages {
-            free.insert(first + pages, run + run_pages - first - pages);
-        }
-        true
+        ok
+    }
+
+    /// Makes `[addr, addr + len)` the program's whatever it was (a fixed mapping over it):
+    /// what was free is taken off the free list.
+    pub fn claim(&self, addr: usize, len: usize) {
+        let (first, pages) = self.pages(addr, len);
+        runs::claim(&mut self.lock_free(), first, pages);
     }
 
     /// Gives `[addr, addr + len)` back: its contents are discarded and it reads as zeros
-    /// when handed out again.
+    /// when handed out again. Parts already free stay free (munmap of a range partly
+    /// unmapped already).
     pub fn release(&self, addr: usize, len: usize) {
         if !self.zero(addr, len) {
             // The contents would survive into the next user of the range: keep it out.
@@ -135,20 +129,16 @@ impl Space {
             return;
         }
         self.set_owner(addr, len, NO_ARENA);
-        let (mut first, mut pages) = ((addr - self.start) / PAGE_SIZE, len / PAGE_SIZE);
-        let mut free = self.free.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some((&run, &run_pages)) = free.range(..first).next_back() {
-            debug_assert!(run + run_pages <= first, "a range given back twice");
-            if run + run_pages == first {
-                free.remove(&run);
-                first = run;
-                pages += run_pages;
-            }
-        }
-        if let Some(next_pages) = free.remove(&(first + pages)) {
-            pages += next_pages;
-        }
-        free.insert(first, pages);
+        let (first, pages) = self.pages(addr, len);
+        runs::give_back(&mut self.lock_free(), first, pages);
+    }
+
+    fn pages(&self, addr: usize, len: usize) -> (usize, usize) {
+        ((addr - self.start) / PAGE_SIZE, len / PAGE_SIZE)
+    }
+
+    fn lock_free(&self) -> std::sync::MutexGuard<'_, BTreeMap<usize, usize>> {
+        self.free.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// Makes `[addr, addr + len)` read as zeros: discarded (the kernel tells uswap, which
@@ -156,8 +146,13 @@ impl Space {
     /// uswap's handling of the discard and the kernel's zap does not come back with its
     /// old data. The range must not be in use. False if the kernel refused.
     pub fn zero(&self, addr: usize, len: usize) -> bool {
+        // A range made inaccessible or read-only (a guard page, a JIT's code) is read-write
+        // memory again for its next user, as a fresh mapping would be.
         // SAFETY: the range is the space's own and no longer in use.
-        let zapped = unsafe { sys::madvise(addr as *mut _, len, libc::MADV_DONTNEED) } == 0;
+        let writable = unsafe { sys::mprotect(addr as *mut _, len, PROT_RW) } == 0;
+        // SAFETY: as above.
+        let zapped =
+            writable && unsafe { sys::madvise(addr as *mut _, len, libc::MADV_DONTNEED) } == 0;
         zapped && self.region.forget(addr - self.start, len).is_ok()
     }
 

@@ -29,6 +29,10 @@ pub unsafe fn mremap(
     libc::syscall(libc::SYS_mremap, old, old_len, new_len, flags, new_addr) as *mut c_void
 }
 
+pub unsafe fn mprotect(addr: *mut c_void, len: size_t, prot: c_int) -> c_int {
+    libc::syscall(libc::SYS_mprotect, addr, len, prot) as c_int
+}
+
 pub unsafe fn madvise(addr: *mut c_void, len: size_t, advice: c_int) -> c_int {
     libc::syscall(libc::SYS_madvise, addr, len, advice) as c_int
 }
