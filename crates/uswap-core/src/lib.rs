@@ -11,6 +11,7 @@ pub mod control;
 pub mod cpu;
 pub mod error;
 mod fault;
+pub mod fork;
 mod handler;
 mod list;
 pub mod lockstat;

@@ -33,15 +33,75 @@ impl Mapping {
             len,
             owned: AtomicBool::new(true),
         };
-        // uswap manages base pages; a child of fork() must not see the mapping at all
-        // (it would read zeros where pages are swapped out), so it gets none.
-        for advice in [libc::MADV_NOHUGEPAGE, libc::MADV_DONTFORK] {
-            // SAFETY: advising our own mapping.
-            if unsafe { libc::madvise(m.addr as *mut _, len, advice) } != 0 {
-                return Err(Error::os("madvise"));
+        advise_private(m.addr, len)?;
+        Ok(m)
+    }
+
+    /// In a fork child, first thing: holds the page runs `owned` of the parent's region at
+    /// `addr` with inaccessible memory, so that nothing else is mapped there before the
+    /// region is built again (`fixed`), and an access to a region the child does not
+    /// inherit fails with SIGSEGV instead of reaching whatever the kernel put there.
+    pub fn reserve_in_child(addr: usize, owned: &[std::ops::Range<usize>]) -> Result<()> {
+        for run in owned {
+            let (start, len) = (addr + run.start * PAGE_SIZE, run.len() * PAGE_SIZE);
+            // SAFETY: MAP_FIXED_NOREPLACE maps only where nothing is mapped (the parent's
+            // region is not inherited: MADV_DONTFORK).
+            let got = unsafe {
+                libc::mmap(
+                    start as *mut _,
+                    len,
+                    libc::PROT_NONE,
+                    libc::MAP_PRIVATE
+                        | libc::MAP_ANONYMOUS
+                        | libc::MAP_NORESERVE
+                        | libc::MAP_FIXED_NOREPLACE,
+                    -1,
+                    0,
+                )
+            };
+            if got == libc::MAP_FAILED {
+                return Err(Error::os("mmap of a fork child's region"));
+            }
+            if got as usize != start {
+                // SAFETY: unmapping what this call just mapped elsewhere (old kernels
+                // treat the flag as a hint).
+                unsafe { libc::munmap(got, len) };
+                return Err(Error::invalid(
+                    "fork",
+                    "the kernel did not map the child's region where the parent had it",
+                ));
             }
         }
-        Ok(m)
+        Ok(())
+    }
+
+    /// A fork child's copy of a region's mapping at `addr`, over what `reserve_in_child`
+    /// reserved: the page runs `owned` are mapped, fresh; the rest of `[addr, addr + len)`
+    /// is left as it is (the parent had unmapped it; it may hold someone else's mapping).
+    pub fn fixed(addr: usize, len: usize, owned: &[std::ops::Range<usize>]) -> Result<Self> {
+        for run in owned {
+            let (start, run_len) = (addr + run.start * PAGE_SIZE, run.len() * PAGE_SIZE);
+            // SAFETY: replaces this run's reservation, ours.
+            let got = unsafe {
+                libc::mmap(
+                    start as *mut _,
+                    run_len,
+                    libc::PROT_READ | libc::PROT_WRITE,
+                    libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE | libc::MAP_FIXED,
+                    -1,
+                    0,
+                )
+            };
+            if got == libc::MAP_FAILED {
+                return Err(Error::os("mmap of a fork child's region"));
+            }
+            advise_private(start, run_len)?;
+        }
+        Ok(Mapping {
+            addr,
+            len,
+            owned: AtomicBool::new(true),
+        })
     }
 
     pub fn addr(&self) -> usize {
@@ -69,6 +129,20 @@ impl Mapping {
     pub fn disown(&self) {
         self.owned.store(false, Relaxed);
     }
+}
+
+/// uswap manages base pages; and a child of fork() must not inherit the mapping: it would
+/// read zeros where pages are swapped out, and sharing the parent's pages would stop
+/// UFFDIO_MOVE from taking them (it moves only pages mapped once). The child gets a copy
+/// of its own instead (`fork.rs`).
+fn advise_private(addr: usize, len: usize) -> Result<()> {
+    for advice in [libc::MADV_NOHUGEPAGE, libc::MADV_DONTFORK] {
+        // SAFETY: advising our own mapping.
+        if unsafe { libc::madvise(addr as *mut _, len, advice) } != 0 {
+            return Err(Error::os("madvise"));
+        }
+    }
+    Ok(())
 }
 
 impl Drop for Mapping {

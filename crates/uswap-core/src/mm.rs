@@ -109,6 +109,8 @@ pub(crate) struct PagemapEntry {
     pub present: bool,
     /// The userfaultfd write-protect bit (`PM_UFFD_WP`).
     pub write_protected: bool,
+    /// Out on the kernel's own swap (`PM_SWAP`): still there, an access brings it back.
+    pub kernel_swapped: bool,
 }
 
 /// The pieces a region is made of, built by `Region::with_swap`.
@@ -269,6 +271,12 @@ impl Mm {
         self.mmap_changing.changing()
     }
 
+    /// The fence fills pass; `fork` reads mapped pages inside it, so that no zap of a
+    /// vma event lands meanwhile.
+    pub(crate) fn fill_gate(&self) -> &MmapChanging {
+        &self.mmap_changing
+    }
+
     /// Whether vma events are being handled: moves out of the region back out meanwhile.
     pub fn mmap_events_held(&self) -> bool {
         self.mmap_changing.events_held()
@@ -375,6 +383,7 @@ impl Mm {
         Some(PagemapEntry {
             present: bits & (1 << 63) != 0,
             write_protected: bits & (1 << 57) != 0,
+            kernel_swapped: bits & (1 << 62) != 0,
         })
     }
 

@@ -373,6 +373,13 @@ impl PageLock<'_> {
         self.become_(Kind::Active, None, None).slot()
     }
 
+    /// A fork child's page: its data, as the parent had it, is in `slot` of the child's
+    /// own swap device.
+    pub fn inherit(&mut self, slot: u32) {
+        self.expect(&[Kind::None], "inherit");
+        self.become_(Kind::Swapped, None, Some(slot));
+    }
+
     /// The data is lost: every later access fails. Returns what the page held.
     pub fn poison(&mut self) -> PageState {
         self.become_(Kind::Poisoned, None, None)

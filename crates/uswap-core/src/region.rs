@@ -17,6 +17,8 @@ use crate::swapfile::SwapDevice;
 use crate::uffd::{self, Uffd};
 use crate::vmscan::Reclaim;
 use crate::{sigbus, PAGE_SIZE};
+use std::cell::UnsafeCell;
+use std::mem::ManuallyDrop;
 use std::sync::Arc;
 use std::thread::JoinHandle;
 
@@ -39,14 +41,32 @@ enum Source {
 /// swap device and come back on access. Dropping the region frees its memory and slots.
 ///
 /// The program may `madvise(MADV_DONTNEED/MADV_FREE)`, `munmap` and `mremap` region memory
-/// as it would ordinary memory (see `docs/architecture.md` for what each does here).
+/// as it would ordinary memory (see `docs/architecture.md` for what each does here), and
+/// `fork`: the child gets a region of its own holding the memory as it was (`fork.rs`).
 pub struct Region {
+    /// Replaced only in a child of `fork`, while the child has one thread (`fork.rs`);
+    /// boxed so the fork registry can find it where the `Region` moves.
+    inner: ManuallyDrop<Box<UnsafeCell<Inner>>>,
+}
+
+// SAFETY: `Inner` is Send and Sync; the cell is written only by `fork::child`, in a process
+// that has a single thread at that moment and no reference into the old contents.
+unsafe impl Send for Region {}
+unsafe impl Sync for Region {}
+
+/// What a region is made of.
+pub(crate) struct Inner {
     fault: Arc<FaultPath>,
     reservation: SwapReservation,
     /// Watermarks the configuration fixed, kept when the memory limit changes.
     watermarks: Option<Watermarks>,
     kswapd: Option<JoinHandle<()>>,
     source: Option<Source>,
+    /// The configuration it was made with, to make a fork child's copy the same way.
+    cfg: Config,
+    /// Set in a fork child for a region it did not inherit: its threads do not exist
+    /// there, so it is never dropped.
+    abandoned: std::sync::atomic::AtomicBool,
 }
 
 /// The userfaultfd features a region needs: the error names the first one missing.
@@ -92,8 +112,8 @@ const EVENTS: [(u64, &str); 3] = [
     ),
 ];
 
-fn register(uffd: &Uffd, map: &Mapping, mode: u64) -> Result<()> {
-    uffd.register(map.addr(), map.len(), mode)
+fn register(uffd: &Uffd, addr: usize, len: usize, mode: u64) -> Result<()> {
+    uffd.register(addr, len, mode)
         .map_err(|source| Error::Os {
             op: "UFFDIO_REGISTER",
             source,
@@ -110,125 +130,29 @@ impl Region {
 
     /// A region that swaps to `swap`, which other regions may share.
     pub fn with_swap(size: u64, cfg: Config, swap: Arc<SwapDevice>) -> Result<Region> {
-        cfg.validate()?;
-        check_page_size()?;
-        if size == 0 || size > MAX_SIZE || size.div_ceil(PAGE_SIZE as u64) >= u32::MAX as u64 {
-            return Err(Error::invalid(
-                "region size",
-                format!("{size} bytes: use between 4 KiB and 16 TiB"),
-            ));
-        }
-        let limit = cfg.limit_pages();
-        if limit > MAX_FRAMES {
-            return Err(Error::invalid(
-                "memory limit",
-                format!("{} bytes: at most 256 GiB per region", cfg.memory_limit),
-            ));
-        }
-        let pages = size.div_ceil(PAGE_SIZE as u64);
-        let needed = pages.saturating_sub(limit);
-        if needed > swap.capacity_pages() {
-            return Err(Error::RegionTooLarge {
-                region: pages * PAGE_SIZE as u64,
-                memory: limit * PAGE_SIZE as u64,
-                swap: swap.capacity_pages() * PAGE_SIZE as u64,
-            });
-        }
-        let reservation = SwapReservation::new(&swap, needed)?;
-
-        let probe = uffd::probe()?;
-        let optional = [
-            uffd::FEATURE_WP,
-            uffd::FEATURE_POISON,
-            uffd::FEATURE_THREAD_ID,
-        ];
-        let mut required = vec![MOVE];
-        required.extend(EVENTS);
-        if cfg.fault_mode == FaultMode::Sigbus {
-            required.push(SIGBUS);
-        }
-        let mmap_changing = Arc::new(MmapChanging::default());
-        let uffd = Uffd::open(
-            features(&probe, &required, &optional)?,
-            mmap_changing.clone(),
-        )?;
-        // Staging has a userfaultfd of its own, without events: freeing a staging frame must
-        // not raise an event that blocks reclaim until a handler reads it. Nothing should
-        // ever fault there; if something does, SIGBUS makes it loud.
-        // Its moves take pages out of the region, so they pass the region's fence too.
-        let staging_uffd = Uffd::open(
-            features(&probe, &[MOVE], &[uffd::FEATURE_WP, uffd::FEATURE_SIGBUS])?,
-            mmap_changing.clone(),
-        )?;
-        let caps = Caps {
-            write_protect: probe.has(uffd::FEATURE_WP),
-            poison: probe.has(uffd::FEATURE_POISON),
-        };
+        let pages = check_size(size, &cfg)?;
         let map = Mapping::new(pages as usize * PAGE_SIZE)?;
-        // No more pages can be parked than the region has, whatever the limit.
-        let cpus = if cfg.pcp { crate::cpu::count() } else { 0 };
-        let staging = Staging::new(limit, pages.min(MAX_FRAMES), cpus)?;
-        // Every range is registered with the same modes: UFFDIO_MOVE needs both sides with
-        // the same page protection, and the destination registered with the ioctl's fd.
-        let mode = uffd::REGISTER_MODE_MISSING
-            | if caps.write_protect {
-                uffd::REGISTER_MODE_WP
-            } else {
-                0
-            };
-        register(&uffd, &map, mode)?;
-        register(&staging_uffd, staging.mapping(), mode)?;
-        let mm = Mm::new(Parts {
-            map,
-            staging,
-            mmap_changing,
-            uffd,
-            staging_uffd,
-            swap,
-            caps,
-            limit,
-            mode: cfg.fault_mode,
-            fault_around: cfg.fault_around,
-            bounce_buffers: cfg.handler_threads + 2,
-            pcp: cfg.pcp,
-            memcg: cfg.memcg.clone(),
-            lru_lock: cfg.lru_lock,
-            lru_batch: cfg.lru_batch,
-            breakdown: cfg.breakdown,
-        })?;
-        let reclaim = Reclaim::new(mm, cfg.watermarks, cfg.inactive_percent, cfg.reclaim_batch);
-        let fault = Arc::new(FaultPath::new(reclaim, cfg.fault_around, cfg.readahead));
-        let mut region = Region {
-            reservation,
-            watermarks: cfg.watermarks,
-            kswapd: None,
-            source: None,
-            fault: fault.clone(),
+        let whole = 0..pages as usize;
+        let inner = Inner::build(cfg, swap, map, std::slice::from_ref(&whole), None)?;
+        let region = Region {
+            inner: ManuallyDrop::new(Box::new(UnsafeCell::new(inner))),
         };
-        region.kswapd = Some(crate::vmscan::spawn_kswapd(
-            fault.clone(),
-            FaultPath::reclaim,
-        )?);
-        region.source = Some(match cfg.fault_mode {
-            FaultMode::Thread => Source::Handlers(Handlers::start(
-                &fault,
-                HandlerConfig {
-                    threads: cfg.handler_threads,
-                    spin_us: cfg.handler_spin_us,
-                },
-            )?),
-            FaultMode::Sigbus => Source::Sigbus(sigbus::register(&fault)?),
-        });
+        crate::fork::register(&region.inner);
         Ok(region)
+    }
+
+    fn inner(&self) -> &Inner {
+        // SAFETY: see `Region::inner`; only a fork child's single thread replaces it.
+        unsafe { &*self.inner.get() }
     }
 
     /// Start of the region. Its pages read as zeros until written.
     pub fn as_ptr(&self) -> *mut u8 {
-        self.fault.mm().start() as *mut u8
+        self.inner().fault.mm().start() as *mut u8
     }
 
     pub fn len(&self) -> usize {
-        self.fault.mm().len()
+        self.inner().fault.mm().len()
     }
 
     pub fn is_empty(&self) -> bool {
@@ -236,17 +160,17 @@ impl Region {
     }
 
     pub fn swap_device(&self) -> &Arc<SwapDevice> {
-        self.fault.mm().swap()
+        self.inner().fault.mm().swap()
     }
 
     /// The event counters alone: cheap enough to poll.
     pub fn vmstat(&self) -> crate::VmStatSnapshot {
-        self.fault.mm().vmstat().snapshot()
+        self.inner().fault.mm().vmstat().snapshot()
     }
 
     pub fn stats(&self) -> Stats {
         let _quiet = Quiet::new();
-        let mm = self.fault.mm();
+        let mm = self.inner().fault.mm();
         let latency = |kind| Latency::of(&mm.latency().merged(kind));
         Stats {
             vmstat: mm.vmstat().snapshot(),
@@ -258,7 +182,7 @@ impl Region {
             metadata_bytes: metadata_bytes(mm.pages().len() as u64),
             io: mm.swap().io_stats(),
             swap_cache: mm.swap().cache().stats(),
-            readahead: self.fault.readahead.get(),
+            readahead: self.inner().fault.readahead.get(),
             charge_stock: mm.budget().stock_stats(),
             lockstat: [mm.lru().lockstat(), mm.lru().batch_lockstat()]
                 .into_iter()
@@ -273,7 +197,7 @@ impl Region {
     /// for tests and debugging.
     pub fn check_invariants(&self) -> std::result::Result<(), String> {
         let _quiet = Quiet::new();
-        self.fault.check_invariants()
+        self.inner().fault.check_invariants()
     }
 
     /// Test hook: the next fault that needs the full path (swap-in, reclaim) panics inside
@@ -281,7 +205,7 @@ impl Region {
     /// thread, counted in `handler_panics`), never hang.
     #[doc(hidden)]
     pub fn inject_handler_panic(&self) {
-        self.fault.inject_panic();
+        self.inner().fault.inject_panic();
     }
 
     /// Test hook: takes the page at `offset` out of the region's page tables without telling
@@ -290,7 +214,7 @@ impl Region {
     #[doc(hidden)]
     pub fn simulate_lost_page(&self, offset: usize) {
         let _quiet = Quiet::new();
-        let mm = self.fault.mm();
+        let mm = self.inner().fault.mm();
         let page = offset / PAGE_SIZE;
         let _lock = mm.pages().lock(page);
         if let Some(&frame) = mm.staging().alloc_many(1).first() {
@@ -308,22 +232,22 @@ impl Region {
     /// Where the time of faults and reclaim went so far, phase by phase; `None` unless
     /// `Config::breakdown` is on. [`PhaseTimes::since`] gives an interval.
     pub fn phase_times(&self) -> Option<crate::PhaseTimes> {
-        self.fault.mm().breakdown().map(|b| b.times())
+        self.inner().fault.mm().breakdown().map(|b| b.times())
     }
 
     /// The memory limit in force, in bytes (whole pages).
     pub fn memory_limit(&self) -> u64 {
-        self.fault.mm().budget().limit() * PAGE_SIZE as u64
+        self.inner().fault.mm().budget().limit() * PAGE_SIZE as u64
     }
 
     /// Pages resident now (active + inactive): cheap enough to poll.
     pub fn resident_pages(&self) -> u64 {
-        self.fault.mm().budget().resident()
+        self.inner().fault.mm().budget().resident()
     }
 
     /// The swap-in readahead in force.
     pub fn readahead(&self) -> Readahead {
-        self.fault.readahead.get()
+        self.inner().fault.readahead.get()
     }
 
     /// Switches swap-in readahead while the region is in use (the seed's sysfs knob): the
@@ -331,7 +255,7 @@ impl Region {
     pub fn set_readahead(&self, readahead: Readahead) -> Result<()> {
         let _quiet = Quiet::new();
         readahead.validate()?;
-        self.fault.readahead.set(readahead);
+        self.inner().fault.readahead.set(readahead);
         Ok(())
     }
 
@@ -341,7 +265,7 @@ impl Region {
     pub fn set_memory_limit(&self, bytes: u64) -> Result<()> {
         let _quiet = Quiet::new();
         let mut cfg = Config::new(bytes);
-        cfg.watermarks = self.watermarks;
+        cfg.watermarks = self.inner().watermarks;
         cfg.validate()?;
         let limit = cfg.limit_pages();
         if limit > MAX_FRAMES {
@@ -350,9 +274,9 @@ impl Region {
                 format!("{bytes} bytes: at most 256 GiB per region"),
             ));
         }
-        let pages = self.fault.mm().pages().len() as u64;
-        self.reservation.grow_to(pages.saturating_sub(limit))?;
-        self.fault.reclaim().set_limit(limit);
+        let pages = self.inner().fault.mm().pages().len() as u64;
+        self.inner().reservation.grow_to(pages.saturating_sub(limit))?;
+        self.inner().fault.reclaim().set_limit(limit);
         Ok(())
     }
 
@@ -365,7 +289,7 @@ impl Region {
     pub fn swapoff(&self, progress: &mut dyn FnMut(u64, u64)) -> Result<SwapoffReport> {
         let _quiet = Quiet::new();
         let start = std::time::Instant::now();
-        let mm = self.fault.mm();
+        let mm = self.inner().fault.mm();
         let out_of_memory =
             |p: usize| matches!(mm.pages().peek(p).0.kind(), Kind::Swapped | Kind::Inactive);
         let out: Vec<usize> = (0..mm.pages().len())
@@ -376,7 +300,7 @@ impl Region {
             .filter(|&&p| mm.pages().peek(p).0.kind() == Kind::Swapped)
             .count() as u64;
         // Room above the high watermark too: below it kswapd would push pages out again.
-        let need = mm.budget().resident() + swapped + self.fault.reclaim().high_watermark();
+        let need = mm.budget().resident() + swapped + self.inner().fault.reclaim().high_watermark();
         if need > mm.budget().limit() {
             return Err(Error::invalid(
                 "memory limit",
@@ -394,7 +318,7 @@ impl Region {
         let mut last = std::time::Instant::now();
         progress(0, total);
         for (done, &p) in out.iter().enumerate() {
-            match self.fault.unuse(p) {
+            match self.inner().fault.unuse(p) {
                 crate::fault::Outcome::Fatal => report.lost += 1,
                 _ => report.pages += 1,
             }
@@ -404,7 +328,7 @@ impl Region {
             }
         }
         for p in 0..mm.pages().len() {
-            report.slots_freed += u64::from(self.fault.forget_slot(p));
+            report.slots_freed += u64::from(self.inner().fault.forget_slot(p));
         }
         // Like the kernel's try_to_unuse, swapoff is done only when nothing is left out: the
         // program may have pushed pages out meanwhile (faulting in more than the room left).
@@ -451,7 +375,7 @@ impl Region {
             })?;
         let _quiet = Quiet::new();
         let start = self.as_ptr() as usize;
-        self.fault.forget(start + offset, start + end);
+        self.inner().fault.forget(start + offset, start + end);
         Ok(())
     }
 
@@ -470,7 +394,7 @@ impl Region {
                 )
             })?;
         let _quiet = Quiet::new();
-        let reclaim = self.fault.reclaim();
+        let reclaim = self.inner().fault.reclaim();
         // Pages waiting in per-CPU batches join their lists first, as the advice expects.
         reclaim.mm().lru().drain_all();
         let pages = offset / PAGE_SIZE..end.div_ceil(PAGE_SIZE);
@@ -495,6 +419,170 @@ impl Region {
             }
         }
         Ok(())
+    }
+}
+
+/// Checks a region's size against its configuration; its pages.
+fn check_size(size: u64, cfg: &Config) -> Result<u64> {
+    cfg.validate()?;
+    check_page_size()?;
+    if size == 0 || size > MAX_SIZE || size.div_ceil(PAGE_SIZE as u64) >= u32::MAX as u64 {
+        return Err(Error::invalid(
+            "region size",
+            format!("{size} bytes: use between 4 KiB and 16 TiB"),
+        ));
+    }
+    if cfg.limit_pages() > MAX_FRAMES {
+        return Err(Error::invalid(
+            "memory limit",
+            format!("{} bytes: at most 256 GiB per region", cfg.memory_limit),
+        ));
+    }
+    Ok(size.div_ceil(PAGE_SIZE as u64))
+}
+
+impl Inner {
+    /// Builds a region on `map`, whose page runs `owned` are its own (all of it, but in a
+    /// fork child: the runs the parent had not unmapped). `image` gives the pages their
+    /// inherited data (a fork child's); without it every page is untouched.
+    pub(crate) fn build(
+        cfg: Config,
+        swap: Arc<SwapDevice>,
+        map: Mapping,
+        owned: &[std::ops::Range<usize>],
+        image: Option<&crate::fork::RegionImage>,
+    ) -> Result<Inner> {
+        let pages = (map.len() / PAGE_SIZE) as u64;
+        let limit = cfg.limit_pages();
+        let needed = pages.saturating_sub(limit);
+        if needed > swap.capacity_pages() {
+            return Err(Error::RegionTooLarge {
+                region: pages * PAGE_SIZE as u64,
+                memory: limit * PAGE_SIZE as u64,
+                swap: swap.capacity_pages() * PAGE_SIZE as u64,
+            });
+        }
+        let reservation = SwapReservation::new(&swap, needed)?;
+
+        let probe = uffd::probe()?;
+        let optional = [
+            uffd::FEATURE_WP,
+            uffd::FEATURE_POISON,
+            uffd::FEATURE_THREAD_ID,
+        ];
+        let mut required = vec![MOVE];
+        required.extend(EVENTS);
+        if cfg.fault_mode == FaultMode::Sigbus {
+            required.push(SIGBUS);
+        }
+        let mmap_changing = Arc::new(MmapChanging::default());
+        let uffd = Uffd::open(
+            features(&probe, &required, &optional)?,
+            mmap_changing.clone(),
+        )?;
+        // Staging has a userfaultfd of its own, without events: freeing a staging frame must
+        // not raise an event that blocks reclaim until a handler reads it. Nothing should
+        // ever fault there; if something does, SIGBUS makes it loud.
+        // Its moves take pages out of the region, so they pass the region's fence too.
+        let staging_uffd = Uffd::open(
+            features(&probe, &[MOVE], &[uffd::FEATURE_WP, uffd::FEATURE_SIGBUS])?,
+            mmap_changing.clone(),
+        )?;
+        let caps = Caps {
+            write_protect: probe.has(uffd::FEATURE_WP),
+            poison: probe.has(uffd::FEATURE_POISON),
+        };
+        // No more pages can be parked than the region has, whatever the limit.
+        let cpus = if cfg.pcp { crate::cpu::count() } else { 0 };
+        let staging = Staging::new(limit, pages.min(MAX_FRAMES), cpus)?;
+        // Every range is registered with the same modes: UFFDIO_MOVE needs both sides with
+        // the same page protection, and the destination registered with the ioctl's fd.
+        let mode = uffd::REGISTER_MODE_MISSING
+            | if caps.write_protect {
+                uffd::REGISTER_MODE_WP
+            } else {
+                0
+            };
+        for run in owned {
+            let (addr, len) = (map.addr() + run.start * PAGE_SIZE, run.len() * PAGE_SIZE);
+            register(&uffd, addr, len, mode)?;
+        }
+        let staging_map = staging.mapping();
+        register(&staging_uffd, staging_map.addr(), staging_map.len(), mode)?;
+        let mm = Mm::new(Parts {
+            map,
+            staging,
+            mmap_changing,
+            uffd,
+            staging_uffd,
+            swap,
+            caps,
+            limit,
+            mode: cfg.fault_mode,
+            fault_around: cfg.fault_around,
+            bounce_buffers: cfg.handler_threads + 2,
+            pcp: cfg.pcp,
+            memcg: cfg.memcg.clone(),
+            lru_lock: cfg.lru_lock,
+            lru_batch: cfg.lru_batch,
+            breakdown: cfg.breakdown,
+        })?;
+        if let Some(image) = image {
+            image.apply(&mm, owned);
+        }
+        let reclaim = Reclaim::new(mm, cfg.watermarks, cfg.inactive_percent, cfg.reclaim_batch);
+        let fault = Arc::new(FaultPath::new(reclaim, cfg.fault_around, cfg.readahead));
+        let mut inner = Inner {
+            reservation,
+            watermarks: cfg.watermarks,
+            kswapd: None,
+            source: None,
+            fault: fault.clone(),
+            cfg,
+            abandoned: Default::default(),
+        };
+        inner.kswapd = Some(crate::vmscan::spawn_kswapd(
+            fault.clone(),
+            FaultPath::reclaim,
+        )?);
+        inner.source = Some(match inner.cfg.fault_mode {
+            FaultMode::Thread => Source::Handlers(Handlers::start(
+                &fault,
+                HandlerConfig {
+                    threads: inner.cfg.handler_threads,
+                    spin_us: inner.cfg.handler_spin_us,
+                },
+            )?),
+            FaultMode::Sigbus => Source::Sigbus(sigbus::register(&fault)?),
+        });
+        Ok(inner)
+    }
+
+    pub(crate) fn fault(&self) -> &Arc<FaultPath> {
+        &self.fault
+    }
+
+    pub(crate) fn config(&self) -> &Config {
+        &self.cfg
+    }
+
+    /// In a fork child, for the parent's region copied into the child's memory: closes the
+    /// descriptors that act on the parent (its userfaultfds; its swap file, once per
+    /// device, `closed` listing those done), and marks it never to be dropped.
+    pub(crate) fn abandon_in_child(&self, closed: &mut Vec<*const SwapDevice>) {
+        let mm = self.fault.mm();
+        // SAFETY: descriptors of the abandoned region, never used by the child again.
+        unsafe {
+            libc::close(mm.uffd().raw());
+            libc::close(mm.staging_uffd().raw());
+        }
+        let device = Arc::as_ptr(mm.swap());
+        if !closed.contains(&device) {
+            mm.swap().close_in_child();
+            closed.push(device);
+        }
+        self.abandoned
+            .store(true, std::sync::atomic::Ordering::Relaxed);
     }
 }
 
@@ -558,6 +646,19 @@ impl Drop for SwapReservation {
 }
 
 impl Drop for Region {
+    fn drop(&mut self) {
+        // Out of the registry first: a fork from now on leaves this region alone.
+        crate::fork::unregister(&self.inner);
+        // A fork child's copy of a region it did not inherit is left alone: its threads
+        // and mappings are the parent's.
+        if !self.inner().abandoned.load(std::sync::atomic::Ordering::Relaxed) {
+            // SAFETY: dropped once, here; the region is not used after.
+            unsafe { ManuallyDrop::drop(&mut self.inner) };
+        }
+    }
+}
+
+impl Drop for Inner {
     fn drop(&mut self) {
         let _quiet = Quiet::new();
         match self.source.take() {

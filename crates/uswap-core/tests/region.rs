@@ -306,26 +306,6 @@ fn a_full_shared_swap_device_refuses_new_regions_and_loses_nothing() {
 }
 
 #[test]
-fn a_forked_child_faults_loudly_instead_of_reading_zeros() {
-    let region = Region::new(MIB, Config::new(MIB)).unwrap();
-    unsafe { fill(region.as_ptr(), 0, 5) };
-    region.advise(0, region.len(), Advice::PageOut).unwrap();
-    // SAFETY: the child only reads memory and exits; nothing else runs there.
-    let pid = unsafe { libc::fork() };
-    if pid == 0 {
-        let word = unsafe { (region.as_ptr() as *const u64).read_volatile() };
-        unsafe { libc::_exit(if word == 0 { 3 } else { 4 }) };
-    }
-    let mut status = 0;
-    assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
-    assert!(
-        libc::WIFSIGNALED(status) && libc::WTERMSIG(status) == libc::SIGSEGV,
-        "the child must die on the region it does not have, status {status:#x}"
-    );
-    unsafe { check(region.as_ptr(), 0, 5) }.unwrap();
-}
-
-#[test]
 fn sigbus_mode_is_refused_on_a_thread_that_blocks_sigbus() {
     let err = std::thread::spawn(|| {
         unsafe {

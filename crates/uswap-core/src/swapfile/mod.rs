@@ -110,6 +110,10 @@ pub struct SwapDevice {
     /// Slots promised to regions (their size beyond their memory limit), so regions that
     /// share the device cannot together need more than it has.
     reserved: AtomicU64,
+    /// What it was made with, for a fork child's device (`SwapDevice::open_like`).
+    cfg: SwapConfig,
+    /// The file offset alignment of its I/O.
+    align: usize,
 }
 
 impl SwapDevice {
@@ -161,7 +165,37 @@ impl SwapDevice {
             grown,
             growth_failed: AtomicBool::new(false),
             reserved: AtomicU64::new(0),
+            cfg: cfg.clone(),
+            align,
         }))
+    }
+
+    /// A new, empty device made as this one was, in the same directory: a fork child's.
+    /// A named file's child gets an unnamed one beside it.
+    pub fn open_like(&self) -> Result<Arc<SwapDevice>, Error> {
+        let cfg = SwapConfig {
+            location: SwapLocation::TempIn(location_dir(&self.cfg.location).to_path_buf()),
+            ..self.cfg.clone()
+        };
+        SwapDevice::open(&cfg)
+    }
+
+    /// In a fork child: I/O on rings of its own. The rings the device was made with are
+    /// shared with the parent, whose device this was made for (`open_like`).
+    pub(crate) fn renew_io(&mut self) {
+        self.io = IoEngine::new(
+            self.cfg.io.resolve(self.backing.in_memory()),
+            self.cfg.faults,
+            self.align,
+        );
+    }
+
+    /// In a fork child: closes the descriptor of the parent's swap file, which the child
+    /// never uses (it would keep the file's space alive after the parent is gone). The
+    /// device must never be used or dropped after this.
+    pub(crate) fn close_in_child(&self) {
+        // SAFETY: closing a descriptor of the leaked parent device, never used again.
+        unsafe { libc::close(self.file.as_raw_fd()) };
     }
 
     pub fn capacity_pages(&self) -> u64 {

@@ -1,0 +1,538 @@
+//! `fork(2)` for regions: the child gets a region of its own at the same address, holding
+//! the memory as it was when the parent forked (resident, inactive and swapped pages
+//! alike), as the kernel gives a child its parent's anonymous memory.
+//!
+//! The kernel cannot give it here. A region's mapping is `MADV_DONTFORK`: a child sharing
+//! the parent's pages would stop `UFFDIO_MOVE` from taking them in the parent (it moves
+//! only pages mapped once), and, without the parent's userfaultfd, would read zeros where
+//! pages are out on swap. So uswap checkpoints each region to a swap device of the
+//! child's:
+//!
+//! - **prepare** (the parent, in the forking thread, just before the fork system call):
+//!   for each region, a new swap device made like the region's (an unlinked file beside
+//!   it), and every page holding data is written to a slot of it, a resident page from
+//!   memory and a swapped one from its slot (verified on the way). Pages are locked while
+//!   they are copied, and mapped ones are read inside the fill gate, so no vma event's zap
+//!   lands meanwhile; a lazily freed page is first moved to staging, since the kernel may
+//!   drop it at any time. The image says which page went to which slot.
+//! - **child**: each region is built again at the same address from its image: every
+//!   page with data is `Swapped` in the child's own device, and comes back on access. The
+//!   parent's structures, copied into the child's memory, are abandoned and never dropped
+//!   (their threads do not exist there); the descriptors they hold are closed, so the
+//!   child cannot act on the parent's memory through them.
+//! - **parent**: lets go of the child's device. Nothing of its own changed.
+//!
+//! Parent and child share no page and no slot afterwards: each reclaims and swaps on its
+//! own, within its own limit or its share of the tree's (`memcg.rs`). The cost is paid by
+//! the fork: it writes every page of its regions that holds data, and the child starts
+//! with nothing resident. A child that cannot get its copy (no space for the device, a
+//! write error) is stopped with a message and exit status 125 before it runs any code of
+//! the program: it would read wrong memory otherwise.
+//!
+//! Only thread-mode regions are copied. A SIGBUS-mode region is not inherited: its memory
+//! is not there in the child, which dies of SIGSEGV if it touches it.
+//!
+//! Pages are copied batch after batch while the program's other threads run. A page that
+//! another thread writes during the fork reaches the child with its old or its new
+//! contents, as with a write racing the kernel's fork; unlike the kernel's fork, a write
+//! to a page copied earlier is not held back until the fork ends.
+//!
+//! Lock order: the registry lock, then page locks (a batch at a time, in address order),
+//! then what reclaim and the swap device take under them.
+
+use crate::config::FaultMode;
+use crate::error::{Error, Result};
+use crate::mm::Mm;
+use crate::page::{Kind, PageLock};
+use crate::region::Inner;
+use crate::signals::Quiet;
+use crate::swap_io::PageBuf;
+use crate::swapfile::{SlotId, SwapDevice};
+use crate::sync::lock_std;
+use crate::vmscan::Reclaim;
+use crate::PAGE_SIZE;
+use std::cell::UnsafeCell;
+use std::ops::Range;
+use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
+use std::sync::{Arc, Mutex, MutexGuard, Once};
+use std::time::Duration;
+
+/// A region of this process, where its contents live (boxed, so it stays put).
+struct Entry(*const UnsafeCell<Inner>);
+
+// SAFETY: the pointer is only followed while the region is registered (it unregisters
+// before it is dropped), under the registry lock.
+unsafe impl Send for Entry {}
+
+/// Every region of the process.
+static REGIONS: Mutex<Vec<Entry>> = Mutex::new(Vec::new());
+
+/// Set when the embedding program calls [`prepare`], [`parent`] and [`child`] itself.
+static MANUAL: AtomicBool = AtomicBool::new(false);
+static ATFORK: Once = Once::new();
+
+/// Pages locked and copied at a time.
+const BATCH: usize = 64;
+
+pub(crate) fn register(inner: &UnsafeCell<Inner>) {
+    if !MANUAL.load(Relaxed) {
+        ATFORK.call_once(|| {
+            // SAFETY: plain function pointers with C linkage.
+            let rc = unsafe {
+                libc::pthread_atfork(Some(prepare_c), Some(parent_c), Some(child_c))
+            };
+            if rc != 0 {
+                eprintln!(
+                    "uswap: pthread_atfork failed ({rc}); a child of fork will not get \
+                     its regions' memory"
+                );
+            }
+        });
+    }
+    lock_std(&REGIONS).push(Entry(inner));
+}
+
+pub(crate) fn unregister(inner: &UnsafeCell<Inner>) {
+    lock_std(&REGIONS).retain(|e| !std::ptr::eq(e.0, inner));
+}
+
+/// The embedding program (the preload library of `uswap run`) calls [`prepare`],
+/// [`parent`] and [`child`] from its own fork handlers, in the order its allocator locks
+/// need; uswap registers none of its own. Call it before making the first region.
+pub fn handle_fork_manually() {
+    MANUAL.store(true, Relaxed);
+}
+
+extern "C" fn prepare_c() {
+    prepare();
+}
+
+extern "C" fn parent_c() {
+    parent();
+}
+
+extern "C" fn child_c() {
+    child();
+}
+
+/// What a fork child needs to build one region again.
+#[derive(Default)]
+pub(crate) struct RegionImage {
+    /// Pages with data, and the slot of the child's device each was written to.
+    pages: Vec<(u32, SlotId)>,
+    /// Pages whose data is lost (poisoned in the parent, or unreadable): their accesses
+    /// fail in the child too.
+    poisoned: Vec<u32>,
+}
+
+impl RegionImage {
+    /// Gives the pages of a newly built child region their inherited states; pages outside
+    /// `owned` were unmapped by the parent.
+    pub(crate) fn apply(&self, mm: &Mm, owned: &[Range<usize>]) {
+        let in_owned = |p: usize| owned.iter().any(|r| r.contains(&p));
+        for &(page, slot) in &self.pages {
+            let page = page as usize;
+            if in_owned(page) {
+                mm.pages().lock(page).inherit(slot);
+                mm.own_slot(slot, page);
+                mm.slots_taken(1);
+            } else {
+                mm.swap().free_slot(slot);
+            }
+        }
+        for &page in &self.poisoned {
+            mm.pages().lock(page as usize).poison();
+        }
+        for page in (0..mm.pages().len()).filter(|&p| !in_owned(p)) {
+            mm.pages().lock(page).unmap();
+        }
+    }
+}
+
+/// One region's copy for the child, or why it has none.
+enum Copy {
+    Made {
+        image: RegionImage,
+        owned: Vec<Range<usize>>,
+        /// Its device, in `Held::devices`.
+        device: usize,
+    },
+    /// A SIGBUS-mode region: not inherited; its runs are held inaccessible in the child.
+    NotInherited { owned: Vec<Range<usize>> },
+    Failed(Error),
+}
+
+/// What the forking thread holds from `prepare` to `parent` or `child`.
+struct Held {
+    regions: MutexGuard<'static, Vec<Entry>>,
+    copies: Vec<Copy>,
+    /// The child's devices, one per device of the parent's regions (same order).
+    devices: Vec<Arc<SwapDevice>>,
+}
+
+static mut HELD: Option<Held> = None;
+
+/// Before the fork system call, in the forking thread: copies every region for the
+/// child. Holds the region registry until [`parent`] or [`child`].
+pub fn prepare() {
+    let _quiet = Quiet::new();
+    let regions = lock_std(&REGIONS);
+    let mut devices = Devices::default();
+    let copies = regions
+        .iter()
+        // SAFETY: registered regions are alive; see `Entry`.
+        .map(|e| copy_region(unsafe { &*(*e.0).get() }, &mut devices))
+        .collect();
+    let held = Held {
+        regions,
+        copies,
+        devices: devices.children,
+    };
+    // SAFETY: only the forking thread touches HELD, between prepare and parent/child.
+    unsafe { *std::ptr::addr_of_mut!(HELD) = Some(held) };
+}
+
+/// After the fork, in the parent: the child's devices are the child's alone now.
+pub fn parent() {
+    // SAFETY: as in prepare.
+    drop(unsafe { (*std::ptr::addr_of_mut!(HELD)).take() });
+}
+
+/// After the fork, in the child (one thread): builds every region again from its copy.
+/// A child that cannot have its memory ends here, loudly.
+pub fn child() {
+    // SAFETY: as in prepare; the child has this one thread.
+    let Some(held) = (unsafe { (*std::ptr::addr_of_mut!(HELD)).take() }) else {
+        return;
+    };
+    let Held {
+        regions,
+        copies,
+        mut devices,
+    } = held;
+    // Before anything is mapped: the regions' addresses, held.
+    for (e, copy) in regions.iter().zip(&copies) {
+        // SAFETY: as in prepare.
+        let start = unsafe { &*(*e.0).get() }.fault().mm().start();
+        let reserved = match copy {
+            Copy::Made { owned, .. } | Copy::NotInherited { owned } => {
+                crate::mapping::Mapping::reserve_in_child(start, owned)
+            }
+            Copy::Failed(_) => Ok(()),
+        };
+        if let Err(e) = reserved {
+            die(&e);
+        }
+    }
+    // The parent's descriptors go next, so that nothing made here takes their numbers
+    // while the abandoned structures still name them.
+    let mut closed: Vec<*const SwapDevice> = Vec::new();
+    for e in regions.iter() {
+        // SAFETY: as in prepare.
+        let old = unsafe { &*(*e.0).get() };
+        old.abandon_in_child(&mut closed);
+    }
+    for device in &mut devices {
+        // The only handle: the parent's went with `parent()` there.
+        if let Some(d) = Arc::get_mut(device) {
+            d.renew_io();
+        }
+    }
+    for (e, copy) in regions.iter().zip(copies) {
+        let (image, owned, device) = match copy {
+            Copy::Made {
+                image,
+                owned,
+                device,
+            } => (image, owned, &devices[device]),
+            Copy::NotInherited { .. } => continue,
+            Copy::Failed(e) => die(&e),
+        };
+        // SAFETY: see `Entry`; the child has one thread and no reference into the old
+        // contents, which are abandoned: overwritten without being dropped.
+        let cell = unsafe { &*e.0 };
+        let old = unsafe { &*cell.get() };
+        match rebuild(old, &image, &owned, device.clone()) {
+            // SAFETY: as above.
+            Ok(inner) => unsafe { std::ptr::write(cell.get(), inner) },
+            Err(e) => die(&e),
+        }
+    }
+    drop(regions);
+}
+
+fn die(e: &Error) -> ! {
+    let pid = std::process::id();
+    let msg = format!(
+        "uswap: child {pid} of fork cannot have its parent's memory ({e}); it is stopped \
+         with status 125 rather than run with wrong memory\n"
+    );
+    // SAFETY: writing a buffer to stderr, then ending the process without running the
+    // parent's exit handlers.
+    unsafe {
+        libc::write(2, msg.as_ptr().cast(), msg.len());
+        libc::_exit(125)
+    }
+}
+
+/// A child's region made as `old` was, at the same address, from `image`.
+fn rebuild(
+    old: &Inner,
+    image: &RegionImage,
+    owned: &[Range<usize>],
+    device: Arc<SwapDevice>,
+) -> Result<Inner> {
+    let mm = old.fault().mm();
+    let mut cfg = old.config().clone();
+    // A private group was the parent's alone; a tree's group is joined anew.
+    cfg.memcg = cfg.memcg.filter(|cg| cg.is_shared());
+    let map = crate::mapping::Mapping::fixed(mm.start(), mm.len(), owned)?;
+    Inner::build(cfg, device, map, owned, Some(image))
+}
+
+/// The child's devices: one made like each device of the parent's regions.
+#[derive(Default)]
+struct Devices {
+    parents: Vec<*const SwapDevice>,
+    children: Vec<Arc<SwapDevice>>,
+}
+
+impl Devices {
+    /// The index of the child's device standing for `parent`, made on first use.
+    fn child_of(&mut self, parent: &Arc<SwapDevice>) -> Result<usize> {
+        let key = Arc::as_ptr(parent);
+        if let Some(i) = self.parents.iter().position(|&p| std::ptr::eq(p, key)) {
+            return Ok(i);
+        }
+        self.children.push(parent.open_like()?);
+        self.parents.push(key);
+        Ok(self.children.len() - 1)
+    }
+}
+
+/// Copies one region for the child, onto the child's device standing for its own.
+fn copy_region(inner: &Inner, devices: &mut Devices) -> Copy {
+    if inner.config().fault_mode != FaultMode::Thread {
+        return Copy::NotInherited {
+            owned: owned_runs(inner.fault().mm()),
+        };
+    }
+    let fault = inner.fault();
+    let mm = fault.mm();
+    let device = match devices.child_of(mm.swap()) {
+        Ok(i) => i,
+        Err(e) => return Copy::Failed(e),
+    };
+    let mut copier = Copier {
+        mm,
+        reclaim: fault.reclaim(),
+        device: &devices.children[device],
+        bufs: (0..BATCH).map(|_| PageBuf::new()).collect(),
+        image: RegionImage::default(),
+    };
+    let pages = mm.pages().len();
+    for first in (0..pages).step_by(BATCH) {
+        if let Err(e) = copier.copy_batch(first..(first + BATCH).min(pages)) {
+            return Copy::Failed(e);
+        }
+    }
+    let image = copier.image;
+    Copy::Made {
+        owned: owned_runs(mm),
+        image,
+        device,
+    }
+}
+
+/// The page runs that are still the region's (not unmapped by the program).
+fn owned_runs(mm: &Mm) -> Vec<Range<usize>> {
+    let mut runs = Vec::new();
+    let mut page = 0;
+    let pages = mm.pages().len();
+    while page < pages {
+        let owned = |p: usize| mm.pages().peek(p).0.kind() != Kind::Unmapped;
+        if !owned(page) {
+            page += 1;
+            continue;
+        }
+        let start = page;
+        while page < pages && owned(page) {
+            page += 1;
+        }
+        runs.push(start..page);
+    }
+    runs
+}
+
+/// Kinds whose page holds data (or lost data) a child must get.
+fn holds_data(kind: Kind) -> bool {
+    matches!(
+        kind,
+        Kind::Active | Kind::Inactive | Kind::Swapped | Kind::Lazyfree | Kind::Poisoned
+    )
+}
+
+/// Where a locked page's data is read from.
+enum Source {
+    /// Mapped in the region: read inside the fill gate.
+    Mapped(usize),
+    /// In a staging frame, or anywhere else only its lock holder changes.
+    Parked(usize),
+    Slot(SlotId),
+    Lost,
+}
+
+struct Copier<'a> {
+    mm: &'a Mm,
+    reclaim: &'a Reclaim,
+    device: &'a Arc<SwapDevice>,
+    bufs: Vec<PageBuf>,
+    image: RegionImage,
+}
+
+impl Copier<'_> {
+    /// Copies the pages of `range` that hold data to the child's device.
+    fn copy_batch(&mut self, range: Range<usize>) -> Result<()> {
+        let pages = self.mm.pages();
+        if !range.clone().any(|p| holds_data(pages.peek(p).0.kind())) {
+            return Ok(());
+        }
+        let mut round = 0u32;
+        loop {
+            let mut locks: Vec<PageLock<'_>> = range
+                .clone()
+                .filter(|&p| holds_data(pages.peek(p).0.kind()))
+                .map(|p| pages.lock(p))
+                .filter(|l| holds_data(l.kind()))
+                .collect();
+            self.park_lazily_freed(&mut locks);
+            let Some(sources) = self.read(&locks) else {
+                // Vma events are being handled and may need these page locks.
+                drop(locks);
+                std::thread::sleep(Duration::from_micros(50 << round.min(6)));
+                round += 1;
+                continue;
+            };
+            return self.write(&locks, &sources);
+        }
+    }
+
+    /// Moves lazily freed pages to staging first: the kernel may drop such a page at any
+    /// moment, and reading it then would fault on a page whose lock this thread holds.
+    fn park_lazily_freed(&self, locks: &mut Vec<PageLock<'_>>) {
+        if !locks.iter().any(|l| l.kind() == Kind::Lazyfree) {
+            return;
+        }
+        let (mut lazy, rest): (Vec<_>, Vec<_>) =
+            locks.drain(..).partition(|l| l.kind() == Kind::Lazyfree);
+        for l in &mut lazy {
+            // Moved whatever its history: the referenced bit would keep it mapped.
+            l.second_chance();
+            self.mm.lru().remove(l.page());
+        }
+        self.reclaim.deactivate(&mut lazy);
+        *locks = rest;
+        locks.append(&mut lazy);
+        locks.sort_unstable_by_key(|l| l.page());
+        locks.retain(|l| holds_data(l.kind()));
+    }
+
+    /// Reads the locked pages into the buffers; `None` when vma events are being handled
+    /// and the batch must let go of its locks first.
+    fn read(&mut self, locks: &[PageLock<'_>]) -> Option<Vec<Source>> {
+        let mm = self.mm;
+        let mut sources: Vec<Source> = locks
+            .iter()
+            .map(|l| match (l.kind(), l.state().frame()) {
+                (Kind::Active | Kind::Lazyfree, _) => Source::Mapped(mm.page_addr(l.page())),
+                (Kind::Inactive, Some(frame)) => Source::Parked(mm.staging().addr(frame)),
+                (Kind::Swapped, _) => match l.state().slot() {
+                    Some(slot) => Source::Slot(slot),
+                    None => Source::Lost,
+                },
+                _ => Source::Lost,
+            })
+            .collect();
+        if sources.iter().any(|s| matches!(s, Source::Mapped(_))) {
+            // Inside the gate no vma event is read, so no zap runs until it is left.
+            let _pass = mm.fill_gate().enter_fill()?;
+            for (i, (l, source)) in locks.iter().zip(sources.iter_mut()).enumerate() {
+                let Source::Mapped(addr) = *source else {
+                    continue;
+                };
+                // A mapped page the kernel no longer has (taken from under uswap) would
+                // fault here, on a page this thread holds locked.
+                let gone = mm
+                    .pagemap_entry(l.page())
+                    .is_some_and(|e| !e.present && !e.kernel_swapped);
+                if gone {
+                    *source = Source::Lost;
+                    continue;
+                }
+                // SAFETY: a mapped page of the region, locked, inside the gate; the buffer
+                // is a page.
+                unsafe { copy_page(addr, &mut self.bufs[i]) };
+            }
+        }
+        let mut reads: Vec<(SlotId, *mut u8)> = Vec::new();
+        let mut read_index = Vec::new();
+        for (i, source) in sources.iter().enumerate() {
+            match *source {
+                // SAFETY: a staging frame of a locked inactive page.
+                Source::Parked(addr) => unsafe { copy_page(addr, &mut self.bufs[i]) },
+                Source::Slot(slot) => {
+                    reads.push((slot, self.bufs[i].as_mut_ptr()));
+                    read_index.push(i);
+                }
+                _ => {}
+            }
+        }
+        if !reads.is_empty() {
+            // SAFETY: each buffer is a page-aligned page, not otherwise used meanwhile.
+            let results = unsafe { mm.swap().read_pages(&reads) };
+            for ((i, result), &(slot, dst)) in read_index.into_iter().zip(results).zip(&reads) {
+                // One batch read is not retried: read the page alone, with its re-reads.
+                // SAFETY: as above.
+                if result.is_err() && unsafe { mm.swap().read_page(slot, dst) }.is_err() {
+                    sources[i] = Source::Lost;
+                }
+            }
+        }
+        Some(sources)
+    }
+
+    /// Writes what `read` gathered to new slots of the child's device.
+    fn write(&mut self, locks: &[PageLock<'_>], sources: &[Source]) -> Result<()> {
+        let mut batch: Vec<(SlotId, *const u8)> = Vec::new();
+        let mut written = Vec::new();
+        for (i, (l, source)) in locks.iter().zip(sources).enumerate() {
+            if matches!(source, Source::Lost) {
+                self.image.poisoned.push(l.page() as u32);
+                continue;
+            }
+            let slot = self.device.alloc_slot().ok_or_else(|| Error::SwapExhausted {
+                needed: 1,
+                free: 0,
+                capacity: self.device.capacity_pages(),
+            })?;
+            batch.push((slot, self.bufs[i].as_ptr()));
+            written.push((l.page() as u32, slot));
+        }
+        // SAFETY: the buffers are page-aligned pages, unchanged until this returns.
+        let results = unsafe { self.device.write_pages(&batch) };
+        for result in results {
+            result.map_err(|source| Error::Os {
+                op: "writing a fork child's copy of a page",
+                source,
+            })?;
+        }
+        self.image.pages.extend(written);
+        Ok(())
+    }
+}
+
+/// # Safety
+/// `addr` must be a readable page that does not fault.
+unsafe fn copy_page(addr: usize, buf: &mut PageBuf) {
+    std::ptr::copy_nonoverlapping(addr as *const u8, buf.as_mut_ptr(), PAGE_SIZE);
+}

@@ -1,0 +1,240 @@
+//! fork without exec: a child gets its parent's region memory as it was at the fork,
+//! swapped, inactive and resident pages alike, and the two go their own ways after.
+
+mod common;
+
+use common::{check, fill};
+use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
+use std::sync::Arc;
+use uswap_core::{Advice, Config, FaultMode, Region, PAGE_SIZE};
+
+const MIB: usize = 1 << 20;
+
+/// Forks; the child runs `child` and exits with its result (0 for Ok, else 1 after
+/// printing the error); the parent waits and returns the child's wait status.
+fn in_child(child: impl FnOnce() -> Result<(), String>) -> i32 {
+    // SAFETY: the child runs `child` and `_exit`s; it never returns into the test harness.
+    let pid = unsafe { libc::fork() };
+    assert!(pid >= 0, "fork: {}", std::io::Error::last_os_error());
+    if pid == 0 {
+        let code = match std::panic::catch_unwind(std::panic::AssertUnwindSafe(child)) {
+            Ok(Ok(())) => 0,
+            Ok(Err(e)) => {
+                eprintln!("child: {e}");
+                1
+            }
+            Err(_) => 2,
+        };
+        // SAFETY: ends the child without running the harness's exit handlers.
+        unsafe { libc::_exit(code) };
+    }
+    // A child that hangs fails the test instead of hanging it.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
+    let mut status = 0;
+    while unsafe { libc::waitpid(pid, &mut status, libc::WNOHANG) } == 0 {
+        if std::time::Instant::now() > deadline {
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+            unsafe { libc::waitpid(pid, &mut status, 0) };
+            panic!("the child {pid} hung");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    status
+}
+
+fn exited_ok(status: i32) -> bool {
+    libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0
+}
+
+/// Pages of `region` in versions by page: `versions[p]` is what page `p` holds (0: zeros).
+fn check_all(region: &Region, versions: &[u32]) -> Result<(), String> {
+    for (page, &v) in versions.iter().enumerate() {
+        if v == 0 {
+            let p = unsafe { region.as_ptr().add(page * PAGE_SIZE) } as *const u64;
+            if (0..PAGE_SIZE / 8).any(|i| unsafe { p.add(i).read_volatile() } != 0) {
+                return Err(format!("page {page} should read as zeros"));
+            }
+        } else {
+            unsafe { check(region.as_ptr(), page, v) }?;
+        }
+    }
+    Ok(())
+}
+
+/// A region with every kind of page: swapped (paged out), inactive (cold), resident,
+/// discarded, lazily freed and written again, and untouched.
+fn mixed_region(mode: FaultMode) -> (Region, Vec<u32>) {
+    let mut cfg = Config::new(2 * MIB as u64);
+    cfg.fault_mode = mode;
+    let region = Region::new(8 * MIB as u64, cfg).unwrap();
+    let pages = region.len() / PAGE_SIZE;
+    let mut versions = vec![0u32; pages];
+    // Three quarters written: more than the limit, so much of it is swapped already.
+    for (page, v) in versions.iter_mut().enumerate().take(pages * 3 / 4) {
+        *v = 1;
+        unsafe { fill(region.as_ptr(), page, 1) };
+    }
+    region.advise(0, 64 * PAGE_SIZE, Advice::PageOut).unwrap();
+    region
+        .advise(64 * PAGE_SIZE, 64 * PAGE_SIZE, Advice::Cold)
+        .unwrap();
+    let base = region.as_ptr();
+    unsafe {
+        libc::madvise(base.add(200 * PAGE_SIZE).cast(), 16 * PAGE_SIZE, libc::MADV_DONTNEED);
+        libc::madvise(base.add(300 * PAGE_SIZE).cast(), 16 * PAGE_SIZE, libc::MADV_FREE);
+    }
+    versions[200..216].fill(0);
+    for (page, v) in versions.iter_mut().enumerate().take(308).skip(300) {
+        unsafe { fill(base, page, 2) };
+        *v = 2;
+    }
+    // 308..316: MADV_FREE'd and not written again: old data or zeros, both allowed.
+    for page in (pages - 64..pages).step_by(3) {
+        unsafe { fill(base, page, 3) };
+        versions[page] = 3;
+    }
+    (region, versions)
+}
+
+/// The pages whose contents are not fixed (lazily freed, not written since).
+fn settled(mut versions: Vec<u32>, region: &Region) -> Vec<u32> {
+    // Give the lazily freed pages a definite value before comparing.
+    for (page, v) in versions.iter_mut().enumerate().take(316).skip(308) {
+        unsafe { fill(region.as_ptr(), page, 4) };
+        *v = 4;
+    }
+    versions
+}
+
+#[test]
+fn a_child_gets_the_memory_as_it_was_and_each_goes_its_own_way() {
+    let (region, versions) = mixed_region(FaultMode::Thread);
+    let versions = settled(versions, &region);
+    let before = region.stats();
+    assert!(before.swap_used_pages > 0, "some pages are out on swap");
+    let status = in_child(|| {
+        check_all(&region, &versions)?;
+        // The child's writes go to its own memory and swap: twice its limit.
+        let pages = region.len() / PAGE_SIZE;
+        for page in 0..pages {
+            unsafe { fill(region.as_ptr(), page, 7) };
+        }
+        for page in 0..pages {
+            unsafe { check(region.as_ptr(), page, 7) }?;
+        }
+        region.check_invariants()?;
+        let stats = region.stats();
+        if stats.resident_pages * PAGE_SIZE as u64 > 2 * MIB as u64 + 64 * PAGE_SIZE as u64 {
+            return Err(format!(
+                "the child keeps {} pages resident, over its limit",
+                stats.resident_pages
+            ));
+        }
+        Ok(())
+    });
+    assert!(exited_ok(status), "child status {status:#x}");
+    // The parent's memory is as it was, whatever the child wrote.
+    check_all(&region, &versions).unwrap();
+    region.check_invariants().unwrap();
+}
+
+#[test]
+fn a_grandchild_gets_the_memory_of_its_parent() {
+    let (region, versions) = mixed_region(FaultMode::Thread);
+    let versions = settled(versions, &region);
+    let status = in_child(|| {
+        // The child changes some pages, then forks in turn.
+        for page in (0..versions.len()).step_by(5) {
+            unsafe { fill(region.as_ptr(), page, 9) };
+        }
+        let mut mine = versions.clone();
+        for v in mine.iter_mut().step_by(5) {
+            *v = 9;
+        }
+        let grandchild = in_child(|| check_all(&region, &mine));
+        if !exited_ok(grandchild) {
+            return Err(format!("grandchild status {grandchild:#x}"));
+        }
+        check_all(&region, &mine)
+    });
+    assert!(exited_ok(status), "child status {status:#x}");
+    check_all(&region, &versions).unwrap();
+}
+
+#[test]
+fn regions_sharing_a_swap_device_are_all_copied() {
+    let cfg = Config::new(MIB as u64);
+    let swap = uswap_core::swapfile::SwapDevice::open(&cfg.swap).unwrap();
+    let a = Region::with_swap(4 * MIB as u64, cfg.clone(), swap.clone()).unwrap();
+    let b = Region::with_swap(4 * MIB as u64, cfg, swap).unwrap();
+    let pages = a.len() / PAGE_SIZE;
+    for page in 0..pages {
+        unsafe { fill(a.as_ptr(), page, 1) };
+        unsafe { fill(b.as_ptr(), page, 2) };
+    }
+    let status = in_child(|| {
+        for page in 0..pages {
+            unsafe { check(a.as_ptr(), page, 1) }?;
+            unsafe { check(b.as_ptr(), page, 2) }?;
+        }
+        Ok(())
+    });
+    assert!(exited_ok(status), "child status {status:#x}");
+}
+
+#[test]
+fn forks_while_other_threads_fault_and_reclaim() {
+    let (region, versions) = mixed_region(FaultMode::Thread);
+    let versions = settled(versions, &region);
+    let region = Arc::new(region);
+    // Pages this thread churns: the rest is left as `versions` says.
+    let hot = versions.len() * 3 / 4 - 128..versions.len() * 3 / 4;
+    let stop = Arc::new(AtomicBool::new(false));
+    let churn = {
+        let (region, stop, hot) = (region.clone(), stop.clone(), hot.clone());
+        std::thread::spawn(move || {
+            let mut v = 10;
+            while !stop.load(Relaxed) {
+                for page in hot.clone() {
+                    unsafe { fill(region.as_ptr(), page, v) };
+                }
+                region
+                    .advise(hot.start * PAGE_SIZE, hot.len() * PAGE_SIZE, Advice::PageOut)
+                    .unwrap();
+                v += 1;
+            }
+        })
+    };
+    for _ in 0..5 {
+        let status = in_child(|| {
+            let settled = versions
+                .iter()
+                .enumerate()
+                .filter(|(p, _)| !hot.contains(p))
+                .map(|(p, &v)| (p, v));
+            for (page, v) in settled {
+                if v != 0 {
+                    unsafe { check(region.as_ptr(), page, v) }?;
+                }
+            }
+            region.check_invariants()
+        });
+        assert!(exited_ok(status), "child status {status:#x}");
+    }
+    stop.store(true, Relaxed);
+    churn.join().unwrap();
+    region.check_invariants().unwrap();
+}
+
+#[test]
+fn a_sigbus_mode_region_is_not_inherited_and_its_child_dies_loudly() {
+    let (region, _) = mixed_region(FaultMode::Sigbus);
+    let status = in_child(|| {
+        let word = unsafe { (region.as_ptr() as *const u64).read_volatile() };
+        Err(format!("the child read {word:#x} from memory it does not have"))
+    });
+    assert!(
+        libc::WIFSIGNALED(status) && libc::WTERMSIG(status) == libc::SIGSEGV,
+        "the child must die on the region it does not have, status {status:#x}"
+    );
+}
