@@ -13,8 +13,9 @@
 //! its own that a guard kills on the way out, panics included, and every file goes in a
 //! temporary directory.
 //!
-//! Tests that fork without exec (stress-ng's workers, redis's BGSAVE) are ignored until
-//! `uswap run` supports it (issue 8 §2).
+//! Programs that fork without exec (fork_verify.c, python_fork.py, stress-ng's workers,
+//! redis's BGSAVE) check that each child gets its parent's memory as it was, swapped pages
+//! included, and that parent and child do not see each other's writes after.
 
 use std::env;
 use std::ffi::OsStr;
@@ -447,7 +448,32 @@ fn python_alloc_under_uswap_run() {
 }
 
 #[test]
-#[ignore = "needs fork without exec (issue 8 §2)"]
+fn fork_verify_under_uswap_run() {
+    let _heavy = heavy();
+    let tmp = TempDir::new().unwrap();
+    let Some(exe) = build_c_program(tmp.path(), "fork_verify") else {
+        return;
+    };
+    let mut cmd = uswap_run(tmp.path(), Some(MEMORY), &exe);
+    cmd.args(["2", "128M"]);
+    let line = expect_ok(&run(cmd, b"", "uswap run fork_verify"), "fork_verify");
+    assert_eq!(line, format!("ok 2 children {} bytes", 2 * MEMORY_BYTES));
+}
+
+#[test]
+fn python_fork_under_uswap_run() {
+    let _heavy = heavy();
+    let Some(python) = python3() else {
+        return;
+    };
+    let tmp = TempDir::new().unwrap();
+    let mut cmd = uswap_run(tmp.path(), Some(MEMORY), python);
+    cmd.arg(program_source("python_fork.py")).arg("96");
+    let line = expect_ok(&run(cmd, b"", "uswap run python_fork.py"), "python_fork");
+    assert_eq!(line, format!("ok 3 workers {} bytes", 96u64 << 20));
+}
+
+#[test]
 fn stress_ng_vm_under_uswap_run() {
     let _heavy = heavy();
     let Some(stress_ng) = installed("stress-ng") else {
@@ -757,7 +783,6 @@ fn redis_under_uswap_run() {
 }
 
 #[test]
-#[ignore = "BGSAVE forks: needs issue 8 §2"]
 fn redis_bgsave_under_uswap_run() {
     let _heavy = heavy();
     let tmp = TempDir::new().unwrap();

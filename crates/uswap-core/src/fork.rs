@@ -78,9 +78,8 @@ pub(crate) fn register(inner: &UnsafeCell<Inner>) {
     if !MANUAL.load(Relaxed) {
         ATFORK.call_once(|| {
             // SAFETY: plain function pointers with C linkage.
-            let rc = unsafe {
-                libc::pthread_atfork(Some(prepare_c), Some(parent_c), Some(child_c))
-            };
+            let rc =
+                unsafe { libc::pthread_atfork(Some(prepare_c), Some(parent_c), Some(child_c)) };
             if rc != 0 {
                 eprintln!(
                     "uswap: pthread_atfork failed ({rc}); a child of fork will not get \
@@ -158,7 +157,9 @@ enum Copy {
         device: usize,
     },
     /// A SIGBUS-mode region: not inherited; its runs are held inaccessible in the child.
-    NotInherited { owned: Vec<Range<usize>> },
+    NotInherited {
+        owned: Vec<Range<usize>>,
+    },
     Failed(Error),
 }
 
@@ -510,11 +511,14 @@ impl Copier<'_> {
                 self.image.poisoned.push(l.page() as u32);
                 continue;
             }
-            let slot = self.device.alloc_slot().ok_or_else(|| Error::SwapExhausted {
-                needed: 1,
-                free: 0,
-                capacity: self.device.capacity_pages(),
-            })?;
+            let slot = self
+                .device
+                .alloc_slot()
+                .ok_or_else(|| Error::SwapExhausted {
+                    needed: 1,
+                    free: 0,
+                    capacity: self.device.capacity_pages(),
+                })?;
             batch.push((slot, self.bufs[i].as_ptr()));
             written.push((l.page() as u32, slot));
         }

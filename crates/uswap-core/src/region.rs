@@ -113,11 +113,10 @@ const EVENTS: [(u64, &str); 3] = [
 ];
 
 fn register(uffd: &Uffd, addr: usize, len: usize, mode: u64) -> Result<()> {
-    uffd.register(addr, len, mode)
-        .map_err(|source| Error::Os {
-            op: "UFFDIO_REGISTER",
-            source,
-        })
+    uffd.register(addr, len, mode).map_err(|source| Error::Os {
+        op: "UFFDIO_REGISTER",
+        source,
+    })
 }
 
 impl Region {
@@ -275,7 +274,9 @@ impl Region {
             ));
         }
         let pages = self.inner().fault.mm().pages().len() as u64;
-        self.inner().reservation.grow_to(pages.saturating_sub(limit))?;
+        self.inner()
+            .reservation
+            .grow_to(pages.saturating_sub(limit))?;
         self.inner().fault.reclaim().set_limit(limit);
         Ok(())
     }
@@ -651,7 +652,11 @@ impl Drop for Region {
         crate::fork::unregister(&self.inner);
         // A fork child's copy of a region it did not inherit is left alone: its threads
         // and mappings are the parent's.
-        if !self.inner().abandoned.load(std::sync::atomic::Ordering::Relaxed) {
+        if !self
+            .inner()
+            .abandoned
+            .load(std::sync::atomic::Ordering::Relaxed)
+        {
             // SAFETY: dropped once, here; the region is not used after.
             unsafe { ManuallyDrop::drop(&mut self.inner) };
         }

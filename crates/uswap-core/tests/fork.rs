@@ -80,8 +80,16 @@ fn mixed_region(mode: FaultMode) -> (Region, Vec<u32>) {
         .unwrap();
     let base = region.as_ptr();
     unsafe {
-        libc::madvise(base.add(200 * PAGE_SIZE).cast(), 16 * PAGE_SIZE, libc::MADV_DONTNEED);
-        libc::madvise(base.add(300 * PAGE_SIZE).cast(), 16 * PAGE_SIZE, libc::MADV_FREE);
+        libc::madvise(
+            base.add(200 * PAGE_SIZE).cast(),
+            16 * PAGE_SIZE,
+            libc::MADV_DONTNEED,
+        );
+        libc::madvise(
+            base.add(300 * PAGE_SIZE).cast(),
+            16 * PAGE_SIZE,
+            libc::MADV_FREE,
+        );
     }
     versions[200..216].fill(0);
     for (page, v) in versions.iter_mut().enumerate().take(308).skip(300) {
@@ -199,7 +207,11 @@ fn forks_while_other_threads_fault_and_reclaim() {
                     unsafe { fill(region.as_ptr(), page, v) };
                 }
                 region
-                    .advise(hot.start * PAGE_SIZE, hot.len() * PAGE_SIZE, Advice::PageOut)
+                    .advise(
+                        hot.start * PAGE_SIZE,
+                        hot.len() * PAGE_SIZE,
+                        Advice::PageOut,
+                    )
                     .unwrap();
                 v += 1;
             }
@@ -231,7 +243,9 @@ fn a_sigbus_mode_region_is_not_inherited_and_its_child_dies_loudly() {
     let (region, _) = mixed_region(FaultMode::Sigbus);
     let status = in_child(|| {
         let word = unsafe { (region.as_ptr() as *const u64).read_volatile() };
-        Err(format!("the child read {word:#x} from memory it does not have"))
+        Err(format!(
+            "the child read {word:#x} from memory it does not have"
+        ))
     });
     assert!(
         libc::WIFSIGNALED(status) && libc::WTERMSIG(status) == libc::SIGSEGV,

@@ -120,7 +120,7 @@ fn my_arena() -> usize {
 
 /// The space, if this call should be served from it.
 fn serving() -> Option<&'static Space> {
-    space::get().filter(|_| !internal::inside() && !crate::fork::in_child())
+    space::get().filter(|_| !internal::inside())
 }
 
 /// Where a block lives.
@@ -134,10 +134,6 @@ enum Owner {
 
 fn owner(ptr: usize) -> Owner {
     if let Some(space) = space::get().filter(|s| s.contains(ptr)) {
-        if crate::fork::in_child() {
-            // The parent's memory is not mapped in a child of fork.
-            return Owner::Foreign;
-        }
         return match space.owner(ptr) {
             NO_ARENA => invalid_free(ptr),
             large::OWNER => Owner::Large,

@@ -23,7 +23,7 @@ mod sys;
 mod threads;
 
 use std::path::PathBuf;
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 use uswap_core::control::ControlServer;
 use uswap_core::memcg::MemCgroup;
 use uswap_core::run::{Settings, ENV};
@@ -40,11 +40,12 @@ extern "C" fn init() {
         return;
     };
     let program = std::env::args().next().unwrap_or_default();
+    fork::register();
+    warm_up_name_services();
     match start(&text) {
         Ok(region) => {
             serve_control(&region);
             space::install(region);
-            fork::register();
             // SAFETY: registering a function with C linkage.
             unsafe { libc::atexit(at_exit) };
         }
@@ -59,6 +60,14 @@ extern "C" fn init() {
     }
 }
 
+/// Has the C library allocate its name service state now, from the internal heap: a child
+/// of fork rewrites that state before any fork handler runs, before uswap has given the
+/// child its memory. (A lookup in the services database reads a local file.)
+fn warm_up_name_services() {
+    // SAFETY: a lookup by NUL-terminated names; the result is not used.
+    unsafe { libc::getservbyname(c"uswap".as_ptr(), c"tcp".as_ptr()) };
+}
+
 /// Starts the control socket of `uswap stat` and `uswap ctl`; the program runs without it
 /// (and is told) if it cannot be made.
 fn serve_control(region: &Arc<Region>) {
@@ -67,7 +76,7 @@ fn serve_control(region: &Arc<Region>) {
             let path = server.path().to_path_buf();
             // The server lives as long as the process; its socket goes at exit.
             std::mem::forget(server);
-            let _ = CONTROL_SOCKET.set(path);
+            *CONTROL_SOCKET.lock().unwrap_or_else(|e| e.into_inner()) = Some(path);
         }
         Err(e) => sys::warn(&format!(
             "uswap run: no control socket for uswap stat/ctl: {e}\n"
@@ -75,18 +84,29 @@ fn serve_control(region: &Arc<Region>) {
     }
 }
 
-static CONTROL_SOCKET: OnceLock<PathBuf> = OnceLock::new();
+/// A child of fork: the parent's control server (its thread is not here) is left alone,
+/// and the child answers `uswap stat` and `uswap ctl` on a socket of its own.
+fn child_control() {
+    *CONTROL_SOCKET.lock().unwrap_or_else(|e| e.into_inner()) = None;
+    if let Some(space) = space::get() {
+        serve_control(space.region());
+    }
+}
+
+/// This process's control socket, removed at exit.
+static CONTROL_SOCKET: Mutex<Option<PathBuf>> = Mutex::new(None);
 
 /// The tree's memory cgroup, when this program shares one.
 static MEMCG: OnceLock<Arc<MemCgroup>> = OnceLock::new();
 
 /// On the way out: the control socket goes, and the tree's memory cgroup file if this was
-/// the last process of the tree. A child of fork leaves both to its parent.
+/// the last process of the tree.
 extern "C" fn at_exit() {
-    if fork::in_child() {
-        return;
-    }
-    if let Some(path) = CONTROL_SOCKET.get() {
+    if let Some(path) = CONTROL_SOCKET
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .take()
+    {
         let _ = std::fs::remove_file(path);
     }
     if let Some(cg) = MEMCG.get() {

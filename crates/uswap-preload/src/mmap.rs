@@ -20,7 +20,7 @@ const KERNEL_ONLY: c_int =
 const MAP_TYPE: c_int = 0x0f;
 
 fn space() -> Option<&'static Space> {
-    space::get().filter(|_| !internal::inside() && !crate::fork::in_child())
+    space::get().filter(|_| !internal::inside())
 }
 
 fn fail<T>(errno: c_int, value: T) -> T {

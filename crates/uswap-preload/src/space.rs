@@ -61,6 +61,10 @@ pub fn install(region: Arc<Region>) {
 }
 
 impl Space {
+    pub fn region(&self) -> &Arc<Region> {
+        &self.region
+    }
+
     pub fn contains(&self, addr: usize) -> bool {
         (self.start..self.end).contains(&addr)
     }
