@@ -53,6 +53,7 @@ use crate::vmscan::Reclaim;
 use crate::PAGE_SIZE;
 use std::cell::UnsafeCell;
 use std::ops::Range;
+use std::os::unix::fs::FileExt;
 use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use std::sync::{Arc, Mutex, MutexGuard, Once};
 use std::time::Duration;
@@ -73,6 +74,9 @@ static ATFORK: Once = Once::new();
 
 /// Pages locked and copied at a time.
 const BATCH: usize = 64;
+
+/// Rounds a batch is tried again while a lazily freed page in it could not be parked.
+const LAZY_TRIES: u32 = 20;
 
 pub(crate) fn register(inner: &UnsafeCell<Inner>) {
     if !MANUAL.load(Relaxed) {
@@ -233,13 +237,15 @@ pub fn child() {
         let old = unsafe { &*(*e.0).get() };
         old.abandon_in_child(&mut closed);
     }
+    let mut regions = regions;
     for device in &mut devices {
         // The only handle: the parent's went with `parent()` there.
         if let Some(d) = Arc::get_mut(device) {
             d.renew_io();
         }
     }
-    for (e, copy) in regions.iter().zip(copies) {
+    let mut inherited = Vec::new();
+    for (e, copy) in regions.drain(..).zip(copies) {
         let (image, owned, device) = match copy {
             Copy::Made {
                 image,
@@ -258,7 +264,11 @@ pub fn child() {
             Ok(inner) => unsafe { std::ptr::write(cell.get(), inner) },
             Err(e) => die(&e),
         }
+        inherited.push(e);
     }
+    // Regions not inherited leave the registry: a later fork must not close the numbers
+    // of their descriptors again (they may be in use by then).
+    *regions = inherited;
     drop(regions);
 }
 
@@ -324,8 +334,18 @@ fn copy_region(inner: &Inner, devices: &mut Devices) -> Copy {
         Ok(i) => i,
         Err(e) => return Copy::Failed(e),
     };
+    let memory = match std::fs::File::open("/proc/self/mem") {
+        Ok(m) => m,
+        Err(source) => {
+            return Copy::Failed(Error::Os {
+                op: "opening /proc/self/mem",
+                source,
+            })
+        }
+    };
     let mut copier = Copier {
         mm,
+        memory: &memory,
         reclaim: fault.reclaim(),
         device: &devices.children[device],
         bufs: (0..BATCH).map(|_| PageBuf::new()).collect(),
@@ -380,11 +400,15 @@ enum Source {
     /// In a staging frame, or anywhere else only its lock holder changes.
     Parked(usize),
     Slot(SlotId),
+    /// A lazily freed page the kernel dropped: it reads as zeros, in the child too.
+    Zero,
     Lost,
 }
 
 struct Copier<'a> {
     mm: &'a Mm,
+    /// `/proc/self/mem`.
+    memory: &'a std::fs::File,
     reclaim: &'a Reclaim,
     device: &'a Arc<SwapDevice>,
     bufs: Vec<PageBuf>,
@@ -407,7 +431,12 @@ impl Copier<'_> {
                 .filter(|l| holds_data(l.kind()))
                 .collect();
             self.park_lazily_freed(&mut locks);
-            let Some(sources) = self.read(&locks) else {
+            // A lazily freed page left mapped (no frame free, or vma events in the way) may
+            // be dropped by the kernel while it is read: try again, a few times, before
+            // reading it in place anyway (a page that cannot move, mlocked, stays).
+            let parked = round >= LAZY_TRIES || locks.iter().all(|l| l.kind() != Kind::Lazyfree);
+            let sources = if parked { self.read(&locks) } else { None };
+            let Some(sources) = sources else {
                 // Vma events are being handled and may need these page locks.
                 drop(locks);
                 std::thread::sleep(Duration::from_micros(50 << round.min(6)));
@@ -461,18 +490,28 @@ impl Copier<'_> {
                 let Source::Mapped(addr) = *source else {
                     continue;
                 };
-                // A mapped page the kernel no longer has (taken from under uswap) would
-                // fault here, on a page this thread holds locked.
+                // A mapped page the kernel no longer has would fault here, on a page this
+                // thread holds locked: a lazily freed one was dropped by the kernel (it
+                // reads as zeros), any other was taken from under uswap (lost).
                 let gone = mm
                     .pagemap_entry(l.page())
                     .is_some_and(|e| !e.present && !e.kernel_swapped);
                 if gone {
-                    *source = Source::Lost;
+                    *source = match l.kind() {
+                        Kind::Lazyfree => Source::Zero,
+                        _ => Source::Lost,
+                    };
                     continue;
                 }
-                // SAFETY: a mapped page of the region, locked, inside the gate; the buffer
-                // is a page.
-                unsafe { copy_page(addr, &mut self.bufs[i]) };
+                // Through /proc/self/mem, which reads a page the program made unreadable
+                // (mprotect) instead of faulting.
+                if self
+                    .memory
+                    .read_exact_at(self.bufs[i].as_mut_slice(), addr as u64)
+                    .is_err()
+                {
+                    *source = Source::Lost;
+                }
             }
         }
         let mut reads: Vec<(SlotId, *mut u8)> = Vec::new();
@@ -507,9 +546,13 @@ impl Copier<'_> {
         let mut batch: Vec<(SlotId, *const u8)> = Vec::new();
         let mut written = Vec::new();
         for (i, (l, source)) in locks.iter().zip(sources).enumerate() {
-            if matches!(source, Source::Lost) {
-                self.image.poisoned.push(l.page() as u32);
-                continue;
+            match source {
+                Source::Lost => {
+                    self.image.poisoned.push(l.page() as u32);
+                    continue;
+                }
+                Source::Zero => continue,
+                _ => {}
             }
             let slot = self
                 .device

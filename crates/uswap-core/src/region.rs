@@ -571,6 +571,9 @@ impl Inner {
     /// descriptors that act on the parent (its userfaultfds; its swap file, once per
     /// device, `closed` listing those done), and marks it never to be dropped.
     pub(crate) fn abandon_in_child(&self, closed: &mut Vec<*const SwapDevice>) {
+        if self.abandoned.load(std::sync::atomic::Ordering::Relaxed) {
+            return;
+        }
         let mm = self.fault.mm();
         // SAFETY: descriptors of the abandoned region, never used by the child again.
         unsafe {

@@ -19,6 +19,7 @@ mod large;
 mod mmap;
 mod runs;
 mod space;
+mod stdio;
 mod sys;
 mod threads;
 

@@ -144,7 +144,7 @@ pub unsafe extern "C" fn pthread_setspecific(
 ///
 /// # Safety
 /// `F` must be the function type of `name`.
-unsafe fn next<F: Copy>(slot: &AtomicPtr<c_void>, name: &std::ffi::CStr) -> F {
+pub(crate) unsafe fn next<F: Copy>(slot: &AtomicPtr<c_void>, name: &std::ffi::CStr) -> F {
     let mut f = slot.load(Acquire);
     if f.is_null() {
         f = libc::dlsym(libc::RTLD_NEXT, name.as_ptr());

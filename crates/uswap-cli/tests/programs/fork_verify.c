@@ -2,7 +2,8 @@
  * the limit uswap run gives it) and an mmap'd block, then forks CHILDREN children while a
  * thread keeps writing memory of its own. Each child checks every byte it inherited,
  * writes a pattern of its own over all of it, checks that, forks a grandchild that checks
- * the child's pattern, and exits 0 only if everything matched. The parent checks that its
+ * the child's pattern, and exits 0 only if everything matched. A stream is open across
+ * the forks, and written on both sides. The parent checks that its
  * memory is untouched by the children and prints "ok <children> children <bytes> bytes".
  *
  * usage: fork_verify CHILDREN SIZE[K|M|G]; exit 1 on a mismatch (with a line saying where),
@@ -82,7 +83,11 @@ static int wait_ok(pid_t pid, const char *who) {
     return 1;
 }
 
+/* An open stream: the C library resets its lock in a fork child before any handler. */
+static FILE *journal;
+
 static int child(int n) {
+    if (fprintf(journal, "child %d\n", n) < 0 || fflush(journal) != 0) return 2;
     if (!check_all("child", 1)) return 1;
     uint64_t version = 10 + n;
     fill_all(version);
@@ -109,6 +114,8 @@ int main(int argc, char **argv) {
     mapped = mmap(NULL, CHUNK, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (mapped == MAP_FAILED) { perror("mmap"); return 2; }
     fill_all(1);
+    journal = tmpfile();
+    if (!journal || fprintf(journal, "parent\n") < 0) { perror("tmpfile"); return 2; }
     pthread_t t;
     pthread_create(&t, NULL, churn, NULL);
     int ok = 1;

@@ -171,10 +171,13 @@ impl SwapDevice {
     }
 
     /// A new, empty device made as this one was, in the same directory: a fork child's.
-    /// A named file's child gets an unnamed one beside it.
+    /// A named file's child gets an unnamed one beside it, and the child's file grows as
+    /// it is used (a fixed size would be allocated in full at every fork, in memory on
+    /// tmpfs).
     pub fn open_like(&self) -> Result<Arc<SwapDevice>, Error> {
         let cfg = SwapConfig {
             location: SwapLocation::TempIn(location_dir(&self.cfg.location).to_path_buf()),
+            size: None,
             ..self.cfg.clone()
         };
         SwapDevice::open(&cfg)
