@@ -99,7 +99,9 @@ impl ControlServer {
         // SAFETY: geteuid has no preconditions.
         let euid = unsafe { libc::geteuid() };
         let path = socket_path(std::process::id(), euid);
-        prepare_dir(path.parent().unwrap_or(Path::new("/")), euid)?;
+        let dir = path.parent().unwrap_or(Path::new("/"));
+        prepare_dir(dir, euid)?;
+        remove_dead(dir);
         let listener = bind(&path)?;
         let (stop_rx, stop_tx) = pipe()?;
         let server = Server {
@@ -208,6 +210,33 @@ fn remove_stale(path: &Path) -> Result<()> {
             "this process serves one there already (one control socket per process)".into(),
         )),
         Ok(_) => std::fs::remove_file(path).map_err(|e| refuse(e.to_string())),
+    }
+}
+
+/// Removes the sockets of processes that are gone without removing theirs: children of
+/// fork end with `_exit` (redis's BGSAVE, Python's multiprocessing), which skips exit
+/// handlers. A socket stays if its process exists or anyone accepts on it.
+fn remove_dead(dir: &Path) {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let path = entry.path();
+        let Some(pid) = path
+            .file_name()
+            .and_then(|n| n.to_str())
+            .and_then(|n| n.strip_suffix(".sock"))
+            .and_then(|n| n.parse::<libc::pid_t>().ok())
+        else {
+            continue;
+        };
+        // SAFETY: signal 0 only checks that the process exists.
+        let gone = unsafe { libc::kill(pid, 0) } != 0
+            && std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH);
+        let is_socket = entry.file_type().is_ok_and(|t| t.is_socket());
+        if gone && is_socket && UnixStream::connect(&path).is_err() {
+            let _ = std::fs::remove_file(&path);
+        }
     }
 }
 

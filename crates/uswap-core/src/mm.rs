@@ -271,6 +271,20 @@ impl Mm {
         self.mmap_changing.changing()
     }
 
+    /// In a fork child, for the abandoned parent's region: closes its userfaultfds and its
+    /// `/proc/self/pagemap` (which names the parent's memory). Never used again after.
+    pub(crate) fn close_in_child(&self) {
+        use std::os::fd::AsRawFd;
+        // SAFETY: descriptors of the abandoned region, never used by the child again.
+        unsafe {
+            libc::close(self.uffd.raw());
+            libc::close(self.staging_uffd.raw());
+            if let Some(pagemap) = &self.pagemap {
+                libc::close(pagemap.as_raw_fd());
+            }
+        }
+    }
+
     /// The fence fills pass; `fork` reads mapped pages inside it, so that no zap of a
     /// vma event lands meanwhile.
     pub(crate) fn fill_gate(&self) -> &MmapChanging {

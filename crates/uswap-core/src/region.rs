@@ -568,18 +568,15 @@ impl Inner {
     }
 
     /// In a fork child, for the parent's region copied into the child's memory: closes the
-    /// descriptors that act on the parent (its userfaultfds; its swap file, once per
-    /// device, `closed` listing those done), and marks it never to be dropped.
+    /// descriptors that act on the parent (its userfaultfds and pagemap; its swap file and
+    /// rings, once per device, `closed` listing those done), and marks it never to be
+    /// dropped.
     pub(crate) fn abandon_in_child(&self, closed: &mut Vec<*const SwapDevice>) {
         if self.abandoned.load(std::sync::atomic::Ordering::Relaxed) {
             return;
         }
         let mm = self.fault.mm();
-        // SAFETY: descriptors of the abandoned region, never used by the child again.
-        unsafe {
-            libc::close(mm.uffd().raw());
-            libc::close(mm.staging_uffd().raw());
-        }
+        mm.close_in_child();
         let device = Arc::as_ptr(mm.swap());
         if !closed.contains(&device) {
             mm.swap().close_in_child();

@@ -114,6 +114,19 @@ impl IoEngine {
         }
     }
 
+    /// In a fork child, for an engine it abandons: closes the rings' descriptors, which
+    /// are the parent's rings. A pool its parent was using at the fork is left alone.
+    pub(crate) fn close_in_child(&self) {
+        if let Some(pool) = &self.rings {
+            if let Ok(rings) = pool.0.try_lock() {
+                for ring in rings.iter() {
+                    // SAFETY: the abandoned engine never uses its rings again.
+                    unsafe { libc::close(ring.as_raw_fd()) };
+                }
+            }
+        }
+    }
+
     /// The mode in effect after any fallback.
     pub(crate) fn mode(&self) -> IoMode {
         match self.rings {

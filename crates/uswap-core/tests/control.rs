@@ -331,3 +331,25 @@ fn another_user_can_neither_reach_the_socket_nor_be_served() {
     assert_eq!(region.readahead(), Readahead::default(), "nothing changed");
     assert!(stat()["stats"].is_object(), "the owner is still served");
 }
+
+#[test]
+fn sockets_of_processes_that_are_gone_are_removed() {
+    let rt = Runtime::new();
+    let (region, server) = served(4 * MIB, 2 * MIB);
+    drop(server);
+    // A child that ended with _exit left its socket; a live process's socket stays, as
+    // does a file that is not a socket.
+    let mut child = std::process::Command::new("true").spawn().unwrap();
+    let dead = child.id();
+    child.wait().unwrap();
+    let left = rt.dir().join(format!("{dead}.sock"));
+    drop(std::os::unix::net::UnixListener::bind(&left).unwrap());
+    let live = rt.dir().join("1.sock");
+    drop(std::os::unix::net::UnixListener::bind(&live).unwrap());
+    let other = rt.dir().join(format!("{}.sock", dead + 1_000_000));
+    std::fs::write(&other, b"").unwrap();
+    let _server = ControlServer::start(region).unwrap();
+    assert!(!left.exists(), "the dead process's socket is gone");
+    assert!(live.exists(), "pid 1 is alive: its socket stays");
+    assert!(other.exists(), "not a socket: left alone");
+}

@@ -193,12 +193,13 @@ impl SwapDevice {
         );
     }
 
-    /// In a fork child: closes the descriptor of the parent's swap file, which the child
-    /// never uses (it would keep the file's space alive after the parent is gone). The
-    /// device must never be used or dropped after this.
+    /// In a fork child: closes the descriptors of the parent's swap file, which the child
+    /// never uses (it would keep the file's space alive after the parent is gone), and of
+    /// its io_uring rings. The device must never be used or dropped after this.
     pub(crate) fn close_in_child(&self) {
         // SAFETY: closing a descriptor of the leaked parent device, never used again.
         unsafe { libc::close(self.file.as_raw_fd()) };
+        self.io.close_in_child();
     }
 
     pub fn capacity_pages(&self) -> u64 {
