@@ -146,8 +146,14 @@ impl RegionImage {
         for &page in &self.poisoned {
             mm.pages().lock(page as usize).poison();
         }
-        for page in (0..mm.pages().len()).filter(|&p| !in_owned(p)) {
-            mm.pages().lock(page).unmap();
+        // The gaps between the runs (which are in address order) were unmapped.
+        let mut next = 0;
+        let ends = owned.iter().map(|r| (r.start, r.end));
+        for (start, end) in ends.chain(std::iter::once((mm.pages().len(), 0))) {
+            for page in next..start {
+                mm.pages().lock(page).unmap();
+            }
+            next = end;
         }
     }
 }

@@ -147,7 +147,9 @@ pub struct FaultLatency {
     shards: Vec<Mutex<[Histogram<u64>; 3]>>,
 }
 
-const SHARDS: usize = 16;
+/// Most shards: one per CPU up to this many (each costs about 700 KB of histograms, paid
+/// by every process under `uswap run` and every child of fork when its region is made).
+const MAX_SHARDS: usize = 16;
 
 /// A histogram of nanoseconds: 1 ns to 100 s at 3 significant digits.
 pub fn new_histogram() -> Histogram<u64> {
@@ -162,7 +164,7 @@ pub fn record(h: &mut Histogram<u64>, took: Duration) {
 impl Default for FaultLatency {
     fn default() -> Self {
         FaultLatency {
-            shards: (0..SHARDS)
+            shards: (0..crate::cpu::count().clamp(1, MAX_SHARDS))
                 .map(|_| Mutex::new([new_histogram(), new_histogram(), new_histogram()]))
                 .collect(),
         }
@@ -171,7 +173,7 @@ impl Default for FaultLatency {
 
 impl FaultLatency {
     pub fn record(&self, kind: FaultKind, took: Duration) {
-        let shard = crate::cpu::current() % SHARDS;
+        let shard = crate::cpu::current() % self.shards.len();
         record(
             &mut crate::sync::lock_std(&self.shards[shard])[kind as usize],
             took,

@@ -252,3 +252,44 @@ fn a_sigbus_mode_region_is_not_inherited_and_its_child_dies_loudly() {
         "the child must die on the region it does not have, status {status:#x}"
     );
 }
+
+#[test]
+fn a_hole_the_parent_unmapped_stays_a_hole_in_the_child() {
+    let region = Region::new(4 * MIB as u64, Config::new(MIB as u64)).unwrap();
+    let pages = region.len() / PAGE_SIZE;
+    for page in 0..pages {
+        unsafe { fill(region.as_ptr(), page, 1) };
+    }
+    let hole = 100..200;
+    let base = region.as_ptr();
+    let rc = unsafe {
+        libc::munmap(
+            base.add(hole.start * PAGE_SIZE).cast(),
+            hole.len() * PAGE_SIZE,
+        )
+    };
+    assert_eq!(rc, 0);
+    let status = in_child(|| {
+        for page in (0..pages).filter(|p| !hole.contains(p)) {
+            unsafe { check(region.as_ptr(), page, 1) }?;
+        }
+        // Nothing is mapped in the hole: a mapping may go there.
+        let at = unsafe { base.add(hole.start * PAGE_SIZE) };
+        let got = unsafe {
+            libc::mmap(
+                at.cast(),
+                hole.len() * PAGE_SIZE,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_FIXED_NOREPLACE,
+                -1,
+                0,
+            )
+        };
+        if got != at.cast() {
+            return Err(format!("the hole is not free in the child: {got:?}"));
+        }
+        region.check_invariants()
+    });
+    assert!(exited_ok(status), "child status {status:#x}");
+    region.check_invariants().unwrap();
+}
