@@ -7,6 +7,18 @@ pub fn count() -> usize {
     std::thread::available_parallelism().map_or(1, |n| n.get())
 }
 
+/// CPUs the machine has (not only those this process may use): the range of CPU numbers
+/// `current` returns, for structures indexed by it.
+pub fn configured() -> usize {
+    // SAFETY: sysconf has no preconditions.
+    let n = unsafe { libc::sysconf(libc::_SC_NPROCESSORS_CONF) };
+    if n > 0 {
+        n as usize
+    } else {
+        count()
+    }
+}
+
 /// Current CPU number (0 when the kernel cannot tell).
 pub fn current() -> usize {
     // SAFETY: sched_getcpu has no preconditions.

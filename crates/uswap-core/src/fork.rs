@@ -13,8 +13,9 @@
 //!   it), and every page holding data is written to a slot of it, a resident page from
 //!   memory and a swapped one from its slot (verified on the way). Pages are locked while
 //!   they are copied, and mapped ones are read inside the fill gate, so no vma event's zap
-//!   lands meanwhile; a lazily freed page is first moved to staging, since the kernel may
-//!   drop it at any time. The image says which page went to which slot.
+//!   lands meanwhile, through `/proc/self/mem`, which fails instead of waiting on a page
+//!   that is not there (the kernel may drop a lazily freed page at any time: it then reads
+//!   as zeros in the child). The image says which page went to which slot.
 //! - **child**: each region is built again at the same address from its image: every
 //!   page with data is `Swapped` in the child's own device, and comes back on access. The
 //!   parent's structures, copied into the child's memory, are abandoned and never dropped
@@ -49,7 +50,6 @@ use crate::signals::Quiet;
 use crate::swap_io::PageBuf;
 use crate::swapfile::{SlotId, SwapDevice};
 use crate::sync::lock_std;
-use crate::vmscan::Reclaim;
 use crate::PAGE_SIZE;
 use std::cell::UnsafeCell;
 use std::ops::Range;
@@ -74,9 +74,6 @@ static ATFORK: Once = Once::new();
 
 /// Pages locked and copied at a time.
 const BATCH: usize = 64;
-
-/// Rounds a batch is tried again while a lazily freed page in it could not be parked.
-const LAZY_TRIES: u32 = 20;
 
 pub(crate) fn register(inner: &UnsafeCell<Inner>) {
     if !MANUAL.load(Relaxed) {
@@ -132,7 +129,11 @@ impl RegionImage {
     /// Gives the pages of a newly built child region their inherited states; pages outside
     /// `owned` were unmapped by the parent.
     pub(crate) fn apply(&self, mm: &Mm, owned: &[Range<usize>]) {
-        let in_owned = |p: usize| owned.iter().any(|r| r.contains(&p));
+        // The runs are sorted and do not overlap.
+        let in_owned = |p: usize| {
+            let i = owned.partition_point(|r| r.end <= p);
+            owned.get(i).is_some_and(|r| r.contains(&p))
+        };
         for &(page, slot) in &self.pages {
             let page = page as usize;
             if in_owned(page) {
@@ -163,6 +164,8 @@ enum Copy {
     Made {
         image: RegionImage,
         owned: Vec<Range<usize>>,
+        /// Page ranges the program gave a protection other than read-write.
+        protections: Vec<(Range<usize>, libc::c_int)>,
         /// Its device, in `Held::devices`.
         device: usize,
     },
@@ -252,12 +255,13 @@ pub fn child() {
     }
     let mut inherited = Vec::new();
     for (e, copy) in regions.drain(..).zip(copies) {
-        let (image, owned, device) = match copy {
+        let (image, owned, protections, device) = match copy {
             Copy::Made {
                 image,
                 owned,
+                protections,
                 device,
-            } => (image, owned, &devices[device]),
+            } => (image, owned, protections, &devices[device]),
             Copy::NotInherited { .. } => continue,
             Copy::Failed(e) => die(&e),
         };
@@ -265,11 +269,13 @@ pub fn child() {
         // contents, which are abandoned: overwritten without being dropped.
         let cell = unsafe { &*e.0 };
         let old = unsafe { &*cell.get() };
+        let start = old.fault().mm().start();
         match rebuild(old, &image, &owned, device.clone()) {
             // SAFETY: as above.
             Ok(inner) => unsafe { std::ptr::write(cell.get(), inner) },
             Err(e) => die(&e),
         }
+        protect(start, &owned, &protections);
         inherited.push(e);
     }
     // Regions not inherited leave the registry: a later fork must not close the numbers
@@ -352,7 +358,6 @@ fn copy_region(inner: &Inner, devices: &mut Devices) -> Copy {
     let mut copier = Copier {
         mm,
         memory: &memory,
-        reclaim: fault.reclaim(),
         device: &devices.children[device],
         bufs: (0..BATCH).map(|_| PageBuf::new()).collect(),
         image: RegionImage::default(),
@@ -365,9 +370,70 @@ fn copy_region(inner: &Inner, devices: &mut Devices) -> Copy {
     }
     let image = copier.image;
     Copy::Made {
+        protections: protections(mm.start(), mm.len()),
         owned: owned_runs(mm),
         image,
         device,
+    }
+}
+
+/// The page ranges of `[start, start + len)` with a protection other than read-write
+/// (`mprotect` by the program), from `/proc/self/maps`; none when it cannot be read.
+fn protections(start: usize, len: usize) -> Vec<(Range<usize>, libc::c_int)> {
+    let Ok(maps) = std::fs::read_to_string("/proc/self/maps") else {
+        return Vec::new();
+    };
+    let end = start + len;
+    let mut found = Vec::new();
+    for line in maps.lines() {
+        let mut fields = line.split_whitespace();
+        let (Some(range), Some(perms)) = (fields.next(), fields.next()) else {
+            continue;
+        };
+        let Some((a, b)) = range.split_once('-') else {
+            continue;
+        };
+        let (Ok(a), Ok(b)) = (usize::from_str_radix(a, 16), usize::from_str_radix(b, 16)) else {
+            continue;
+        };
+        let (a, b) = (a.max(start), b.min(end));
+        if a >= b {
+            continue;
+        }
+        let bit = |i: usize, c: u8, p: libc::c_int| {
+            if perms.as_bytes().get(i) == Some(&c) {
+                p
+            } else {
+                0
+            }
+        };
+        let prot = bit(0, b'r', libc::PROT_READ)
+            | bit(1, b'w', libc::PROT_WRITE)
+            | bit(2, b'x', libc::PROT_EXEC);
+        if prot != libc::PROT_READ | libc::PROT_WRITE {
+            found.push(((a - start) / PAGE_SIZE..(b - start) / PAGE_SIZE, prot));
+        }
+    }
+    found
+}
+
+/// Gives the child's region (at `start`) the protections the parent's had, within its
+/// own runs (what lies in the gaps is someone else's).
+fn protect(start: usize, owned: &[Range<usize>], protections: &[(Range<usize>, libc::c_int)]) {
+    for (range, prot) in protections {
+        for run in owned {
+            let (a, b) = (range.start.max(run.start), range.end.min(run.end));
+            if a < b {
+                // SAFETY: pages of the child's own region.
+                unsafe {
+                    libc::mprotect(
+                        (start + a * PAGE_SIZE) as *mut libc::c_void,
+                        (b - a) * PAGE_SIZE,
+                        *prot,
+                    )
+                };
+            }
+        }
     }
 }
 
@@ -415,7 +481,6 @@ struct Copier<'a> {
     mm: &'a Mm,
     /// `/proc/self/mem`.
     memory: &'a std::fs::File,
-    reclaim: &'a Reclaim,
     device: &'a Arc<SwapDevice>,
     bufs: Vec<PageBuf>,
     image: RegionImage,
@@ -430,18 +495,13 @@ impl Copier<'_> {
         }
         let mut round = 0u32;
         loop {
-            let mut locks: Vec<PageLock<'_>> = range
+            let locks: Vec<PageLock<'_>> = range
                 .clone()
                 .filter(|&p| holds_data(pages.peek(p).0.kind()))
                 .map(|p| pages.lock(p))
                 .filter(|l| holds_data(l.kind()))
                 .collect();
-            self.park_lazily_freed(&mut locks);
-            // A lazily freed page left mapped (no frame free, or vma events in the way) may
-            // be dropped by the kernel while it is read: try again, a few times, before
-            // reading it in place anyway (a page that cannot move, mlocked, stays).
-            let parked = round >= LAZY_TRIES || locks.iter().all(|l| l.kind() != Kind::Lazyfree);
-            let sources = if parked { self.read(&locks) } else { None };
+            let sources = self.read(&locks);
             let Some(sources) = sources else {
                 // Vma events are being handled and may need these page locks.
                 drop(locks);
@@ -451,26 +511,6 @@ impl Copier<'_> {
             };
             return self.write(&locks, &sources);
         }
-    }
-
-    /// Moves lazily freed pages to staging first: the kernel may drop such a page at any
-    /// moment, and reading it then would fault on a page whose lock this thread holds.
-    fn park_lazily_freed(&self, locks: &mut Vec<PageLock<'_>>) {
-        if !locks.iter().any(|l| l.kind() == Kind::Lazyfree) {
-            return;
-        }
-        let (mut lazy, rest): (Vec<_>, Vec<_>) =
-            locks.drain(..).partition(|l| l.kind() == Kind::Lazyfree);
-        for l in &mut lazy {
-            // Moved whatever its history: the referenced bit would keep it mapped.
-            l.second_chance();
-            self.mm.lru().remove(l.page());
-        }
-        self.reclaim.deactivate(&mut lazy);
-        *locks = rest;
-        locks.append(&mut lazy);
-        locks.sort_unstable_by_key(|l| l.page());
-        locks.retain(|l| holds_data(l.kind()));
     }
 
     /// Reads the locked pages into the buffers; `None` when vma events are being handled

@@ -164,7 +164,7 @@ pub fn record(h: &mut Histogram<u64>, took: Duration) {
 impl Default for FaultLatency {
     fn default() -> Self {
         FaultLatency {
-            shards: (0..crate::cpu::count().clamp(1, MAX_SHARDS))
+            shards: (0..crate::cpu::configured().clamp(1, MAX_SHARDS))
                 .map(|_| Mutex::new([new_histogram(), new_histogram(), new_histogram()]))
                 .collect(),
         }

@@ -293,3 +293,52 @@ fn a_hole_the_parent_unmapped_stays_a_hole_in_the_child() {
     assert!(exited_ok(status), "child status {status:#x}");
     region.check_invariants().unwrap();
 }
+
+/// The permissions `/proc/self/maps` shows for the mapping holding `addr`.
+fn perms_at(addr: usize) -> Option<String> {
+    let maps = std::fs::read_to_string("/proc/self/maps").ok()?;
+    maps.lines().find_map(|line| {
+        let (range, rest) = line.split_once(' ')?;
+        let (a, b) = range.split_once('-')?;
+        let (a, b) = (
+            usize::from_str_radix(a, 16).ok()?,
+            usize::from_str_radix(b, 16).ok()?,
+        );
+        (a..b).contains(&addr).then(|| rest[..4].to_string())
+    })
+}
+
+#[test]
+fn a_child_keeps_the_protections_the_parent_gave_its_pages() {
+    let region = Region::new(4 * MIB as u64, Config::new(MIB as u64)).unwrap();
+    let pages = region.len() / PAGE_SIZE;
+    for page in 0..pages {
+        unsafe { fill(region.as_ptr(), page, 1) };
+    }
+    let ro = unsafe { region.as_ptr().add(300 * PAGE_SIZE) };
+    assert_eq!(
+        unsafe { libc::mprotect(ro.cast(), 16 * PAGE_SIZE, libc::PROT_READ) },
+        0
+    );
+    let status = in_child(|| {
+        for page in 0..pages {
+            unsafe { check(region.as_ptr(), page, 1) }?;
+        }
+        match perms_at(ro as usize).as_deref() {
+            Some("r--p") => {}
+            other => return Err(format!("read-only pages are {other:?} in the child")),
+        }
+        match perms_at(ro as usize + 16 * PAGE_SIZE).as_deref() {
+            Some("rw-p") => Ok(()),
+            other => Err(format!("the pages after are {other:?} in the child")),
+        }
+    });
+    assert!(exited_ok(status), "child status {status:#x}");
+    unsafe {
+        libc::mprotect(
+            ro.cast(),
+            16 * PAGE_SIZE,
+            libc::PROT_READ | libc::PROT_WRITE,
+        )
+    };
+}
