@@ -42,60 +42,24 @@ impl Mapping {
     /// region is built again (`fixed`), and an access to a region the child does not
     /// inherit fails with SIGSEGV instead of reaching whatever the kernel put there.
     pub fn reserve_in_child(addr: usize, owned: &[std::ops::Range<usize>]) -> Result<()> {
-        for run in owned {
-            let (start, len) = (addr + run.start * PAGE_SIZE, run.len() * PAGE_SIZE);
-            // SAFETY: MAP_FIXED_NOREPLACE maps only where nothing is mapped (the parent's
-            // region is not inherited: MADV_DONTFORK).
-            let got = unsafe {
-                libc::mmap(
-                    start as *mut _,
-                    len,
-                    libc::PROT_NONE,
-                    libc::MAP_PRIVATE
-                        | libc::MAP_ANONYMOUS
-                        | libc::MAP_NORESERVE
-                        | libc::MAP_FIXED_NOREPLACE,
-                    -1,
-                    0,
-                )
-            };
-            if got == libc::MAP_FAILED {
-                return Err(Error::os("mmap of a fork child's region"));
-            }
-            if got as usize != start {
-                // SAFETY: unmapping what this call just mapped elsewhere (old kernels
-                // treat the flag as a hint).
-                unsafe { libc::munmap(got, len) };
-                return Err(Error::invalid(
-                    "fork",
-                    "the kernel did not map the child's region where the parent had it",
-                ));
-            }
-        }
-        Ok(())
+        // MAP_FIXED_NOREPLACE maps only where nothing is mapped (the parent's region is not
+        // inherited: MADV_DONTFORK).
+        map_runs(addr, owned, libc::PROT_NONE, libc::MAP_FIXED_NOREPLACE)
     }
 
     /// A fork child's copy of a region's mapping at `addr`, over what `reserve_in_child`
     /// reserved: the page runs `owned` are mapped, fresh; the rest of `[addr, addr + len)`
     /// is left as it is (the parent had unmapped it; it may hold someone else's mapping).
     pub fn fixed(addr: usize, len: usize, owned: &[std::ops::Range<usize>]) -> Result<Self> {
+        // MAP_FIXED replaces the runs' reservations, ours.
+        map_runs(
+            addr,
+            owned,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_FIXED,
+        )?;
         for run in owned {
-            let (start, run_len) = (addr + run.start * PAGE_SIZE, run.len() * PAGE_SIZE);
-            // SAFETY: replaces this run's reservation, ours.
-            let got = unsafe {
-                libc::mmap(
-                    start as *mut _,
-                    run_len,
-                    libc::PROT_READ | libc::PROT_WRITE,
-                    libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE | libc::MAP_FIXED,
-                    -1,
-                    0,
-                )
-            };
-            if got == libc::MAP_FAILED {
-                return Err(Error::os("mmap of a fork child's region"));
-            }
-            advise_private(start, run_len)?;
+            advise_private(addr + run.start * PAGE_SIZE, run.len() * PAGE_SIZE)?;
         }
         Ok(Mapping {
             addr,
@@ -129,6 +93,36 @@ impl Mapping {
     pub fn disown(&self) {
         self.owned.store(false, Relaxed);
     }
+}
+
+/// Maps fresh anonymous memory over each page run of `runs` at `addr`, where the runs are,
+/// with `prot` and `fixed` (`MAP_FIXED` or `MAP_FIXED_NOREPLACE`).
+fn map_runs(
+    addr: usize,
+    runs: &[std::ops::Range<usize>],
+    prot: libc::c_int,
+    fixed: libc::c_int,
+) -> Result<()> {
+    for run in runs {
+        let (start, len) = (addr + run.start * PAGE_SIZE, run.len() * PAGE_SIZE);
+        let flags = libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE | fixed;
+        // SAFETY: an anonymous mapping at a fixed place the caller owns (MAP_FIXED) or
+        // where nothing is (MAP_FIXED_NOREPLACE).
+        let got = unsafe { libc::mmap(start as *mut _, len, prot, flags, -1, 0) };
+        if got == libc::MAP_FAILED {
+            return Err(Error::os("mmap of a fork child's region"));
+        }
+        if got as usize != start {
+            // SAFETY: unmapping what this call just mapped elsewhere (old kernels treat
+            // MAP_FIXED_NOREPLACE as a hint).
+            unsafe { libc::munmap(got, len) };
+            return Err(Error::invalid(
+                "fork",
+                "the kernel did not map the child's region where the parent had it",
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// uswap manages base pages; and a child of fork() must not inherit the mapping: it would

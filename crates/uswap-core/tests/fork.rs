@@ -114,6 +114,16 @@ fn settled(mut versions: Vec<u32>, region: &Region) -> Vec<u32> {
     versions
 }
 
+/// A 4 MiB region with a 1 MiB limit, every page written (version 1); and its pages.
+fn filled_region() -> (Region, usize) {
+    let region = Region::new(4 * MIB as u64, Config::new(MIB as u64)).unwrap();
+    let pages = region.len() / PAGE_SIZE;
+    for page in 0..pages {
+        unsafe { fill(region.as_ptr(), page, 1) };
+    }
+    (region, pages)
+}
+
 #[test]
 fn a_child_gets_the_memory_as_it_was_and_each_goes_its_own_way() {
     let (region, versions) = mixed_region(FaultMode::Thread);
@@ -255,11 +265,7 @@ fn a_sigbus_mode_region_is_not_inherited_and_its_child_dies_loudly() {
 
 #[test]
 fn a_hole_the_parent_unmapped_stays_a_hole_in_the_child() {
-    let region = Region::new(4 * MIB as u64, Config::new(MIB as u64)).unwrap();
-    let pages = region.len() / PAGE_SIZE;
-    for page in 0..pages {
-        unsafe { fill(region.as_ptr(), page, 1) };
-    }
+    let (region, pages) = filled_region();
     let hole = 100..200;
     let base = region.as_ptr();
     let rc = unsafe {
@@ -310,11 +316,7 @@ fn perms_at(addr: usize) -> Option<String> {
 
 #[test]
 fn a_child_keeps_the_protections_the_parent_gave_its_pages() {
-    let region = Region::new(4 * MIB as u64, Config::new(MIB as u64)).unwrap();
-    let pages = region.len() / PAGE_SIZE;
-    for page in 0..pages {
-        unsafe { fill(region.as_ptr(), page, 1) };
-    }
+    let (region, pages) = filled_region();
     let ro = unsafe { region.as_ptr().add(300 * PAGE_SIZE) };
     assert_eq!(
         unsafe { libc::mprotect(ro.cast(), 16 * PAGE_SIZE, libc::PROT_READ) },
