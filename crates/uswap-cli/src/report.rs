@@ -55,6 +55,30 @@ pub fn access_latency(l: &Latency) -> String {
     )
 }
 
+/// The process's CPU time and context switches over an interval, per access and per
+/// swap-in: the like-for-like cost of a fault under uswap and under the kernel.
+pub fn cpu_use(c: &crate::workload::cpu::CpuUse, accesses: u64, swap_ins: u64) -> String {
+    format!(
+        "cpu user {:.2} s  system {:.2} s  ({:.1} µs per access)   context switches: \
+         voluntary {} ({:.2} per swap-in)  involuntary {}",
+        c.user_s,
+        c.system_s,
+        c.cpu_s() * 1e6 / accesses.max(1) as f64,
+        count(c.voluntary_switches),
+        c.voluntary_switches as f64 / swap_ins.max(1) as f64,
+        count(c.involuntary_switches)
+    )
+}
+
+/// Named counters on one line, in name order.
+pub fn named_counters(counters: &std::collections::BTreeMap<String, u64>) {
+    let fields: Vec<String> = counters
+        .iter()
+        .map(|(name, v)| format!("{name} {}", count(*v)))
+        .collect();
+    println!("  {}", fields.join("   "));
+}
+
 /// A lock statistics table, one row per lock class (the content of /proc/lock_stat).
 pub fn lockstat(classes: &[uswap_core::LockClass]) {
     println!(

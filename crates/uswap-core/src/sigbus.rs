@@ -271,7 +271,8 @@ impl Watch {
 }
 
 /// Threads of this process whose signal mask blocks SIGBUS (uswap's own block only
-/// asynchronous signals).
+/// asynchronous signals). io_uring's worker threads (`iou-wrk-*`, `iou-sqp-*`) block every
+/// signal but never run program code, so they are left out.
 fn threads_blocking_sigbus() -> Vec<i32> {
     let Ok(dir) = std::fs::read_dir("/proc/self/task") else {
         return Vec::new();
@@ -281,6 +282,10 @@ fn threads_blocking_sigbus() -> Vec<i32> {
         let e = e.ok()?;
         let tid: i32 = e.file_name().to_str()?.parse().ok()?;
         let status = std::fs::read_to_string(e.path().join("status")).ok()?;
+        let name = status.lines().find_map(|l| l.strip_prefix("Name:"))?;
+        if name.trim().starts_with("iou-") {
+            return None;
+        }
         let mask = status.lines().find_map(|l| l.strip_prefix("SigBlk:"))?;
         let mask = u64::from_str_radix(mask.trim(), 16).ok()?;
         (mask & bit != 0).then_some(tid)

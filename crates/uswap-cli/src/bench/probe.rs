@@ -241,12 +241,7 @@ fn print(r: &Report) {
     if let Some(k) = &r.kernel {
         report::kernel_environment(&k.environment);
         println!("kernel LRU counters over the measured interval (machine-wide):");
-        let moved: Vec<String> = k
-            .vmstat
-            .iter()
-            .map(|(name, n)| format!("{name} {}", report::count(*n)))
-            .collect();
-        println!("  {}", moved.join("   "));
+        report::named_counters(&k.vmstat);
     }
 }
 

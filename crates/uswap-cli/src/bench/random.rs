@@ -2,7 +2,7 @@
 
 use super::{Backend, KERNEL_SWAP_MARGIN};
 use crate::args::{nonzero_size, seconds, CoreArgs, KernelArgs};
-use crate::kernel::{self, child, tunables, Environment};
+use crate::kernel::{self, child, tunables, vmstat, Environment};
 use crate::report;
 use crate::workload::mem::Mapped;
 use crate::workload::random::{self, RandomOutcome, RandomParams};
@@ -72,13 +72,24 @@ struct Report {
     accesses_per_s: f64,
     swap_in_mb_s: f64,
     swap_out_mb_s: f64,
+    /// Pages swapped in over the measured interval.
+    swap_ins: u64,
     verify_errors: u64,
     #[serde(flatten)]
     outcome: RandomOutcome,
     #[serde(skip_serializing_if = "Option::is_none")]
     uswap: Option<UswapDetail>,
     #[serde(skip_serializing_if = "Option::is_none")]
-    kernel: Option<Environment>,
+    kernel: Option<KernelDetail>,
+}
+
+#[derive(Serialize)]
+struct KernelDetail {
+    #[serde(flatten)]
+    environment: Environment,
+    /// Fault path and reclaim counters of /proc/vmstat over the measured interval
+    /// (machine-wide): the kernel's side of `--breakdown`, which has no per-phase clock.
+    vmstat: vmstat::Named,
 }
 
 #[derive(Serialize)]
@@ -183,8 +194,8 @@ fn run_kernel(a: &RandomArgs, params: &RandomParams) -> Result<Report> {
         size: a.size,
         params: *params,
     };
-    let (child_report, env) = kernel::run(&setup, &spec)?;
-    let child::Report::Random { outcome, swap } = child_report else {
+    let (child_report, environment) = kernel::run(&setup, &spec)?;
+    let child::Report::Random { outcome, swap, vm } = child_report else {
         bail!("the kernel-backend child sent a report for another workload");
     };
     Ok(build_report(
@@ -192,7 +203,10 @@ fn run_kernel(a: &RandomArgs, params: &RandomParams) -> Result<Report> {
         outcome,
         (swap.pswpin, swap.pswpout),
         None,
-        Some(env),
+        Some(KernelDetail {
+            environment,
+            vmstat: vm,
+        }),
     ))
 }
 
@@ -201,7 +215,7 @@ fn build_report(
     outcome: RandomOutcome,
     (pswpin, pswpout): (u64, u64),
     uswap: Option<UswapDetail>,
-    kernel: Option<Environment>,
+    kernel: Option<KernelDetail>,
 ) -> Report {
     let secs = outcome.measured_s;
     Report {
@@ -221,6 +235,7 @@ fn build_report(
         accesses_per_s: outcome.accesses() as f64 / secs,
         swap_in_mb_s: report::mb_per_s(pswpin, secs),
         swap_out_mb_s: report::mb_per_s(pswpout, secs),
+        swap_ins: pswpin,
         verify_errors: outcome.verify_errors(),
         outcome,
         uswap,
@@ -262,6 +277,10 @@ fn print(r: &Report) {
         "  verify errors    {}  (during run {}, final check {})",
         r.verify_errors, o.errors_during_run, o.errors_final_pass
     );
+    println!(
+        "  process          {}",
+        report::cpu_use(&o.cpu, r.accesses, r.swap_ins)
+    );
     if let Some(u) = &r.uswap {
         println!("uswap fault service time (since the region was made):");
         report::service_times(&[
@@ -294,6 +313,8 @@ fn print(r: &Report) {
         }
     }
     if let Some(k) = &r.kernel {
-        report::kernel_environment(k);
+        println!("kernel counters over the measured interval (/proc/vmstat, machine-wide):");
+        report::named_counters(&k.vmstat);
+        report::kernel_environment(&k.environment);
     }
 }

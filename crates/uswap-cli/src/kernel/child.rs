@@ -52,6 +52,8 @@ pub enum Report {
         outcome: RandomOutcome,
         /// Swap counters over the measured interval.
         swap: SwapCounters,
+        /// Fault path and reclaim counters of /proc/vmstat over the measured interval.
+        vm: vmstat::Named,
     },
     Fault {
         outcome: FaultOutcome,
@@ -103,9 +105,13 @@ fn run(spec: Spec) -> Result<Report> {
     match spec {
         Spec::Random { size, params } => {
             let map = anon(size)?;
-            let (outcome, before, after) = random::run(map.mem(), &params, vmstat::read);
-            let swap = after?.since(&before?);
-            Ok(Report::Random { outcome, swap })
+            let (outcome, before, after) = random::run(map.mem(), &params, fault_path_counters);
+            let ((swap_after, vm_after), (swap_before, vm_before)) = (after?, before?);
+            Ok(Report::Random {
+                outcome,
+                swap: swap_after.since(&swap_before),
+                vm: vmstat::named_since(&vm_after, &vm_before),
+            })
         }
         Spec::Fault { size, params } => {
             let outcome = fault::run(&params, || anon(size), drop)?;
@@ -128,6 +134,11 @@ fn run(spec: Spec) -> Result<Report> {
             })
         }
     }
+}
+
+/// The random bench's counters: swap, and the fault path's and reclaim's.
+fn fault_path_counters() -> Result<(SwapCounters, vmstat::Named)> {
+    Ok((vmstat::read()?, vmstat::read_named(&vmstat::FAULT_PATH)?))
 }
 
 /// The probe bench's counters: swap, and LRU movement.

@@ -16,6 +16,23 @@ pub const LRU: [&str; 6] = [
     "pgsteal_anon",
 ];
 
+/// The /proc/vmstat counters of the swap fault path and of reclaim (machine-wide): what
+/// the kernel offers where uswap has a phase breakdown.
+pub const FAULT_PATH: [&str; 12] = [
+    "pgfault",
+    "pgmajfault",
+    "swap_ra",
+    "swap_ra_hit",
+    "pgscan_direct",
+    "pgscan_kswapd",
+    "pgsteal_direct",
+    "pgsteal_kswapd",
+    "allocstall_movable",
+    "pgactivate",
+    "pgdeactivate",
+    "workingset_refault_anon",
+];
+
 /// /proc/vmstat counters by name.
 pub type Named = BTreeMap<String, u64>;
 

@@ -1,6 +1,7 @@
 //! Workloads that run on plain memory (`ptr`, `len`), so the same code measures uswap and the
 //! kernel's own swap.
 
+pub mod cpu;
 pub mod fault;
 pub mod mem;
 pub mod pattern;

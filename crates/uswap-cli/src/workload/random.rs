@@ -6,6 +6,7 @@
 //! in a side table outside the measured memory, so a reader knows the lowest version a page
 //! may show. A final pass checks every word of every page.
 
+use super::cpu::CpuUse;
 use super::mem::{Mem, WORDS};
 use super::pattern::{self, ErrorLog};
 use super::rng::Rng;
@@ -40,6 +41,8 @@ pub struct RandomOutcome {
     pub writes: u64,
     /// Time of one access (including any fault it took), measured by the accessing thread.
     pub access_latency: Latency,
+    /// What the process spent over the measured interval, every thread counted.
+    pub cpu: CpuUse,
     /// Wrong words seen by reads during the measured run.
     pub errors_during_run: u64,
     /// Pages with wrong words found by the final pass.
@@ -75,6 +78,7 @@ pub fn run<S>(
 
     let run_errors = ErrorLog::new("read");
     let before = snapshot();
+    let cpu_before = CpuUse::now();
     let started = Instant::now();
     let stop = AtomicBool::new(false);
     let results: Vec<ThreadResult> = thread::scope(|s| {
@@ -92,6 +96,7 @@ pub fn run<S>(
             .collect()
     });
     let measured_s = started.elapsed().as_secs_f64();
+    let cpu = CpuUse::now().since(&cpu_before);
     let after = snapshot();
 
     let started = Instant::now();
@@ -110,6 +115,7 @@ pub fn run<S>(
         reads: results.iter().map(|r| r.reads).sum(),
         writes: results.iter().map(|r| r.writes).sum(),
         access_latency: Latency::of(&hist),
+        cpu,
         errors_during_run: run_errors.count(),
         errors_final_pass: final_errors,
     };
