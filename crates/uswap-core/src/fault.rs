@@ -660,9 +660,13 @@ impl FaultPath {
     fn swap_in_in_signal(&self, mut lock: PageLock<'_>, start: Instant) -> Option<Outcome> {
         let mm = self.mm();
         let slot = lock.state().slot().expect("a swapped page has a slot");
-        // Readahead allocates: a swap-in that may read ahead takes the full path.
-        let ra = self.readahead.get();
-        if ra.policy != crate::config::ReadaheadPolicy::None && ra.page_cluster > 0 {
+        // Readahead allocates: a swap-in whose window holds more than this page takes the
+        // full path. (If a later step sends it there after all, the window is sized twice
+        // for one fault; the second sees no walk and reads nothing ahead.)
+        if !self
+            .readahead
+            .window_if_alone(slot, lock.page(), mm.pages().len())
+        {
             return None;
         }
         let cached = self.cache_lookup(slot);

@@ -141,6 +141,47 @@ impl ReadaheadState {
         *last
     }
 
+    /// [`ReadaheadState::window`] for a caller that can read only the faulting page (the
+    /// SIGBUS handler, which allocates nothing and takes no lock it would wait for): sizes
+    /// the window and returns true when it is that page alone, as a random walk's are;
+    /// false, with nothing changed, when it would read ahead, when the last window's use
+    /// is still to be inferred, or while another swap-in is sizing one.
+    pub fn window_if_alone(&self, slot: u32, page: usize, pages: usize) -> bool {
+        let Ok(mut last) = self.last.try_lock() else {
+            return false;
+        };
+        if last.is_followed_by(slot, page) || self.would_read_ahead(slot, page) {
+            return false;
+        }
+        // Sized for real, so the policy learns from this fault as from any other; a hit
+        // counted since the look above may widen it, and the page alone is read anyway.
+        self.size_window(slot, page, pages);
+        *last = Window::None;
+        true
+    }
+
+    /// Whether the next window for `slot` at `page` would hold more than the faulting
+    /// page, by what the policy has learned so far (nothing changes).
+    fn would_read_ahead(&self, slot: u32, page: usize) -> bool {
+        let setting = self.get();
+        let (follows, max) = match setting.policy {
+            ReadaheadPolicy::None => return false,
+            ReadaheadPolicy::Fixed => return setting.max_pages() > 1,
+            ReadaheadPolicy::Scaling => {
+                let prev = self.prev_slot.load(Relaxed);
+                let near = prev == slot.wrapping_add(1) || prev.wrapping_add(1) == slot;
+                (near, 1 << setting.page_cluster)
+            }
+            ReadaheadPolicy::Vma => {
+                let prev = self.prev_page.load(Relaxed);
+                let near = prev == page + 1 || prev.wrapping_add(1) == page;
+                (near, 1 << setting.page_cluster.min(VMA_MAX_ORDER))
+            }
+        };
+        let (hits, prev_window) = (self.hits.load(Relaxed), self.prev_window.load(Relaxed));
+        max > 1 && next_window(hits, follows, max, prev_window) > 1
+    }
+
     fn size_window(&self, slot: u32, page: usize, pages: usize) -> Window {
         let setting = self.get();
         match setting.policy {
@@ -392,6 +433,31 @@ mod tests {
             page_cluster: 0,
         });
         assert_eq!(s.size_window(21, 0, 100), Window::None);
+    }
+
+    #[test]
+    fn a_lone_page_window_is_sized_in_place_only_when_nothing_is_read_ahead() {
+        for policy in [ReadaheadPolicy::Vma, ReadaheadPolicy::Scaling] {
+            let s = state(policy, 3);
+            // A random walk: every window is the faulting page alone.
+            for (slot, page) in [(500, 50), (90, 9), (310, 31)] {
+                assert!(s.window_if_alone(slot, page, 100), "{policy:?} {page}");
+            }
+            // A walk that follows its last fault would read ahead: not in place, and the
+            // full path's window sizes it as if the look had not been.
+            assert!(!s.window_if_alone(311, 32, 100), "{policy:?}");
+            assert!(s.window(311, 32, 100, |_| 0) != Window::None, "{policy:?}");
+            // Readahead hits since: the next window grows.
+            s.cache_hit(33, true);
+            assert!(!s.window_if_alone(700, 70, 100), "{policy:?}");
+        }
+        assert!(state(ReadaheadPolicy::None, 3).window_if_alone(1, 1, 10));
+        assert!(!state(ReadaheadPolicy::Fixed, 3).window_if_alone(1, 1, 10));
+        assert!(state(ReadaheadPolicy::Fixed, 0).window_if_alone(1, 1, 10));
+        // While another swap-in sizes a window, the signal handler does not wait for it.
+        let s = state(ReadaheadPolicy::Vma, 3);
+        let _sizing = s.last.lock().unwrap();
+        assert!(!s.window_if_alone(1, 1, 10));
     }
 
     #[test]
