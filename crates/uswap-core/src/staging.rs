@@ -195,14 +195,16 @@ impl Staging {
         }
     }
 
-    /// Frees the memory of many frames with one MADV_DONTNEED per run of adjacent frames
-    /// (each call is a TLB flush, an IPI to every CPU running the process), then returns
-    /// them to the free list.
+    /// Frees the memory of many frames, runs of adjacent frames together, in one call
+    /// ([`Mapping::discard_runs`]: one TLB flush, an IPI to every CPU running the process,
+    /// for the batch), then returns them to the free list.
     pub fn release_all(&self, mut frames: Vec<u32>) {
         frames.sort_unstable();
-        for run in frames.chunk_by(|a, b| a + 1 == *b) {
-            self.map.discard(run[0] as usize, run.len());
-        }
+        let runs: Vec<(usize, usize)> = frames
+            .chunk_by(|a, b| a + 1 == *b)
+            .map(|run| (run[0] as usize, run.len()))
+            .collect();
+        self.map.discard_runs(&runs);
         frames.reverse();
         self.free_list().extend(frames);
     }
