@@ -73,6 +73,12 @@ pub struct CoreArgs {
     #[arg(long, value_name = "PAGES")]
     pub fault_around: Option<usize>,
 
+    /// Aging deactivates the active neighbours of each page it picks, within an aligned
+    /// block of this many pages (1 = the page alone) [default: 32 in SIGBUS mode, 1 in
+    /// thread mode]
+    #[arg(long, value_name = "PAGES")]
+    pub aging_block: Option<usize>,
+
     /// Swap I/O: `auto` (io_uring on a disk, pread for a file in memory), `uring` or
     /// `pread` [default: auto]
     #[arg(long, value_name = "MODE", value_parser = |s: &str| s.parse::<IoMode>())]
@@ -157,6 +163,9 @@ impl CoreArgs {
         }
         if let Some(pages) = self.fault_around {
             cfg.fault_around = pages;
+        }
+        if let Some(pages) = self.aging_block {
+            cfg.aging_block = Some(pages);
         }
         if let Some(io) = self.io {
             cfg.swap.io = io;

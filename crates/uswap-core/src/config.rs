@@ -470,6 +470,13 @@ pub struct Config {
     pub inactive_percent: u8,
     /// Pages reclaimed per pass (the kernel's SWAP_CLUSTER_MAX).
     pub reclaim_batch: usize,
+    /// Aging looks around the pages it takes from the active tail and deactivates their
+    /// active neighbours in the same aligned block of this many pages with them (1 = each
+    /// page alone), as MGLRU's look-around ages a page table's neighbours together: they
+    /// move in one UFFDIO_MOVE, one TLB flush where the kernel batches them. `None`: 32
+    /// pages in SIGBUS mode, 1 in thread mode, where it measured slower (docs/benchmarks.md).
+    #[serde(default)]
+    pub aging_block: Option<usize>,
     /// Swap-in readahead at creation; changeable later with `Region::set_readahead`.
     pub readahead: Readahead,
     /// How the LRU lists are locked.
@@ -502,6 +509,7 @@ impl Config {
             fault_around: 16,
             inactive_percent: 10,
             reclaim_batch: 32,
+            aging_block: None,
             readahead: Readahead::default(),
             pcp: true,
             lru_lock: LruLockMode::Mutex,
@@ -509,6 +517,14 @@ impl Config {
             breakdown: false,
             memcg: None,
         }
+    }
+
+    /// The aging block in effect: the one set, or the fault mode's.
+    pub fn aging_block(&self) -> usize {
+        self.aging_block.unwrap_or(match self.fault_mode {
+            FaultMode::Sigbus => 32,
+            FaultMode::Thread => 1,
+        })
     }
 
     pub fn limit_pages(&self) -> u64 {
@@ -572,6 +588,12 @@ impl Config {
                     "{} pages: use 1 (off) to 512 pages (2 MiB)",
                     self.fault_around
                 ),
+            ));
+        }
+        if let Some(pages) = self.aging_block.filter(|p| !(1..=512).contains(p)) {
+            return Err(Error::invalid(
+                "aging block",
+                format!("{pages} pages: use 1 (each page alone) to 512 pages (2 MiB)"),
             ));
         }
         if self.inactive_percent > 50 {

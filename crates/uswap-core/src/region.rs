@@ -531,7 +531,13 @@ impl Inner {
         if let Some(image) = image {
             image.apply(&mm, owned);
         }
-        let reclaim = Reclaim::new(mm, cfg.watermarks, cfg.inactive_percent, cfg.reclaim_batch);
+        let reclaim = Reclaim::new(
+            mm,
+            cfg.watermarks,
+            cfg.inactive_percent,
+            cfg.reclaim_batch,
+            cfg.aging_block(),
+        );
         let fault = Arc::new(FaultPath::new(reclaim, cfg.fault_around, cfg.readahead));
         let mut inner = Inner {
             reservation,

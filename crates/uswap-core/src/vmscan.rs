@@ -20,6 +20,10 @@ const OOM_AFTER: Duration = Duration::from_secs(2);
 /// Most batches moved from the active to the inactive list in one reclaim pass.
 const REFILL_BATCHES: usize = 4;
 
+/// With look-around, an aging batch takes this share of its pages from the active tail
+/// and fills the rest with their neighbours.
+const LOOK_AROUND_SHARE: usize = 4;
+
 /// Wake-up channel of the background reclaimer.
 #[derive(Default)]
 struct Kswapd {
@@ -106,6 +110,8 @@ pub(crate) struct Reclaim {
     mm: Mm,
     marks: Marks,
     batch: usize,
+    /// Aligned block of pages aging looks around in (`Config::aging_block`).
+    aging_block: usize,
     kswapd: Kswapd,
 }
 
@@ -117,12 +123,19 @@ fn is_zero_page(addr: usize) -> bool {
 
 impl Reclaim {
     /// `fixed`: watermarks the configuration set (`None`: scaled to the limit).
-    pub fn new(mm: Mm, fixed: Option<Watermarks>, inactive_percent: u8, batch: usize) -> Reclaim {
+    pub fn new(
+        mm: Mm,
+        fixed: Option<Watermarks>,
+        inactive_percent: u8,
+        batch: usize,
+        aging_block: usize,
+    ) -> Reclaim {
         let limit = mm.budget().limit();
         Reclaim {
             marks: Marks::new(limit, fixed, inactive_percent, batch),
             mm,
             batch,
+            aging_block,
             kswapd: Kswapd::default(),
         }
     }
@@ -224,17 +237,70 @@ impl Reclaim {
         let (mm, batch) = (&self.mm, self.batch);
         mm.lru().drain_all();
         let target = self.marks.inactive_target.load(Relaxed) as usize;
-        let short = (target + batch).saturating_sub(mm.lru().len(LruList::Inactive));
         let mut isolated = Vec::with_capacity(batch);
-        for _ in 0..short.div_ceil(batch).min(REFILL_BATCHES) {
-            mm.lru()
-                .isolate(mm.pages(), LruList::Active, batch, &mut isolated);
+        for _ in 0..REFILL_BATCHES {
+            let short = (target + batch).saturating_sub(mm.lru().len(LruList::Inactive));
+            if short == 0 {
+                break;
+            }
+            // With look-around a batch is a few pages from the tail and their neighbours:
+            // its page locks are held no longer than a batch of single pages would be,
+            // and it may take the inactive list past its target by under a batch.
+            let victims = if self.aging_block > 1 {
+                (batch / LOOK_AROUND_SHARE).max(1)
+            } else {
+                batch
+            };
+            mm.lru().isolate(
+                mm.pages(),
+                LruList::Active,
+                victims.min(short),
+                &mut isolated,
+            );
+            self.look_around(&mut isolated, batch);
             self.deactivate(&mut isolated);
             isolated.clear();
         }
         mm.lru()
             .isolate(mm.pages(), LruList::Inactive, batch, &mut isolated);
         self.evict(&mut isolated)
+    }
+
+    /// Adds to pages isolated from the active list their neighbours in the same aligned
+    /// block (`aging_block` pages) that are active, on the active list, not referenced
+    /// since the last aging and not locked, up to `max` pages in all. A random batch then
+    /// moves in runs instead of page by page: UFFDIO_MOVE flushes the TLB once per run on
+    /// kernels that batch its flushes (Linux 6.18 here: 1.3 µs a page in runs of 32, 25 µs
+    /// alone, with the program's thread on the other CPU), where the kernel's own reclaim
+    /// flushes once per batch. The accessed bit that would say which neighbours are in use
+    /// is not visible to user space; a neighbour in use comes back with a minor fault.
+    fn look_around<'t>(&'t self, isolated: &mut Vec<PageLock<'t>>, max: usize) {
+        let block = self.aging_block;
+        if block <= 1 {
+            return;
+        }
+        let (pages, lru) = (self.mm.pages(), self.mm.lru());
+        let mut blocks: Vec<usize> = isolated.iter().map(|l| l.page() / block).collect();
+        blocks.sort_unstable();
+        blocks.dedup();
+        for b in blocks {
+            for page in b * block..((b + 1) * block).min(pages.len()) {
+                if isolated.len() >= max {
+                    return;
+                }
+                // The pages already isolated are locked: their try-lock fails.
+                let Some(lock) = pages.try_lock(page) else {
+                    continue;
+                };
+                if lock.kind() == Kind::Active
+                    && !lock.state().referenced()
+                    && lru.list_of(page) == Some(LruList::Active)
+                {
+                    lru.remove(page);
+                    isolated.push(lock);
+                }
+            }
+        }
     }
 
     /// Locks the pages of `range` that are in state `kind` and takes them off their list.

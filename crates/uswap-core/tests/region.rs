@@ -326,3 +326,57 @@ fn sigbus_mode_is_refused_on_a_thread_that_blocks_sigbus() {
         "{err}"
     );
 }
+
+/// Which pages of the region are mapped now (mincore): aging and eviction unmap them.
+fn resident(region: &Region, pages: usize) -> Vec<bool> {
+    let mut vec = vec![0u8; pages];
+    // SAFETY: the region's mapping covers `pages` pages; mincore writes one byte per page.
+    let rc = unsafe { libc::mincore(region.as_ptr().cast(), pages * PAGE_SIZE, vec.as_mut_ptr()) };
+    assert_eq!(rc, 0, "mincore: {}", std::io::Error::last_os_error());
+    vec.iter().map(|b| b & 1 != 0).collect()
+}
+
+/// Aging looks around: the active neighbours of a page it takes from the active tail go to
+/// the inactive list with it (one UFFDIO_MOVE), so the pages pushed out of memory come in
+/// runs even when they were touched in random order; with a block of one page they are
+/// scattered. 384 pages are touched in random order (all fit), then 256 more in order
+/// push about half of the first ones out; measured as the share of those out of memory
+/// whose both neighbours are out too.
+#[test]
+fn aging_takes_a_pages_active_neighbours_with_it() {
+    let (random, pages) = (384, 640);
+    let clustering = |block: usize| {
+        let mut cfg = Config::new(2 * MIB);
+        cfg.fault_around = 1;
+        cfg.aging_block = Some(block);
+        let region = Region::new((pages * PAGE_SIZE) as u64, cfg).unwrap();
+        let mut order: Vec<usize> = (0..random).collect();
+        let mut seed = 0x5eed_u64;
+        for i in (1..random).rev() {
+            order.swap(i, xorshift(&mut seed) as usize % (i + 1));
+        }
+        for p in order.into_iter().chain(random..pages) {
+            unsafe { fill(region.as_ptr(), p, 1) };
+        }
+        region.check_invariants().unwrap();
+        let out: Vec<bool> = resident(&region, random).iter().map(|r| !r).collect();
+        let gone = out.iter().filter(|&&g| g).count();
+        let inside = (1..random - 1)
+            .filter(|&i| out[i - 1] && out[i] && out[i + 1])
+            .count();
+        for p in 0..pages {
+            unsafe { check(region.as_ptr(), p, 1) }.unwrap();
+        }
+        assert!(
+            gone >= random / 4,
+            "reclaim ran: {gone} of {random} pages out"
+        );
+        inside as f64 / gone as f64
+    };
+    let (alone, around) = (clustering(1), clustering(32));
+    assert!(
+        around > 2.0 * alone && around > 0.5,
+        "pages out of memory with both neighbours out: {alone:.2} page by page, {around:.2} \
+         with look-around"
+    );
+}
