@@ -74,8 +74,7 @@ pub struct CoreArgs {
     pub fault_around: Option<usize>,
 
     /// Aging deactivates the active neighbours of each page it picks, within an aligned
-    /// block of this many pages (1 = the page alone) [default: 32 in SIGBUS mode, 1 in
-    /// thread mode]
+    /// block of this many pages (1 = the page alone), e.g. 32 [default: 1]
     #[arg(long, value_name = "PAGES")]
     pub aging_block: Option<usize>,
 
@@ -165,7 +164,7 @@ impl CoreArgs {
             cfg.fault_around = pages;
         }
         if let Some(pages) = self.aging_block {
-            cfg.aging_block = Some(pages);
+            cfg.aging_block = pages;
         }
         if let Some(io) = self.io {
             cfg.swap.io = io;

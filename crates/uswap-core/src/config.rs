@@ -449,6 +449,10 @@ fn default_handler_threads() -> usize {
     (cpus / 4).clamp(1, 8)
 }
 
+fn one_page() -> usize {
+    1
+}
+
 /// Everything that shapes a region. Build with [`Config::new`] and adjust the fields.
 /// Serialized, it travels to programs run under `uswap run` (in their environment).
 #[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
@@ -473,10 +477,11 @@ pub struct Config {
     /// Aging looks around the pages it takes from the active tail and deactivates their
     /// active neighbours in the same aligned block of this many pages with them (1 = each
     /// page alone), as MGLRU's look-around ages a page table's neighbours together: they
-    /// move in one UFFDIO_MOVE, one TLB flush where the kernel batches them. `None`: 32
-    /// pages in SIGBUS mode, 1 in thread mode, where it measured slower (docs/benchmarks.md).
-    #[serde(default)]
-    pub aging_block: Option<usize>,
+    /// move in one UFFDIO_MOVE, one TLB flush where the kernel batches them. Off (1) by
+    /// default: faster in SIGBUS mode, slower in thread mode, and one soak run under load
+    /// ended with a page the table called mapped and was not (docs/benchmarks.md).
+    #[serde(default = "one_page")]
+    pub aging_block: usize,
     /// Swap-in readahead at creation; changeable later with `Region::set_readahead`.
     pub readahead: Readahead,
     /// How the LRU lists are locked.
@@ -509,7 +514,7 @@ impl Config {
             fault_around: 16,
             inactive_percent: 10,
             reclaim_batch: 32,
-            aging_block: None,
+            aging_block: 1,
             readahead: Readahead::default(),
             pcp: true,
             lru_lock: LruLockMode::Mutex,
@@ -517,14 +522,6 @@ impl Config {
             breakdown: false,
             memcg: None,
         }
-    }
-
-    /// The aging block in effect: the one set, or the fault mode's.
-    pub fn aging_block(&self) -> usize {
-        self.aging_block.unwrap_or(match self.fault_mode {
-            FaultMode::Sigbus => 32,
-            FaultMode::Thread => 1,
-        })
     }
 
     pub fn limit_pages(&self) -> u64 {
@@ -590,10 +587,13 @@ impl Config {
                 ),
             ));
         }
-        if let Some(pages) = self.aging_block.filter(|p| !(1..=512).contains(p)) {
+        if !(1..=512).contains(&self.aging_block) {
             return Err(Error::invalid(
                 "aging block",
-                format!("{pages} pages: use 1 (each page alone) to 512 pages (2 MiB)"),
+                format!(
+                    "{} pages: use 1 (each page alone) to 512 pages (2 MiB)",
+                    self.aging_block
+                ),
             ));
         }
         if self.inactive_percent > 50 {

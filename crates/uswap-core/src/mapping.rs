@@ -7,6 +7,9 @@ use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 /// Most ranges one vectored call takes (the kernel's UIO_MAXIOV).
 const IOV_MAX: usize = 1024;
 
+/// The pidfd sentinel for the calling process (Linux 6.15, `linux/pidfd.h`).
+const PIDFD_SELF_THREAD_GROUP: libc::c_int = -10001;
+
 /// An anonymous private mapping with no reserve, unmapped on drop.
 pub struct Mapping {
     addr: usize,
@@ -94,8 +97,8 @@ impl Mapping {
     /// Frees the memory behind several runs of pages, each `(first, pages)`, with one
     /// `process_madvise` call for all of them: the kernel then flushes the TLB once (Linux
     /// 6.16 batches it), where one `madvise` per run is one flush, an IPI to every CPU
-    /// running the process, each. Where the kernel refuses that call (before 6.13 it took
-    /// no MADV_DONTNEED), one `madvise` per run.
+    /// running the process, each. Where the kernel refuses that call, one `madvise` per
+    /// run.
     pub fn discard_runs(&self, runs: &[(usize, usize)]) {
         if runs.len() > 1 && self.discard_vector(runs) {
             return;
@@ -107,16 +110,10 @@ impl Mapping {
 
     /// `discard_runs` as one vector; false when not every run was freed that way.
     fn discard_vector(&self, runs: &[(usize, usize)]) -> bool {
+        // Set once the kernel refuses the call for good: no MADV_DONTNEED there (before
+        // 6.13) or no self sentinel (before 6.15, when the flush was not batched yet).
         static REFUSED: AtomicBool = AtomicBool::new(false);
         if REFUSED.load(Relaxed) {
-            return false;
-        }
-        // Opened per call rather than kept: a descriptor of this process would name the
-        // parent in a fork child.
-        // SAFETY: plain system call; the descriptor is ours and closed below.
-        let pidfd = unsafe { libc::syscall(libc::SYS_pidfd_open, libc::getpid(), 0) } as i32;
-        if pidfd < 0 {
-            REFUSED.store(true, Relaxed);
             return false;
         }
         let iov: Vec<libc::iovec> = runs
@@ -126,14 +123,15 @@ impl Mapping {
                 iov_len: pages * PAGE_SIZE,
             })
             .collect();
-        let mut all = true;
         for chunk in iov.chunks(IOV_MAX) {
             let want: usize = chunk.iter().map(|v| v.iov_len).sum();
-            // SAFETY: every range lies inside our mapping; its contents are no longer needed.
+            // SAFETY: every range lies inside our mapping; its contents are no longer
+            // needed. The sentinel names this process without a descriptor, which the
+            // program's own descriptor handling could race or a fork child inherit.
             let done = unsafe {
                 libc::syscall(
                     libc::SYS_process_madvise,
-                    pidfd,
+                    PIDFD_SELF_THREAD_GROUP,
                     chunk.as_ptr(),
                     chunk.len(),
                     libc::MADV_DONTNEED,
@@ -141,16 +139,18 @@ impl Mapping {
                 )
             };
             if done != want as i64 {
-                if done < 0 {
+                let transient = done >= 0
+                    || matches!(
+                        std::io::Error::last_os_error().raw_os_error(),
+                        Some(libc::ENOMEM | libc::EAGAIN | libc::EINTR)
+                    );
+                if !transient {
                     REFUSED.store(true, Relaxed);
                 }
-                all = false;
-                break;
+                return false;
             }
         }
-        // SAFETY: our descriptor.
-        unsafe { libc::close(pidfd) };
-        all
+        true
     }
 
     /// The owner has unmapped what was still its own: dropping must not unmap the range,

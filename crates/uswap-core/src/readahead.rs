@@ -147,8 +147,11 @@ impl ReadaheadState {
     /// false, with nothing changed, when it would read ahead, when the last window's use
     /// is still to be inferred, or while another swap-in is sizing one.
     pub fn window_if_alone(&self, slot: u32, page: usize, pages: usize) -> bool {
-        let Ok(mut last) = self.last.try_lock() else {
-            return false;
+        let mut last = match self.last.try_lock() {
+            Ok(last) => last,
+            // As `lock_std` does: a panic elsewhere leaves a window, still a window.
+            Err(std::sync::TryLockError::Poisoned(e)) => e.into_inner(),
+            Err(std::sync::TryLockError::WouldBlock) => return false,
         };
         if last.is_followed_by(slot, page) || self.would_read_ahead(slot, page) {
             return false;

@@ -536,7 +536,7 @@ impl Inner {
             cfg.watermarks,
             cfg.inactive_percent,
             cfg.reclaim_batch,
-            cfg.aging_block(),
+            cfg.aging_block,
         );
         let fault = Arc::new(FaultPath::new(reclaim, cfg.fault_around, cfg.readahead));
         let mut inner = Inner {

@@ -280,7 +280,13 @@ impl Reclaim {
             return;
         }
         let (pages, lru) = (self.mm.pages(), self.mm.lru());
-        let mut blocks: Vec<usize> = isolated.iter().map(|l| l.page() / block).collect();
+        // Around the pages aging will move: a referenced one goes round again, and so
+        // do its neighbours.
+        let mut blocks: Vec<usize> = isolated
+            .iter()
+            .filter(|l| !l.state().referenced())
+            .map(|l| l.page() / block)
+            .collect();
         blocks.sort_unstable();
         blocks.dedup();
         for b in blocks {

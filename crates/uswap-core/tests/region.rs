@@ -348,7 +348,7 @@ fn aging_takes_a_pages_active_neighbours_with_it() {
     let clustering = |block: usize| {
         let mut cfg = Config::new(2 * MIB);
         cfg.fault_around = 1;
-        cfg.aging_block = Some(block);
+        cfg.aging_block = block;
         let region = Region::new((pages * PAGE_SIZE) as u64, cfg).unwrap();
         let mut order: Vec<usize> = (0..random).collect();
         let mut seed = 0x5eed_u64;
