@@ -105,13 +105,10 @@ fn run(spec: Spec) -> Result<Report> {
     match spec {
         Spec::Random { size, params } => {
             let map = anon(size)?;
-            let (outcome, before, after) = random::run(map.mem(), &params, fault_path_counters);
-            let ((swap_after, vm_after), (swap_before, vm_before)) = (after?, before?);
-            Ok(Report::Random {
-                outcome,
-                swap: swap_after.since(&swap_before),
-                vm: vmstat::named_since(&vm_after, &vm_before),
-            })
+            let read = || counters(&vmstat::FAULT_PATH);
+            let (outcome, before, after) = random::run(map.mem(), &params, read);
+            let (swap, vm) = counters_since(after, before)?;
+            Ok(Report::Random { outcome, swap, vm })
         }
         Spec::Fault { size, params } => {
             let outcome = fault::run(&params, || anon(size), drop)?;
@@ -125,25 +122,29 @@ fn run(spec: Spec) -> Result<Report> {
         }
         Spec::Probe { size, params } => {
             let map = anon(size)?;
-            let (outcome, before, after) = probe::run(map.mem(), &params, probe_counters);
-            let ((swap_after, lru_after), (swap_before, lru_before)) = (after?, before?);
-            Ok(Report::Probe {
-                outcome,
-                swap: swap_after.since(&swap_before),
-                lru: vmstat::named_since(&lru_after, &lru_before),
-            })
+            let read = || counters(&vmstat::LRU);
+            let (outcome, before, after) = probe::run(map.mem(), &params, read);
+            let (swap, lru) = counters_since(after, before)?;
+            Ok(Report::Probe { outcome, swap, lru })
         }
     }
 }
 
-/// The random bench's counters: swap, and the fault path's and reclaim's.
-fn fault_path_counters() -> Result<(SwapCounters, vmstat::Named)> {
-    Ok((vmstat::read()?, vmstat::read_named(&vmstat::FAULT_PATH)?))
+/// Swap counters and the /proc/vmstat counters of `names`, read together.
+fn counters(names: &[&str]) -> Result<(SwapCounters, vmstat::Named)> {
+    Ok((vmstat::read()?, vmstat::read_named(names)?))
 }
 
-/// The probe bench's counters: swap, and LRU movement.
-fn probe_counters() -> Result<(SwapCounters, vmstat::Named)> {
-    Ok((vmstat::read()?, vmstat::read_named(&vmstat::LRU)?))
+/// What [`counters`] moved between two reads.
+fn counters_since(
+    after: Result<(SwapCounters, vmstat::Named)>,
+    before: Result<(SwapCounters, vmstat::Named)>,
+) -> Result<(SwapCounters, vmstat::Named)> {
+    let ((swap_after, named_after), (swap_before, named_before)) = (after?, before?);
+    Ok((
+        swap_after.since(&swap_before),
+        vmstat::named_since(&named_after, &named_before),
+    ))
 }
 
 #[cfg(test)]
