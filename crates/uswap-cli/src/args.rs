@@ -69,6 +69,10 @@ pub struct CoreArgs {
     #[arg(long, value_name = "US")]
     pub handler_spin: Option<u64>,
 
+    /// µs a batch of swap-in reads through io_uring polls for its completions before its thread sleeps (0 = sleep at once) [default: 250]
+    #[arg(long, value_name = "US")]
+    pub read_poll: Option<u64>,
+
     /// Pages mapped around a first-touch fault (1 = off)
     #[arg(long, value_name = "PAGES")]
     pub fault_around: Option<usize>,
@@ -159,6 +163,9 @@ impl CoreArgs {
         }
         if let Some(us) = self.handler_spin {
             cfg.handler_spin_us = us;
+        }
+        if let Some(us) = self.read_poll {
+            cfg.swap.read_poll_us = us;
         }
         if let Some(pages) = self.fault_around {
             cfg.fault_around = pages;

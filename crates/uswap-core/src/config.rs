@@ -290,6 +290,10 @@ pub struct SwapConfig {
     pub io: IoMode,
     pub slot_alloc: SlotAlloc,
     pub swap_cache: SwapCacheMode,
+    /// How long a batch of swap-in reads through io_uring polls for its completions before
+    /// its thread sleeps on them, in µs (0 = sleep at once); see `swap_io.rs`.
+    #[serde(default = "default_read_poll_us")]
+    pub read_poll_us: u64,
     /// Faults to inject into the device's I/O, for tests. `None` (the default) costs
     /// nothing.
     pub faults: Option<FaultPlan>,
@@ -303,9 +307,14 @@ impl Default for SwapConfig {
             io: IoMode::Auto,
             slot_alloc: SlotAlloc::Percpu,
             swap_cache: SwapCacheMode::Trunks,
+            read_poll_us: default_read_poll_us(),
             faults: None,
         }
     }
+}
+
+fn default_read_poll_us() -> u64 {
+    250
 }
 
 /// I/O faults to inject, each as a probability per I/O attempt (0.0 to 1.0), applied inside
@@ -446,7 +455,9 @@ impl Watermarks {
 /// cross-CPU wake-up per fault, which is dearer there than the parallelism it buys.
 fn default_handler_threads() -> usize {
     let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
-    (cpus / 4).clamp(1, 8)
+    // Two, so that two faulting threads' swap-ins overlap (a second handler is woken only
+    // then, see handler.rs); beyond that one per four CPUs.
+    (cpus / 4).clamp(2.min(cpus), 8)
 }
 
 fn one_page() -> usize {
@@ -575,6 +586,15 @@ impl Config {
                 format!(
                     "{} µs: use 0 (sleep at once) to 10000",
                     self.handler_spin_us
+                ),
+            ));
+        }
+        if self.swap.read_poll_us > 10_000 {
+            return Err(Error::invalid(
+                "read poll",
+                format!(
+                    "{} µs: use 0 (sleep on swap-in reads at once) to 10000",
+                    self.swap.read_poll_us
                 ),
             ));
         }

@@ -6,15 +6,17 @@
 use crate::error::{Error, Result};
 use crate::fault::{FaultPath, Outcome};
 use crate::mmap_changing::Raised;
+use crate::swap_io::{set_read_wait_hook, ReadWait};
 use crate::sync::lock_std;
 use crate::uffd::{Event, Msg};
+use std::cell::RefCell;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{
     AtomicUsize,
     Ordering::{Acquire, Relaxed, Release},
 };
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -45,7 +47,7 @@ impl Handlers {
             // With several handlers each read takes one message, so the next fault goes to
             // the next handler and their swap I/O overlaps; alone, a handler takes a batch.
             batch: if cfg.threads > 1 { 1 } else { MAX_BATCH },
-            leader: Mutex::new(()),
+            leader: Leadership::default(),
             busy: AtomicUsize::new(0),
             spin: Duration::from_micros(cfg.spin_us),
             retry: Mutex::new(Vec::new()),
@@ -53,7 +55,9 @@ impl Handlers {
         for i in 0..cfg.threads {
             let (fault, shared) = (fault.clone(), shared.clone());
             let t = crate::signals::spawn_quiet(&format!("uswap-fault-{i}"), move || {
-                serve(&fault, fd, &shared)
+                set_read_wait_hook(Some(lend_leadership));
+                serve(&fault, fd, &shared);
+                set_read_wait_hook(None);
             })
             .map_err(|source| Error::Os {
                 op: "spawn fault handler",
@@ -82,8 +86,8 @@ const MAX_BATCH: usize = 16;
 struct Shared {
     /// Messages one read takes.
     batch: usize,
-    /// Held by the one thread waiting for messages.
-    leader: Mutex<()>,
+    /// Held by the one thread that reads messages.
+    leader: Leadership,
     /// Handlers resolving faults right now.
     busy: AtomicUsize,
     /// How long a waiting leader polls before it sleeps.
@@ -97,31 +101,40 @@ struct Shared {
 }
 
 /// Leader/follower: one handler at a time waits for messages (spinning briefly, then in
-/// poll), hands leadership on as soon as it has faults, and resolves them. Only one thread
-/// wakes per message, and a fault that follows soon after the last one finds a handler
+/// poll) and resolves the faults it read. It keeps leadership while it does, unless
+/// another message arrives while its swap-in read is in flight, or the read is slow
+/// enough to sleep on: then it hands leadership on (`lend_leadership`), so a second
+/// faulting thread's read overlaps the first's. One faulting thread thus never wakes a
+/// second handler, and a fault that follows soon after the last one finds a handler
 /// already running instead of waking a sleeping CPU. A batch with a vma event keeps
 /// leadership and the fence (`mmap_changing.rs`) until its events are handled, so every
 /// message read after an event sees its effect; the batch's faults, raised before the
 /// event, are served after it, seeing the pages as the event left them.
-fn serve(fault: &FaultPath, stop: i32, shared: &Shared) {
+fn serve(fault: &FaultPath, stop: i32, shared: &Arc<Shared>) {
     let mut msgs = [Msg::default(); MAX_BATCH];
     let msgs = &mut msgs[..shared.batch];
+    let mut leading = false;
     loop {
-        let leader = lock_std(&shared.leader);
+        if !leading {
+            shared.leader.take();
+        }
         let retrying = std::mem::take(&mut *lock_std(&shared.retry));
         let Some((n, fence)) = next_messages(fault, stop, msgs, shared, !retrying.is_empty())
         else {
+            // The others see the stop (or the failure) once they lead.
+            shared.leader.release();
             return;
         };
         // Busy before leadership passes on: the next leader must see this handler busy, or
         // it could sleep without a timeout while this one backs a fault out.
         let _busy = Busy::enter(&shared.busy);
-        let _leader = if fence.is_some() || fault.has_pending() {
-            Some(leader)
-        } else {
-            drop(leader);
-            None
-        };
+        let keep = fence.is_some() || fault.has_pending();
+        if !keep {
+            LENT.set(Some(Lent {
+                shared: shared.clone(),
+                uffd: fault.mm().uffd().raw(),
+            }));
+        }
         let is_fault = |e: &Event| matches!(e, Event::Fault { .. });
         for event in msgs[..n].iter().map(Msg::decode).filter(|e| !is_fault(e)) {
             handle_message(fault, event);
@@ -137,6 +150,58 @@ fn serve(fault: &FaultPath, stop: i32, shared: &Shared) {
         }
         for page in retrying {
             fault.mm().wake(page);
+        }
+        // Still leading unless the batch lent leadership out while it waited for a read.
+        leading = keep || LENT.take().is_some();
+    }
+}
+
+/// Leadership of the handlers: taken by the thread that reads messages, waited for by the
+/// others.
+#[derive(Default)]
+struct Leadership {
+    taken: Mutex<bool>,
+    free: Condvar,
+}
+
+impl Leadership {
+    fn take(&self) {
+        let mut taken = lock_std(&self.taken);
+        while *taken {
+            taken = self.free.wait(taken).unwrap_or_else(|e| e.into_inner());
+        }
+        *taken = true;
+    }
+
+    fn release(&self) {
+        *lock_std(&self.taken) = false;
+        self.free.notify_one();
+    }
+}
+
+/// A leader's leadership while it resolves the faults it read, for `lend_leadership`.
+struct Lent {
+    shared: Arc<Shared>,
+    uffd: i32,
+}
+
+thread_local! {
+    static LENT: RefCell<Option<Lent>> = const { RefCell::new(None) };
+}
+
+/// A handler's read-wait hook: while its swap-in read is in flight, it hands leadership on
+/// when another message is waiting, or when it is about to sleep on the read, so another
+/// handler reads the next fault meanwhile. With one handler nobody takes it and the
+/// leader takes it back after its batch.
+fn lend_leadership(at: ReadWait) {
+    let release = LENT.with_borrow(|lent| {
+        lent.as_ref().is_some_and(|l| {
+            at == ReadWait::Sleeping || wait_readable(l.uffd, -1, 0) == Readiness::Readable
+        })
+    });
+    if release {
+        if let Some(lent) = LENT.take() {
+            lent.shared.leader.release();
         }
     }
 }
@@ -269,6 +334,7 @@ fn next_messages<'a>(
     }
 }
 
+#[derive(PartialEq, Eq)]
 enum Readiness {
     Readable,
     TimedOut,

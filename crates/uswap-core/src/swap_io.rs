@@ -9,16 +9,50 @@
 //! short transfer by resubmitting the remainder (or the whole page, where `O_DIRECT`
 //! alignment forbids the remainder's offset). A [`FaultPlan`] injects faults here, under
 //! everything above.
+//!
+//! A batch of reads through io_uring is polled for its completions for a while
+//! (`SwapConfig::read_poll_us`) before the thread sleeps on them. A swap-in read is what a
+//! faulting thread waits for; a handler that slept on it is woken by the completion,
+//! and on a VM whose idle vCPUs halt that wake-up costs tens of µs on top of the device's
+//! time, in every major fault. The poller yields its CPU at each look, so a thread that
+//! wants the CPU gets it. While it waits, a thread's read-wait hook (`set_read_wait_hook`)
+//! runs at each look and once before it sleeps: a fault handler uses it to hand the
+//! reading of new faults on to another handler while its own read is in flight.
 
 use crate::config::FaultPlan;
 use crate::{IoMode, PAGE_SIZE};
 use io_uring::{opcode, types, IoUring, Probe};
+use std::cell::Cell;
 use std::fs::File;
 use std::io;
 use std::os::fd::{AsRawFd, RawFd};
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Mutex;
-use std::time::Duration;
+use std::time::{Duration, Instant};
+
+thread_local! {
+    static READ_WAIT_HOOK: Cell<Option<fn(ReadWait)>> = const { Cell::new(None) };
+}
+
+/// Where a batch of reads through io_uring is in its wait, for the read-wait hook.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum ReadWait {
+    /// Polling for the completions (called at each look).
+    Polling,
+    /// About to sleep until they complete.
+    Sleeping,
+}
+
+/// Sets (or clears) what this thread runs while it waits for its reads through io_uring.
+pub(crate) fn set_read_wait_hook(hook: Option<fn(ReadWait)>) {
+    READ_WAIT_HOOK.set(hook);
+}
+
+fn read_wait(at: ReadWait) {
+    if let Some(hook) = READ_WAIT_HOOK.get() {
+        hook(at);
+    }
+}
 
 /// Submission queue size of each ring; a larger batch is split into several submissions.
 /// 256 is the largest reclaim batch the configuration allows.
@@ -95,13 +129,20 @@ pub(crate) struct IoEngine {
     align: usize,
     /// Tries repeated after a transient error or a short transfer.
     retries: AtomicU64,
+    /// How long a batch of reads on a ring polls for its completions before it sleeps.
+    read_poll: Duration,
 }
 
 impl IoEngine {
     /// An engine for `requested` (resolved: not `Auto`); io_uring falls back to pread when
     /// it cannot be set up. `align` is the file's direct I/O offset alignment (1 for
-    /// buffered I/O).
-    pub(crate) fn new(requested: IoMode, faults: Option<FaultPlan>, align: usize) -> IoEngine {
+    /// buffered I/O). Reads on a ring poll for `read_poll` before they sleep.
+    pub(crate) fn new(
+        requested: IoMode,
+        faults: Option<FaultPlan>,
+        align: usize,
+        read_poll: Duration,
+    ) -> IoEngine {
         let rings = match requested {
             IoMode::Uring | IoMode::Auto => RingPool::probe(),
             IoMode::Pread => None,
@@ -111,6 +152,7 @@ impl IoEngine {
             faults: faults.map(Injector::new),
             align: align.clamp(1, PAGE_SIZE),
             retries: AtomicU64::new(0),
+            read_poll,
         }
     }
 
@@ -549,6 +591,31 @@ unsafe fn run_on_ring(
             return true;
         }
         let (mut submitted, mut done) = (0, 0);
+        let reads_only = transfers.iter().all(|t| t.op.is_read());
+        let mut reap = |ring: &mut IoUring, done: &mut usize, pause: &mut Option<Duration>| {
+            for cqe in ring.completion() {
+                let i = cqe.user_data() as usize;
+                results[i] = transfers[i].settle(i64::from(cqe.result()), ctx.engine);
+                *pause = (*pause).max(transfers[i].pause.take());
+                *done += 1;
+            }
+        };
+        if reads_only && !ctx.engine.read_poll.is_zero() {
+            if let Ok(n) = ring.submit() {
+                submitted += n;
+                let start = Instant::now();
+                while done < submitted && start.elapsed() < ctx.engine.read_poll {
+                    // The yield also enters the kernel, which posts completions there.
+                    // SAFETY: no arguments.
+                    unsafe { libc::sched_yield() };
+                    reap(ring, &mut done, &mut pause);
+                    read_wait(ReadWait::Polling);
+                }
+            }
+        }
+        if reads_only && done < queued {
+            read_wait(ReadWait::Sleeping);
+        }
         while done < queued {
             match ring.submit_and_wait(queued - done) {
                 Ok(n) => submitted += n,
@@ -560,12 +627,7 @@ unsafe fn run_on_ring(
                     submitted - done
                 ),
             }
-            for cqe in ring.completion() {
-                let i = cqe.user_data() as usize;
-                results[i] = transfers[i].settle(i64::from(cqe.result()), ctx.engine);
-                pause = pause.max(transfers[i].pause.take());
-                done += 1;
-            }
+            reap(ring, &mut done, &mut pause);
         }
         if let Some(pause) = pause {
             std::thread::sleep(pause);
@@ -694,7 +756,7 @@ pub(crate) mod tests {
     use std::os::unix::fs::OpenOptionsExt;
 
     fn roundtrip(mode: IoMode) {
-        let engine = IoEngine::new(mode, None, 1);
+        let engine = IoEngine::new(mode, None, 1, Duration::ZERO);
         roundtrip_with(&engine, false);
         assert_eq!((engine.retries(), engine.injected()), (0, 0));
     }
@@ -762,14 +824,33 @@ pub(crate) mod tests {
     #[test]
     fn uring_engine_roundtrips_a_large_batch() {
         if uring_allowed() {
-            assert_eq!(IoEngine::new(IoMode::Uring, None, 1).mode(), IoMode::Uring);
+            assert_eq!(
+                IoEngine::new(IoMode::Uring, None, 1, Duration::ZERO).mode(),
+                IoMode::Uring
+            );
         }
         roundtrip(IoMode::Uring);
     }
 
     #[test]
+    fn uring_engine_polling_for_reads_roundtrips_a_large_batch() {
+        // A budget long enough to reap most reads by polling, and one so short that the
+        // batch is left to the sleeping wait part way.
+        for poll_us in [1, 500] {
+            for direct in [false, true] {
+                let engine = IoEngine::new(IoMode::Uring, None, 1, Duration::from_micros(poll_us));
+                roundtrip_with(&engine, direct);
+                assert_eq!(engine.retries(), 0, "poll {poll_us} µs, direct {direct}");
+            }
+        }
+    }
+
+    #[test]
     fn pread_engine_roundtrips_a_large_batch() {
-        assert_eq!(IoEngine::new(IoMode::Pread, None, 1).mode(), IoMode::Pread);
+        assert_eq!(
+            IoEngine::new(IoMode::Pread, None, 1, Duration::ZERO).mode(),
+            IoMode::Pread
+        );
         roundtrip(IoMode::Pread);
     }
 
@@ -788,7 +869,7 @@ pub(crate) mod tests {
                 offset: 0,
                 dst: buf.as_mut_ptr(),
             };
-            let results = unsafe { IoEngine::new(mode, None, 1).run(&file, &[op]) };
+            let results = unsafe { IoEngine::new(mode, None, 1, Duration::ZERO).run(&file, &[op]) };
             let err = results.into_iter().next().unwrap().unwrap_err();
             assert_eq!(err.kind(), io::ErrorKind::UnexpectedEof, "{mode:?}: {err}");
         }
@@ -801,10 +882,11 @@ pub(crate) mod tests {
         }
     }
 
-    /// Every (engine, direct) combination of both modes, for a plan.
+    /// An engine of each mode for a plan, io_uring once sleeping on its reads and once
+    /// polling for them.
     fn each_mode(faults: FaultPlan, check: impl Fn(&IoEngine, IoMode)) {
-        for mode in [IoMode::Uring, IoMode::Pread] {
-            let engine = IoEngine::new(mode, Some(faults), 1);
+        for (mode, poll_us) in [(IoMode::Uring, 0), (IoMode::Uring, 200), (IoMode::Pread, 0)] {
+            let engine = IoEngine::new(mode, Some(faults), 1, Duration::from_micros(poll_us));
             check(&engine, mode);
         }
     }
@@ -852,7 +934,7 @@ pub(crate) mod tests {
         for mode in [IoMode::Uring, IoMode::Pread] {
             // 512-byte remainders, and whole-page redos when the alignment is a page.
             for align in [512, PAGE_SIZE] {
-                let engine = IoEngine::new(mode, Some(faults), align);
+                let engine = IoEngine::new(mode, Some(faults), align, Duration::ZERO);
                 roundtrip_with(&engine, true);
                 assert!(engine.retries() > 100, "{mode:?} {align}");
             }
@@ -963,7 +1045,7 @@ pub(crate) mod tests {
             };
             unsafe { engine.run(&file, &[op]) }.remove(0).unwrap();
             assert!(page.as_slice().iter().all(|&b| b == 0), "source untouched");
-            let clean = IoEngine::new(IoMode::Pread, None, 1);
+            let clean = IoEngine::new(IoMode::Pread, None, 1, Duration::ZERO);
             let mut back = PageBuf::new();
             unsafe { clean.read(&file, 0, back.as_mut_ptr(), false) }.unwrap();
             let ones: u32 = back.as_slice().iter().map(|b| b.count_ones()).sum();
@@ -974,7 +1056,12 @@ pub(crate) mod tests {
     #[test]
     fn the_same_seed_injects_the_same_faults() {
         let run = |seed| {
-            let engine = IoEngine::new(IoMode::Pread, Some(FaultPlan::transient(seed, 0.1)), 1);
+            let engine = IoEngine::new(
+                IoMode::Pread,
+                Some(FaultPlan::transient(seed, 0.1)),
+                1,
+                Duration::ZERO,
+            );
             roundtrip_with(&engine, false);
             (engine.injected(), engine.retries())
         };

@@ -153,7 +153,12 @@ impl SwapDevice {
         };
         Ok(Arc::new(SwapDevice {
             file,
-            io: IoEngine::new(cfg.io.resolve(backing.in_memory()), cfg.faults, align),
+            io: IoEngine::new(
+                cfg.io.resolve(backing.in_memory()),
+                cfg.faults,
+                align,
+                Duration::from_micros(cfg.read_poll_us),
+            ),
             direct,
             backing,
             counters: Counters::default(),
@@ -190,6 +195,7 @@ impl SwapDevice {
             self.cfg.io.resolve(self.backing.in_memory()),
             self.cfg.faults,
             self.align,
+            Duration::from_micros(self.cfg.read_poll_us),
         );
     }
 
