@@ -6,7 +6,7 @@
 use crate::error::{Error, Result};
 use crate::fault::{FaultPath, Outcome};
 use crate::mmap_changing::Raised;
-use crate::swap_io::{set_read_wait_hook, ReadWait};
+use crate::swap_io::set_read_wait_hook;
 use crate::sync::lock_std;
 use crate::uffd::{Event, Msg};
 use std::cell::RefCell;
@@ -102,11 +102,10 @@ struct Shared {
 
 /// Leader/follower: one handler at a time waits for messages (spinning briefly, then in
 /// poll) and resolves the faults it read. It keeps leadership while it does, unless
-/// another message arrives while its swap-in read is in flight, or the read is slow
-/// enough to sleep on: then it hands leadership on (`lend_leadership`), so a second
-/// faulting thread's read overlaps the first's. One faulting thread thus never wakes a
-/// second handler, and a fault that follows soon after the last one finds a handler
-/// already running instead of waking a sleeping CPU. A batch with a vma event keeps
+/// another message arrives while its swap-in read is in flight: then it hands leadership
+/// on (`lend_leadership`), so a second faulting thread's read overlaps the first's. One
+/// faulting thread thus never wakes a second handler, and a fault that follows soon after
+/// the last one finds a handler already running instead of waking a sleeping CPU. A batch with a vma event keeps
 /// leadership and the fence (`mmap_changing.rs`) until its events are handled, so every
 /// message read after an event sees its effect; the batch's faults, raised before the
 /// event, are served after it, seeing the pages as the event left them.
@@ -116,7 +115,7 @@ fn serve(fault: &FaultPath, stop: i32, shared: &Arc<Shared>) {
     let mut leading = false;
     loop {
         if !leading {
-            shared.leader.take();
+            shared.leader.take(shared.spin);
         }
         let retrying = std::mem::take(&mut *lock_std(&shared.retry));
         let Some((n, fence)) = next_messages(fault, stop, msgs, shared, !retrying.is_empty())
@@ -165,7 +164,20 @@ struct Leadership {
 }
 
 impl Leadership {
-    fn take(&self) {
+    /// Takes leadership, polling for it for `spin` (yielding the CPU at each look) before
+    /// sleeping until it is free.
+    fn take(&self, spin: Duration) {
+        let spin_until = Instant::now() + spin;
+        while Instant::now() < spin_until {
+            if let Ok(mut taken) = self.taken.try_lock() {
+                if !*taken {
+                    *taken = true;
+                    return;
+                }
+            }
+            // SAFETY: no arguments.
+            unsafe { libc::sched_yield() };
+        }
         let mut taken = lock_std(&self.taken);
         while *taken {
             taken = self.free.wait(taken).unwrap_or_else(|e| e.into_inner());
@@ -190,14 +202,12 @@ thread_local! {
 }
 
 /// A handler's read-wait hook: while its swap-in read is in flight, it hands leadership on
-/// when another message is waiting, or when it is about to sleep on the read, so another
-/// handler reads the next fault meanwhile. With one handler nobody takes it and the
-/// leader takes it back after its batch.
-fn lend_leadership(at: ReadWait) {
+/// when another message is waiting, so another handler reads that fault meanwhile. With
+/// one handler nobody takes it and the leader takes it back after its batch.
+fn lend_leadership() {
     let release = LENT.with_borrow(|lent| {
-        lent.as_ref().is_some_and(|l| {
-            at == ReadWait::Sleeping || wait_readable(l.uffd, -1, 0) == Readiness::Readable
-        })
+        lent.as_ref()
+            .is_some_and(|l| wait_readable(l.uffd, -1, 0) == Readiness::Readable)
     });
     if release {
         if let Some(lent) = LENT.take() {

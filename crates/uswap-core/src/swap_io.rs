@@ -31,26 +31,18 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 thread_local! {
-    static READ_WAIT_HOOK: Cell<Option<fn(ReadWait)>> = const { Cell::new(None) };
+    static READ_WAIT_HOOK: Cell<Option<fn()>> = const { Cell::new(None) };
 }
 
-/// Where a batch of reads through io_uring is in its wait, for the read-wait hook.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum ReadWait {
-    /// Polling for the completions (called at each look).
-    Polling,
-    /// About to sleep until they complete.
-    Sleeping,
-}
-
-/// Sets (or clears) what this thread runs while it waits for its reads through io_uring.
-pub(crate) fn set_read_wait_hook(hook: Option<fn(ReadWait)>) {
+/// Sets (or clears) what this thread runs while it waits for its reads through io_uring:
+/// at each look while it polls, and once before it sleeps.
+pub(crate) fn set_read_wait_hook(hook: Option<fn()>) {
     READ_WAIT_HOOK.set(hook);
 }
 
-fn read_wait(at: ReadWait) {
+fn read_wait() {
     if let Some(hook) = READ_WAIT_HOOK.get() {
-        hook(at);
+        hook();
     }
 }
 
@@ -609,12 +601,12 @@ unsafe fn run_on_ring(
                     // SAFETY: no arguments.
                     unsafe { libc::sched_yield() };
                     reap(ring, &mut done, &mut pause);
-                    read_wait(ReadWait::Polling);
+                    read_wait();
                 }
             }
         }
         if reads_only && done < queued {
-            read_wait(ReadWait::Sleeping);
+            read_wait();
         }
         while done < queued {
             match ring.submit_and_wait(queued - done) {
