@@ -395,3 +395,51 @@ fn kill_faulting_thread(tid: u32) {
         );
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::AtomicBool;
+
+    /// Handlers taking and releasing leadership, some polling for it and some sleeping at
+    /// once: never two leaders, and no handler left waiting on a free leadership (the run
+    /// finishes).
+    #[test]
+    fn leadership_has_one_holder_and_loses_no_wakeup() {
+        let leadership = Arc::new(Leadership::default());
+        let inside = Arc::new(AtomicBool::new(false));
+        let taken = Arc::new(AtomicUsize::new(0));
+        let (done_tx, done_rx) = std::sync::mpsc::channel();
+        let threads: Vec<_> = (0..4u64)
+            .map(|i| {
+                let (leadership, inside, taken) =
+                    (leadership.clone(), inside.clone(), taken.clone());
+                let done_tx = done_tx.clone();
+                std::thread::spawn(move || {
+                    let mut exclusive = true;
+                    for round in 0..20_000u64 {
+                        leadership.take(Duration::from_micros((i % 2) * 20));
+                        exclusive &= !inside.swap(true, Acquire);
+                        taken.fetch_add(1, Relaxed);
+                        if round % 7 == i {
+                            std::thread::yield_now();
+                        }
+                        inside.store(false, Release);
+                        leadership.release();
+                    }
+                    done_tx.send(exclusive).unwrap();
+                })
+            })
+            .collect();
+        for _ in 0..threads.len() {
+            let exclusive = done_rx
+                .recv_timeout(Duration::from_secs(60))
+                .expect("a handler waits for leadership that nobody holds");
+            assert!(exclusive, "two leaders at once");
+        }
+        for t in threads {
+            t.join().unwrap();
+        }
+        assert_eq!(taken.load(Relaxed), 80_000);
+    }
+}
