@@ -44,8 +44,9 @@ impl Handlers {
             threads: Vec::new(),
         };
         let shared = Arc::new(Shared {
-            // With several handlers each read takes one message, so the next fault goes to
-            // the next handler and their swap I/O overlaps; alone, a handler takes a batch.
+            // With several handlers each read takes one message, so a fault that arrives
+            // during another's swap-in read goes to the next handler and their reads
+            // overlap; alone, a handler takes a batch.
             batch: if cfg.threads > 1 { 1 } else { MAX_BATCH },
             leader: Leadership::default(),
             busy: AtomicUsize::new(0),
@@ -105,10 +106,10 @@ struct Shared {
 /// another message arrives while its swap-in read is in flight: then it hands leadership
 /// on (`lend_leadership`), so a second faulting thread's read overlaps the first's. One
 /// faulting thread thus never wakes a second handler, and a fault that follows soon after
-/// the last one finds a handler already running instead of waking a sleeping CPU. A batch with a vma event keeps
-/// leadership and the fence (`mmap_changing.rs`) until its events are handled, so every
-/// message read after an event sees its effect; the batch's faults, raised before the
-/// event, are served after it, seeing the pages as the event left them.
+/// the last one finds a handler already running instead of waking a sleeping CPU. A batch
+/// with a vma event keeps leadership and the fence (`mmap_changing.rs`) until its events
+/// are handled, so every message read after an event sees its effect; the batch's faults,
+/// raised before the event, are served after it, seeing the pages as the event left them.
 fn serve(fault: &FaultPath, stop: i32, shared: &Arc<Shared>) {
     let mut msgs = [Msg::default(); MAX_BATCH];
     let msgs = &mut msgs[..shared.batch];
