@@ -601,7 +601,9 @@ unsafe fn run_on_ring(
                     // SAFETY: no arguments.
                     unsafe { libc::sched_yield() };
                     reap(ring, &mut done, &mut pause);
-                    read_wait();
+                    if done < submitted {
+                        read_wait();
+                    }
                 }
             }
         }
