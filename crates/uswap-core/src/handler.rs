@@ -9,7 +9,7 @@ use crate::mmap_changing::Raised;
 use crate::swap_io::set_read_wait_hook;
 use crate::sync::lock_std;
 use crate::uffd::{Event, Msg};
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{
@@ -56,9 +56,14 @@ impl Handlers {
         for i in 0..cfg.threads {
             let (fault, shared) = (fault.clone(), shared.clone());
             let t = crate::signals::spawn_quiet(&format!("uswap-fault-{i}"), move || {
+                HANDLER.set(Some(Handler {
+                    shared: shared.clone(),
+                    uffd: fault.mm().uffd().raw(),
+                }));
                 set_read_wait_hook(Some(lend_leadership));
                 serve(&fault, fd, &shared);
                 set_read_wait_hook(None);
+                HANDLER.take();
             })
             .map_err(|source| Error::Os {
                 op: "spawn fault handler",
@@ -129,12 +134,7 @@ fn serve(fault: &FaultPath, stop: i32, shared: &Arc<Shared>) {
         // it could sleep without a timeout while this one backs a fault out.
         let _busy = Busy::enter(&shared.busy);
         let keep = fence.is_some() || fault.has_pending();
-        if !keep {
-            LENT.set(Some(Lent {
-                shared: shared.clone(),
-                uffd: fault.mm().uffd().raw(),
-            }));
-        }
+        LENDABLE.set(!keep);
         let is_fault = |e: &Event| matches!(e, Event::Fault { .. });
         for event in msgs[..n].iter().map(Msg::decode).filter(|e| !is_fault(e)) {
             handle_message(fault, event);
@@ -152,7 +152,7 @@ fn serve(fault: &FaultPath, stop: i32, shared: &Arc<Shared>) {
             fault.mm().wake(page);
         }
         // Still leading unless the batch lent leadership out while it waited for a read.
-        leading = keep || LENT.take().is_some();
+        leading = keep || LENDABLE.replace(false);
     }
 }
 
@@ -192,29 +192,32 @@ impl Leadership {
     }
 }
 
-/// A leader's leadership while it resolves the faults it read, for `lend_leadership`.
-struct Lent {
+/// What `lend_leadership` needs of the handler running on this thread.
+struct Handler {
     shared: Arc<Shared>,
     uffd: i32,
 }
 
 thread_local! {
-    static LENT: RefCell<Option<Lent>> = const { RefCell::new(None) };
+    static HANDLER: RefCell<Option<Handler>> = const { RefCell::new(None) };
+    /// Set while this handler leads and resolves faults it may hand leadership on from.
+    static LENDABLE: Cell<bool> = const { Cell::new(false) };
 }
 
 /// A handler's read-wait hook: while its swap-in read is in flight, it hands leadership on
 /// when another message is waiting, so another handler reads that fault meanwhile. With
 /// one handler nobody takes it and the leader takes it back after its batch.
 fn lend_leadership() {
-    let release = LENT.with_borrow(|lent| {
-        lent.as_ref()
-            .is_some_and(|l| wait_readable(l.uffd, -1, 0) == Readiness::Readable)
-    });
-    if release {
-        if let Some(lent) = LENT.take() {
-            lent.shared.leader.release();
-        }
+    if !LENDABLE.get() {
+        return;
     }
+    HANDLER.with_borrow(|handler| {
+        let Some(h) = handler else { return };
+        if wait_readable(h.uffd, -1, 0) == Readiness::Readable {
+            LENDABLE.set(false);
+            h.shared.leader.release();
+        }
+    });
 }
 
 /// Handles one message; the page whose fault backed out and whose thread is to be woken
