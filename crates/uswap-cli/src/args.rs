@@ -69,7 +69,7 @@ pub struct CoreArgs {
     #[arg(long, value_name = "US")]
     pub handler_spin: Option<u64>,
 
-    /// µs a batch of swap-in reads through io_uring polls for its completions before its thread sleeps (0 = sleep at once) [default: 250]
+    /// µs a batch of swap-in reads through io_uring (also the SIGBUS handler's) polls for its completions before its thread sleeps (0 = sleep at once) [default: 250]
     #[arg(long, value_name = "US")]
     pub read_poll: Option<u64>,
 

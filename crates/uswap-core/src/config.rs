@@ -290,8 +290,9 @@ pub struct SwapConfig {
     pub io: IoMode,
     pub slot_alloc: SlotAlloc,
     pub swap_cache: SwapCacheMode,
-    /// How long a batch of swap-in reads through io_uring polls for its completions before
-    /// its thread sleeps on them, in µs (0 = sleep at once); see `swap_io.rs`.
+    /// How long a batch of swap-in reads through io_uring (a handler's, or the SIGBUS
+    /// handler's one page) polls for its completions before its thread sleeps on them, in
+    /// µs (0 = sleep at once, and the SIGBUS handler reads with `pread`); see `swap_io.rs`.
     #[serde(default = "default_read_poll_us")]
     pub read_poll_us: u64,
     /// Faults to inject into the device's I/O, for tests. `None` (the default) costs

@@ -17,11 +17,16 @@
 //! time, in every major fault. The poller yields its CPU at each look, so a thread that
 //! wants the CPU gets it. While it waits, a thread's read-wait hook (`set_read_wait_hook`)
 //! runs at each look and once before it sleeps: a fault handler uses it to hand the
-//! reading of new faults on to another handler while its own read is in flight.
+//! reading of new faults on to another handler while its own read is in flight. The
+//! SIGBUS handler's reads, which may not lock or allocate, go to rings of their own
+//! (`signal_ring`).
+
+mod signal_ring;
 
 use crate::config::FaultPlan;
 use crate::{IoMode, PAGE_SIZE};
 use io_uring::{opcode, types, IoUring, Probe};
+use signal_ring::SignalRings;
 use std::cell::Cell;
 use std::fs::File;
 use std::io;
@@ -123,6 +128,8 @@ pub(crate) struct IoEngine {
     retries: AtomicU64,
     /// How long a batch of reads on a ring polls for its completions before it sleeps.
     read_poll: Duration,
+    /// Rings for the SIGBUS handler's reads; `None` in pread mode or without polling.
+    signal_rings: Option<SignalRings>,
 }
 
 impl IoEngine {
@@ -139,12 +146,17 @@ impl IoEngine {
             IoMode::Uring | IoMode::Auto => RingPool::probe(),
             IoMode::Pread => None,
         };
+        let signal_rings = match rings {
+            Some(_) if !read_poll.is_zero() => SignalRings::new(),
+            _ => None,
+        };
         IoEngine {
             rings,
             faults: faults.map(Injector::new),
             align: align.clamp(1, PAGE_SIZE),
             retries: AtomicU64::new(0),
             read_poll,
+            signal_rings,
         }
     }
 
@@ -158,6 +170,9 @@ impl IoEngine {
                     unsafe { libc::close(ring.as_raw_fd()) };
                 }
             }
+        }
+        if let Some(rings) = &self.signal_rings {
+            rings.close_in_child();
         }
     }
 
@@ -217,9 +232,10 @@ impl IoEngine {
         self.run_with(file, ops, true)
     }
 
-    /// One read with `pread`, its transient errors retried, allocating nothing: for the
-    /// SIGBUS handler. `None` under a fault plan (the injector may allocate): use
-    /// [`IoEngine::read`].
+    /// One read, allocating and locking nothing: for the SIGBUS handler. On a free signal
+    /// ring and polled when the engine polls its reads; otherwise, or when that read does
+    /// not transfer the whole page, with `pread`, its transient errors retried. `None`
+    /// under a fault plan (the injector may allocate): use [`IoEngine::read`].
     ///
     /// # Safety
     /// As [`IoEngine::run`].
@@ -231,6 +247,11 @@ impl IoEngine {
     ) -> Option<io::Result<()>> {
         if self.faults.is_some() {
             return None;
+        }
+        if let Some(rings) = &self.signal_rings {
+            if rings.read(file.as_raw_fd(), offset, dst, self.read_poll) {
+                return Some(Ok(()));
+            }
         }
         let ctx = Ctx {
             engine: self,

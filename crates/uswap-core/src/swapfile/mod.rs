@@ -401,7 +401,8 @@ impl SwapDevice {
             .collect()
     }
 
-    /// [`SwapDevice::read_page`] for the SIGBUS handler: one `pread`, allocating nothing.
+    /// [`SwapDevice::read_page`] for the SIGBUS handler: one read, allocating nothing
+    /// (on a signal ring, polled, when the engine polls its reads; else `pread`).
     /// True when the page was read and verified; false when it was not (an error, a
     /// checksum mismatch, or a fault plan in force): then `read_page` reads it again and
     /// reports what goes wrong.
