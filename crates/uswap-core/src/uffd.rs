@@ -479,6 +479,10 @@ impl Uffd {
                         done += PAGE_SIZE;
                     }
                     if done > counted {
+                        // The kernel wakes only for the pages it counted.
+                        if mode & MOVE_MODE_DONTWAKE == 0 {
+                            let _ = self.wake(dst + counted, done - counted);
+                        }
                         continue;
                     }
                 }
