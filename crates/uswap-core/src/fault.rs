@@ -167,9 +167,9 @@ impl FaultPath {
     }
 
     /// The part of fault resolution a signal handler may run: it allocates nothing, takes
-    /// no lock a program thread could hold, and never reclaims; its only I/O is one page read
-    /// for a swap-in (on a signal ring, polled, or with `pread`). `None` means the fault needs the full path (on a thread that may
-    /// block).
+    /// no lock a program thread could hold, and never reclaims; its only I/O is one page
+    /// read for a swap-in (on a signal ring, polled, or with `pread`). `None` means the
+    /// fault needs the full path (on a thread that may block).
     pub fn resolve_in_signal(&self, page: usize) -> Option<Outcome> {
         if self.inject_panic.load(Relaxed) {
             return None; // the test hook panics on the full path
@@ -654,9 +654,9 @@ impl FaultPath {
     }
 
     /// The common case of [`FaultPath::swap_in`], allocating nothing: read into a pooled
-    /// buffer (`SwapDevice::read_page_in_place`), verified, charged without reclaim, mapped. `None` for anything
-    /// else (no buffer free, an I/O error, a bad checksum, direct reclaim needed): the full
-    /// path then does it and reports what goes wrong.
+    /// buffer (`SwapDevice::read_page_in_place`), verified, charged without reclaim,
+    /// mapped. `None` for anything else (no buffer free, an I/O error, a bad checksum,
+    /// direct reclaim needed): the full path then does it and reports what goes wrong.
     fn swap_in_in_signal(&self, mut lock: PageLock<'_>, start: Instant) -> Option<Outcome> {
         let mm = self.mm();
         let slot = lock.state().slot().expect("a swapped page has a slot");
