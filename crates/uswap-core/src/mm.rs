@@ -8,6 +8,7 @@ use crate::breakdown::Breakdown;
 use crate::budget::Budget;
 use crate::config::FaultMode;
 use crate::error::{Error, Result};
+use crate::gup::Pins;
 use crate::lru::Lru;
 use crate::mapping::Mapping;
 use crate::mmap_changing::MmapChanging;
@@ -147,6 +148,8 @@ pub(crate) struct Mm {
     uffd: Uffd,
     staging_uffd: Uffd,
     pages: PageTable,
+    /// Ranges a system call is reading or writing (SIGBUS mode): aging leaves them mapped.
+    pins: Pins,
     lru: Lru,
     budget: Budget,
     swap: Arc<SwapDevice>,
@@ -199,6 +202,7 @@ impl Mm {
         Ok(Mm {
             zeros: Mapping::new(p.fault_around * PAGE_SIZE)?,
             pages: PageTable::new(pages),
+            pins: Pins::new(),
             lru: Lru::new(pages, p.lru_lock, p.lru_batch, crate::cpu::count()),
             budget,
             bounce: BouncePool::new(p.bounce_buffers),
@@ -222,6 +226,10 @@ impl Mm {
 
     pub fn pages(&self) -> &PageTable {
         &self.pages
+    }
+
+    pub fn pins(&self) -> &Pins {
+        &self.pins
     }
 
     pub fn lru(&self) -> &Lru {

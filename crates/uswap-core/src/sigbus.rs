@@ -14,6 +14,8 @@
 
 use crate::error::{Error, Result};
 use crate::fault::{FaultPath, Outcome};
+use crate::gup::Pin;
+use crate::page::Kind;
 use crate::uffd::Msg;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -343,7 +345,13 @@ fn reinstall() {
     }
 }
 
+pub(crate) fn is_our_handler(handler: usize) -> bool {
+    handler == on_sigbus as *const () as usize
+}
+
 extern "C" fn on_sigbus(sig: libc::c_int, info: *mut libc::siginfo_t, ctx: *mut libc::c_void) {
+    // A dispatching thread's system calls from here on are uswap's own.
+    let _allowed = crate::syscall_dispatch::Allowed::new();
     // SAFETY: __errno_location is the calling thread's errno; restored on the way out.
     let errno = unsafe { *libc::__errno_location() };
     dispatch(sig, info, ctx);
@@ -433,6 +441,146 @@ fn resolve(s: &Served, page: usize) -> Outcome {
         }
         Some(outcome) => outcome,
         None => hand_over(s, page),
+    }
+}
+
+/// Whether `[addr, addr + len)` overlaps a SIGBUS-mode region.
+pub(crate) fn in_region(addr: usize, len: usize) -> bool {
+    let end = addr.saturating_add(len);
+    RANGES
+        .iter()
+        .any(|(start, stop)| addr < stop.load(Relaxed) && end > start.load(Relaxed))
+}
+
+/// Pins a system call holds on region memory (SIGBUS mode with syscall dispatch), given
+/// back by [`CallPins::release`]. Each keeps its region registered (`IN_FLIGHT`) until then.
+pub(crate) struct CallPins {
+    held: [Option<(usize, Pin)>; CALL_PINS],
+}
+
+/// Ranges one system call may pin; a call with more buffers pins what covers them.
+pub(crate) const CALL_PINS: usize = 16;
+
+impl CallPins {
+    pub fn new() -> CallPins {
+        CallPins {
+            held: [const { None }; CALL_PINS],
+        }
+    }
+
+    pub fn free(&self) -> usize {
+        self.held.iter().filter(|h| h.is_none()).count()
+    }
+
+    /// Brings in every page of `[addr, addr + len)` that lies in a SIGBUS-mode region,
+    /// writable when the kernel is to `write` there, and pins it until `release`. Pages
+    /// outside regions are left to the kernel; a page whose data is lost stays out, and the
+    /// call fails on it (EFAULT) as an access would. Returns false when no pin slot was
+    /// left in this call (nothing pinned for the range then).
+    pub fn pin(&mut self, addr: usize, len: usize, write: bool) -> bool {
+        let end = addr.saturating_add(len);
+        for i in 0..MAX_REGIONS {
+            if len == 0 || end <= RANGES[i].0.load(Relaxed) || addr >= RANGES[i].1.load(Relaxed) {
+                continue;
+            }
+            let Some(free) = self.held.iter_mut().find(|h| h.is_none()) else {
+                return false;
+            };
+            IN_FLIGHT[i].fetch_add(1, SeqCst);
+            // SAFETY: an entry stays valid while IN_FLIGHT is non-zero (Service::stop waits).
+            let Some(served) = (unsafe { REGIONS[i].load(SeqCst).as_ref() }) else {
+                IN_FLIGHT[i].fetch_sub(1, SeqCst);
+                continue;
+            };
+            let mm = served.fault.mm();
+            let pages = mm.pages_in(addr, end);
+            if pages.is_empty() {
+                IN_FLIGHT[i].fetch_sub(1, SeqCst);
+                continue;
+            }
+            let pin = loop {
+                match mm.pins().pin(pages.clone()) {
+                    Some(pin) => break pin,
+                    // SAFETY: async-signal-safe; another call gives its pin back.
+                    None => unsafe { libc::sched_yield() },
+                };
+            };
+            for page in pages {
+                bring_in(served, page, write);
+            }
+            mm.vmstat().syscall_pins.fetch_add(1, Relaxed);
+            *free = Some((i, pin));
+        }
+        true
+    }
+
+    /// Pins every SIGBUS-mode region whole, bringing nothing in: aging leaves them alone
+    /// until `release` (a child that shares the memory runs without dispatch meanwhile).
+    pub fn hold_off_aging(&mut self) {
+        for i in 0..MAX_REGIONS {
+            let Some(free) = self.held.iter_mut().find(|h| h.is_none()) else {
+                return;
+            };
+            IN_FLIGHT[i].fetch_add(1, SeqCst);
+            // SAFETY: as in `pin`.
+            let pin = unsafe { REGIONS[i].load(SeqCst).as_ref() }.and_then(|served| {
+                let pages = served.fault.mm().pages().len();
+                (pages > 0)
+                    .then(|| served.fault.mm().pins().pin(0..pages))
+                    .flatten()
+            });
+            match pin {
+                Some(pin) => *free = Some((i, pin)),
+                None => {
+                    IN_FLIGHT[i].fetch_sub(1, SeqCst);
+                }
+            }
+        }
+    }
+
+    /// Gives every pin back and lets their regions go.
+    pub fn release(&mut self) {
+        for (i, pin) in self.held.iter_mut().filter_map(Option::take) {
+            // SAFETY: registered while IN_FLIGHT is raised, as in `pin`.
+            if let Some(served) = unsafe { REGIONS[i].load(SeqCst).as_ref() } {
+                served.fault.mm().pins().unpin(pin);
+            }
+            IN_FLIGHT[i].fetch_sub(1, SeqCst);
+        }
+    }
+}
+
+/// Brings one pinned page in, as the fault the kernel's access would raise: mapped, and
+/// writable (no longer write-protected, its swap copy given up) when it is to be written.
+/// Called after the pin is published, so aging does not take the page out again.
+fn bring_in(served: &Served, page: usize, write: bool) {
+    let mm = served.fault.mm();
+    // Served faults that left the page as it was: an access would fail the same way.
+    let mut served_in_vain = 0;
+    while served_in_vain < 4 {
+        let (state, locked) = mm.pages().peek(page);
+        if locked {
+            // A fault or aging is at work on it: look again when it is done.
+            // SAFETY: async-signal-safe.
+            unsafe { libc::sched_yield() };
+            continue;
+        }
+        let usable = |e: crate::mm::PagemapEntry| e.present && !(write && e.write_protected);
+        match state.kind() {
+            Kind::Active if !write || state.slot().is_none() => return,
+            // A write to a clean page: the fault gives its swap copy up.
+            Kind::Active if mm.pagemap_entry(page).is_some_and(usable) => return,
+            // Lazily freed: mapped unless the kernel zapped it.
+            Kind::Lazyfree if mm.pagemap_entry(page).is_none_or(usable) => return,
+            // Not the program's memory any more, or lost: the call fails as an access would.
+            Kind::Unmapped | Kind::Poisoned => return,
+            _ => {}
+        }
+        match resolve(served, page) {
+            Outcome::Fatal => return,
+            Outcome::Resolved => served_in_vain += 1,
+            Outcome::Retry => {}
+        }
     }
 }
 

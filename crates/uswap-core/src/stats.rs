@@ -80,6 +80,12 @@ vmstat! {
     failed_faults,
     /// Times reclaim could not unmap a page the program had mlocked or mprotected.
     pgskip_unmovable,
+    /// Times aging left a page mapped because a system call had pinned it (SIGBUS mode
+    /// with syscall dispatch: the call reads or writes it).
+    pgskip_pinned,
+    /// System calls of dispatching threads that read or wrote region memory, whose buffers
+    /// were brought in and pinned for the call (SIGBUS mode, `syscall_dispatch`).
+    syscall_pins,
     /// Faults on pages uswap had mapped that were gone (failed loudly, never looped).
     unexplained_faults,
     /// Pages the program discarded (MADV_DONTNEED/MADV_FREE): zeros from then on.

@@ -3,12 +3,12 @@
 
 #[cfg(loom)]
 pub(crate) use loom::sync::{
-    atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize},
+    atomic::{fence, AtomicBool, AtomicU32, AtomicU64, AtomicUsize},
     Mutex, MutexGuard, RwLock, RwLockReadGuard, RwLockWriteGuard,
 };
 #[cfg(not(loom))]
 pub(crate) use std::sync::{
-    atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize},
+    atomic::{fence, AtomicBool, AtomicU32, AtomicU64, AtomicUsize},
     Mutex, MutexGuard, RwLock, RwLockReadGuard, RwLockWriteGuard,
 };
 

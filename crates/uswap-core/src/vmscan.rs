@@ -329,18 +329,26 @@ impl Reclaim {
     pub fn deactivate(&self, locks: &mut [PageLock<'_>]) {
         let mm = &self.mm;
         let mut laps = Laps::new(mm.breakdown(), Instant::now());
-        // Referenced pages go round once more: they sort last, stay active and go back to
-        // the head with the pages that could not move.
-        locks.sort_unstable_by_key(|l| (l.state().referenced(), l.page()));
+        // Pages a system call has pinned (SIGBUS mode) stay as they are; referenced pages
+        // go round once more. Both sort last, stay active and go back to the head with the
+        // pages that could not move.
+        let pinned = mm.pins().pinned_among(locks.iter().map(|l| l.page()));
+        locks.sort_unstable_by_key(|l| {
+            (pinned.contains(&l.page()), l.state().referenced(), l.page())
+        });
+        let movable = locks.len() - pinned.len();
         let mut spared = 0;
-        for l in locks.iter_mut().rev() {
+        for l in locks[..movable].iter_mut().rev() {
             if !l.second_chance() {
                 break;
             }
             spared += 1;
         }
         mm.vmstat().pgreferenced.fetch_add(spared as u64, Relaxed);
-        let moving = locks.len() - spared;
+        mm.vmstat()
+            .pgskip_pinned
+            .fetch_add(pinned.len() as u64, Relaxed);
+        let moving = movable - spared;
         self.move_to_staging(&mut locks[..moving]);
         let inactive = locks.iter().filter(|l| l.kind() == Kind::Inactive).count();
         mm.vmstat().pgdeactivate.fetch_add(inactive as u64, Relaxed);

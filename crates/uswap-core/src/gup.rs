@@ -1,0 +1,191 @@
+//! Pins for kernel accesses (the kernel's `pin_user_pages`): page ranges of a region that
+//! a system call is about to read or write, kept mapped until the call returns.
+//!
+//! In SIGBUS mode a kernel access to a page that is not mapped fails with EFAULT instead of
+//! being served, so a system call that takes a buffer in a region needs the buffer mapped
+//! for the whole call (`syscall_dispatch.rs` brings it in first). Aging must then not
+//! unmap it: [`Pins::covers`] is asked for every page aging is about to move out, and a
+//! pinned page stays active.
+//!
+//! The race with aging is settled like the kernel's `FOLL_PIN` against `try_to_unmap`, by
+//! ordering: a pinner publishes its range, then looks at each page's state word; aging
+//! locks a page, then looks at the pins. Each side issues a sequentially consistent fence
+//! between its store and its load, so at least one sees the other: either aging sees the
+//! pin and spares the page, or the pinner sees the page locked (or already moved out) and
+//! brings it back after aging is done with it, after which aging will see the pin.
+//!
+//! A pin is one word in a fixed table (no allocation: pins are taken in a signal handler).
+//! `used` counts the words in use, so that aging, which asks for every page it moves,
+//! pays one load when nothing is pinned.
+
+use crate::sync::{fence, AtomicU64, AtomicUsize};
+use std::ops::Range;
+use std::sync::atomic::Ordering::{Relaxed, Release, SeqCst};
+
+/// Ranges pinned at once per region: one per system call in progress (a vectored call
+/// takes one per buffer, up to its share).
+pub(crate) const PIN_SLOTS: usize = 64;
+
+/// The pinned ranges of one region.
+pub(crate) struct Pins {
+    /// `start | end << 32` in pages, `end > start`; 0 when free.
+    slots: [AtomicU64; PIN_SLOTS],
+    used: AtomicUsize,
+}
+
+/// A pinned range; give it back with [`Pins::unpin`].
+#[must_use]
+pub(crate) struct Pin(usize);
+
+fn pack(pages: &Range<usize>) -> u64 {
+    debug_assert!(pages.start < pages.end && pages.end <= u32::MAX as usize);
+    pages.start as u64 | (pages.end as u64) << 32
+}
+
+impl Pins {
+    pub fn new() -> Pins {
+        Pins {
+            slots: std::array::from_fn(|_| AtomicU64::new(0)),
+            used: AtomicUsize::new(0),
+        }
+    }
+
+    /// Publishes `pages` as pinned, or `None` when every slot is taken. The caller then
+    /// checks each page's state (after this call's fence) and brings in what is not there.
+    pub fn pin(&self, pages: Range<usize>) -> Option<Pin> {
+        let word = pack(&pages);
+        self.used.fetch_add(1, SeqCst);
+        let found = self
+            .slots
+            .iter()
+            .position(|s| s.compare_exchange(0, word, SeqCst, Relaxed).is_ok());
+        if found.is_none() {
+            self.used.fetch_sub(1, Release);
+        }
+        fence(SeqCst);
+        found.map(Pin)
+    }
+
+    pub fn unpin(&self, pin: Pin) {
+        self.slots[pin.0].store(0, Release);
+        self.used.fetch_sub(1, Release);
+    }
+
+    /// Which of `pages` are pinned. Called with those pages locked (by aging, before it
+    /// unmaps them): the fence orders the locks before the loads here.
+    pub fn pinned_among(&self, pages: impl Iterator<Item = usize>) -> Vec<usize> {
+        fence(SeqCst);
+        if self.used.load(SeqCst) == 0 {
+            return Vec::new();
+        }
+        let ranges: Vec<Range<usize>> = self
+            .slots
+            .iter()
+            .map(|s| s.load(SeqCst))
+            .filter(|&w| w != 0)
+            .map(|w| w as u32 as usize..(w >> 32) as usize)
+            .collect();
+        pages
+            .filter(|p| ranges.iter().any(|r| r.contains(p)))
+            .collect()
+    }
+
+    #[cfg(test)]
+    fn covers(&self, page: usize) -> bool {
+        !self.pinned_among(std::iter::once(page)).is_empty()
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_pin_covers_its_pages_until_it_is_given_back() {
+        let pins = Pins::new();
+        assert!(!pins.covers(5));
+        let pin = pins.pin(4..7).expect("a free slot");
+        assert!(pins.covers(4) && pins.covers(6));
+        assert!(!pins.covers(3) && !pins.covers(7));
+        pins.unpin(pin);
+        assert!(!pins.covers(5));
+    }
+
+    #[test]
+    fn a_full_table_refuses_and_frees_again() {
+        let pins = Pins::new();
+        let held: Vec<Pin> = (0..PIN_SLOTS)
+            .map(|i| pins.pin(i..i + 1).unwrap())
+            .collect();
+        assert!(pins.pin(100..101).is_none());
+        assert_eq!(pins.used.load(SeqCst), PIN_SLOTS);
+        for p in held {
+            pins.unpin(p);
+        }
+        assert_eq!(pins.used.load(SeqCst), 0);
+        assert!(pins.pin(100..101).is_some());
+    }
+
+    #[test]
+    fn stress_pins_taken_and_given_back_from_many_threads_stay_exact() {
+        let pins = Pins::new();
+        std::thread::scope(|s| {
+            for t in 0..4usize {
+                let pins = &pins;
+                s.spawn(move || {
+                    for i in 0..20_000usize {
+                        let page = t * 1_000 + i % 500;
+                        if let Some(pin) = pins.pin(page..page + 2) {
+                            assert!(pins.covers(page) && pins.covers(page + 1));
+                            pins.unpin(pin);
+                        }
+                    }
+                });
+            }
+        });
+        assert_eq!(pins.used.load(SeqCst), 0);
+        assert!((0..5_000).all(|p| !pins.covers(p)));
+    }
+}
+
+#[cfg(all(test, loom))]
+mod loom_tests {
+    use super::*;
+    use crate::page::{Kind, PageTable};
+    use loom::sync::Arc;
+
+    /// Aging (lock the page, ask the pins, move it out unless pinned) against a pinner
+    /// (pin, then look at the page: still active and unlocked means it stays mapped). Never
+    /// both: aging moving the page out and the pinner taking it for mapped.
+    #[test]
+    fn loom_a_pinned_page_is_never_moved_out_behind_the_pinners_back() {
+        loom::model(|| {
+            let table = Arc::new((PageTable::new(1), Pins::new()));
+            {
+                let mut lock = table.0.lock(0);
+                lock.map_new();
+            }
+            let aging = {
+                let table = table.clone();
+                loom::thread::spawn(move || {
+                    let (pages, pins) = (&table.0, &table.1);
+                    let Some(mut lock) = pages.try_lock(0) else {
+                        return false;
+                    };
+                    if pins.covers(0) {
+                        return false;
+                    }
+                    lock.deactivate(1);
+                    true
+                })
+            };
+            let (pages, pins) = (&table.0, &table.1);
+            let pin = pins.pin(0..1).unwrap();
+            let (state, locked) = pages.peek(0);
+            let taken_for_mapped = !locked && state.kind() == Kind::Active;
+            let moved_out = aging.join().unwrap();
+            assert!(!(moved_out && taken_for_mapped));
+            pins.unpin(pin);
+        });
+    }
+}

@@ -1,0 +1,536 @@
+//! Syscall user dispatch (the kernel's `PR_SET_SYSCALL_USER_DISPATCH`): system calls of a
+//! SIGBUS-mode program that still see its swapped-out memory.
+//!
+//! In SIGBUS mode the faulting thread serves its own faults, but a kernel access to a page
+//! that is not mapped fails with EFAULT: `read(2)` into a swapped-out buffer would fail, or
+//! worse, consume a pipe's data and then fail. With dispatch on, every system call a
+//! dispatching thread makes outside uswap's own code stops with SIGSYS before it runs. The
+//! handler here finds the call's buffers (`syscall_args.rs`), brings those in region memory
+//! in, pins them against aging (`gup.rs`, `sigbus::CallPins`), runs the call itself, and
+//! gives the pins back. A thread turns dispatch on for itself
+//! ([`enable_for_this_thread`]); the kernel clears it in a new thread and across exec.
+//!
+//! Which system calls go straight to the kernel is decided by a per-thread selector byte
+//! the kernel reads at each call, and by an address range it always lets through:
+//! - the selector says *block* while the program's code runs, and *allow* while uswap's
+//!   handlers run (they make system calls of their own through the C library);
+//! - the range holds three small routines (below): a six-argument system call, the signal
+//!   return uswap's handlers return through, and `clone` for a new thread. The program's
+//!   call runs through the first with the selector at *block* and the program's own signal
+//!   mask, so a signal that interrupts it runs the program's handler as it would have, and
+//!   that handler's own system calls are dispatched too.
+//!
+//! What the handler does itself instead of passing the call on:
+//! - `rt_sigreturn` from a program's signal handler resumes at the range's signal return
+//!   (the C library's return path lies outside the range);
+//! - `rt_sigprocmask` changes the mask the handler returns to, never blocking SIGSYS or
+//!   SIGBUS (a blocked synchronous signal kills the process), and `rt_sigaction` and the
+//!   calls that wait with a mask of their own (`rt_sigsuspend`, `ppoll`, `epoll_pwait`) get
+//!   a mask without them;
+//! - `clone` and `clone3` for a thread with a stack of its own start the child at the
+//!   program's next instruction with the program's registers; `vfork` runs as `fork`
+//!   (the child would otherwise return through this handler's frame on the shared stack),
+//!   and a `CLONE_VFORK` child on a stack of its own (`posix_spawn`) runs while aging is
+//!   held off every SIGBUS-mode region, as it reads its arguments without dispatch.
+
+use crate::error::{Error, Result};
+use crate::sigbus::CallPins;
+use crate::syscall_args;
+use std::arch::global_asm;
+use std::cell::UnsafeCell;
+use std::sync::atomic::{AtomicI32, Ordering::Relaxed};
+use std::sync::Once;
+
+const PR_SET_SYSCALL_USER_DISPATCH: libc::c_int = 59;
+const PR_SYS_DISPATCH_ON: libc::c_ulong = 1;
+const PR_SYS_DISPATCH_OFF: libc::c_ulong = 0;
+const ALLOW: u8 = 0;
+const BLOCK: u8 = 1;
+/// `si_code` of a SIGSYS raised by dispatch.
+const SYS_USER_DISPATCH: libc::c_int = 2;
+const SA_RESTORER: u64 = 0x0400_0000;
+
+global_asm!(
+    ".pushsection .text.uswap_sud,\"ax\",@progbits",
+    ".p2align 4",
+    ".globl uswap_sud_begin",
+    ".hidden uswap_sud_begin",
+    "uswap_sud_begin:",
+    // i64 uswap_sud_syscall6(nr, a0, a1, a2, a3, a4, a5)
+    ".globl uswap_sud_syscall6",
+    ".hidden uswap_sud_syscall6",
+    "uswap_sud_syscall6:",
+    "mov rax, rdi",
+    "mov rdi, rsi",
+    "mov rsi, rdx",
+    "mov rdx, rcx",
+    "mov r10, r8",
+    "mov r8, r9",
+    "mov r9, [rsp + 8]",
+    "syscall",
+    "ret",
+    // The restorer of uswap's signal handlers.
+    ".globl uswap_sud_sigreturn",
+    ".hidden uswap_sud_sigreturn",
+    "uswap_sud_sigreturn:",
+    "mov eax, 15",
+    "syscall",
+    "ud2",
+    // i64 uswap_sud_clone(const u64 regs[13]): rax, rdi, rsi, rdx, r10, r8, r9, rbx, rbp,
+    // r12..r15 loaded from `regs`, then the system call. The parent returns here; the
+    // child's stack holds the program's next instruction, where its `ret` goes.
+    ".globl uswap_sud_clone",
+    ".hidden uswap_sud_clone",
+    "uswap_sud_clone:",
+    "push rbx",
+    "push rbp",
+    "push r12",
+    "push r13",
+    "push r14",
+    "push r15",
+    "mov rax, [rdi]",
+    "mov rsi, [rdi + 16]",
+    "mov rdx, [rdi + 24]",
+    "mov r10, [rdi + 32]",
+    "mov r8, [rdi + 40]",
+    "mov r9, [rdi + 48]",
+    "mov rbx, [rdi + 56]",
+    "mov rbp, [rdi + 64]",
+    "mov r12, [rdi + 72]",
+    "mov r13, [rdi + 80]",
+    "mov r14, [rdi + 88]",
+    "mov r15, [rdi + 96]",
+    "mov rdi, [rdi + 8]",
+    "syscall",
+    "test rax, rax",
+    "jz 2f",
+    "pop r15",
+    "pop r14",
+    "pop r13",
+    "pop r12",
+    "pop rbp",
+    "pop rbx",
+    "ret",
+    "2:",
+    "ret",
+    ".globl uswap_sud_end",
+    ".hidden uswap_sud_end",
+    "uswap_sud_end:",
+    ".popsection",
+);
+
+extern "C" {
+    fn uswap_sud_syscall6(nr: i64, a0: u64, a1: u64, a2: u64, a3: u64, a4: u64, a5: u64) -> i64;
+    fn uswap_sud_sigreturn();
+    fn uswap_sud_clone(regs: *const u64) -> i64;
+    static uswap_sud_begin: u8;
+    static uswap_sud_end: u8;
+}
+
+/// A system call that dispatch lets through (from inside the range).
+pub(crate) fn raw_syscall(nr: i64, a: [u64; 6]) -> i64 {
+    // SAFETY: a system call with the caller's arguments, as `syscall(2)` would make it.
+    unsafe { uswap_sud_syscall6(nr, a[0], a[1], a[2], a[3], a[4], a[5]) }
+}
+
+thread_local! {
+    /// The byte the kernel reads at each of this thread's system calls.
+    static SELECTOR: UnsafeCell<u8> = const { UnsafeCell::new(ALLOW) };
+}
+
+/// Sets this thread's selector, returning the old value.
+fn set_selector(value: u8) -> u8 {
+    SELECTOR.with(|s| {
+        // SAFETY: the thread's own byte, read by the kernel only at this thread's calls.
+        unsafe {
+            let old = std::ptr::read_volatile(s.get());
+            std::ptr::write_volatile(s.get(), value);
+            old
+        }
+    })
+}
+
+/// While alive, this thread's system calls go straight to the kernel: uswap's signal
+/// handlers run inside one.
+pub(crate) struct Allowed(u8);
+
+impl Allowed {
+    pub fn new() -> Allowed {
+        Allowed(set_selector(ALLOW))
+    }
+}
+
+impl Drop for Allowed {
+    fn drop(&mut self) {
+        set_selector(self.0);
+    }
+}
+
+/// The kernel's `struct sigaction` for `rt_sigaction`.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct KernelSigaction {
+    handler: u64,
+    flags: u64,
+    restorer: u64,
+    mask: u64,
+}
+
+fn bit(sig: libc::c_int) -> u64 {
+    1 << (sig - 1)
+}
+
+/// Signals a dispatching thread must never block: SIGSYS (dispatch itself) and SIGBUS
+/// (its faults); the kernel kills a thread that blocks a signal it forces.
+fn never_blocked() -> u64 {
+    bit(libc::SIGSYS) | bit(libc::SIGBUS)
+}
+
+/// The asynchronous signals, as a kernel mask word: blocked while the handler runs.
+fn asynchronous_mask() -> u64 {
+    let set = crate::signals::asynchronous();
+    // SAFETY: the kernel's mask is the first word of the C library's sigset_t.
+    unsafe { *(&set as *const libc::sigset_t).cast::<u64>() }
+}
+
+static INSTALL: Once = Once::new();
+/// The errno of a failed install (0: installed).
+static INSTALL_ERROR: AtomicI32 = AtomicI32::new(0);
+
+/// Installs the SIGSYS handler, returning through the range's signal return.
+fn install_handler() -> Result<()> {
+    INSTALL.call_once(|| {
+        let act = KernelSigaction {
+            handler: on_sigsys as *const () as u64,
+            flags: (libc::SA_SIGINFO | libc::SA_ONSTACK | libc::SA_NODEFER) as u64 | SA_RESTORER,
+            restorer: uswap_sud_sigreturn as *const () as u64,
+            mask: asynchronous_mask() & !never_blocked(),
+        };
+        let rc = raw_syscall(
+            libc::SYS_rt_sigaction,
+            [libc::SIGSYS as u64, &act as *const _ as u64, 0, 8, 0, 0],
+        );
+        if rc < 0 {
+            INSTALL_ERROR.store(-rc as i32, Relaxed);
+            return;
+        }
+        return_sigbus_through_range();
+    });
+    match INSTALL_ERROR.load(Relaxed) {
+        0 => Ok(()),
+        errno => Err(Error::Os {
+            op: "rt_sigaction(SIGSYS)",
+            source: std::io::Error::from_raw_os_error(errno),
+        }),
+    }
+}
+
+/// Has uswap's SIGBUS handler return through the range's signal return: through the C
+/// library's, each fault of a dispatching thread would cost a second signal.
+fn return_sigbus_through_range() {
+    let mut act = KernelSigaction {
+        handler: 0,
+        flags: 0,
+        restorer: 0,
+        mask: 0,
+    };
+    let sigbus = libc::SIGBUS as u64;
+    raw_syscall(
+        libc::SYS_rt_sigaction,
+        [sigbus, 0, &mut act as *mut _ as u64, 8, 0, 0],
+    );
+    if crate::sigbus::is_our_handler(act.handler as usize) {
+        act.flags |= SA_RESTORER;
+        act.restorer = uswap_sud_sigreturn as *const () as u64;
+        raw_syscall(
+            libc::SYS_rt_sigaction,
+            [sigbus, &act as *const _ as u64, 0, 8, 0, 0],
+        );
+    }
+}
+
+/// Turns syscall user dispatch on for the calling thread: from now on its system calls
+/// that touch SIGBUS-mode region memory are served as in thread mode. SIGBUS and SIGSYS are
+/// unblocked in it. Threads it creates start without dispatch.
+pub fn enable_for_this_thread() -> Result<()> {
+    install_handler()?;
+    let begin = std::ptr::addr_of!(uswap_sud_begin) as u64;
+    let end = std::ptr::addr_of!(uswap_sud_end) as u64;
+    let selector = SELECTOR.with(|s| s.get() as u64);
+    set_selector(ALLOW);
+    // SAFETY: prctl with the range of our routines and this thread's selector, which
+    // lives as long as the thread.
+    let rc = unsafe {
+        libc::prctl(
+            PR_SET_SYSCALL_USER_DISPATCH,
+            PR_SYS_DISPATCH_ON,
+            begin,
+            end - begin,
+            selector,
+        )
+    };
+    if rc != 0 {
+        let source = std::io::Error::last_os_error();
+        return Err(match source.raw_os_error() {
+            Some(libc::EINVAL) | Some(libc::ENOSYS) => Error::invalid(
+                "syscall dispatch",
+                "this kernel has no syscall user dispatch (Linux 5.11 and later, x86-64, \
+                 CONFIG_GENERIC_ENTRY); use thread mode for a program whose system calls \
+                 read its memory",
+            ),
+            _ => Error::Os {
+                op: "prctl(PR_SET_SYSCALL_USER_DISPATCH)",
+                source,
+            },
+        });
+    }
+    // SAFETY: plain data; unblocking two signals in this thread.
+    unsafe {
+        let mut set: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut set);
+        libc::sigaddset(&mut set, libc::SIGSYS);
+        libc::sigaddset(&mut set, libc::SIGBUS);
+        libc::pthread_sigmask(libc::SIG_UNBLOCK, &set, std::ptr::null_mut());
+    }
+    set_selector(BLOCK);
+    Ok(())
+}
+
+/// Turns dispatch off for the calling thread.
+pub fn disable_for_this_thread() {
+    set_selector(ALLOW);
+    // SAFETY: prctl turning this thread's dispatch off.
+    unsafe { libc::prctl(PR_SET_SYSCALL_USER_DISPATCH, PR_SYS_DISPATCH_OFF, 0, 0, 0) };
+}
+
+extern "C" fn on_sigsys(_sig: libc::c_int, info: *mut libc::siginfo_t, ctx: *mut libc::c_void) {
+    // SAFETY: the kernel passes a valid siginfo and ucontext to an SA_SIGINFO handler.
+    let (info, uc) = unsafe { (&*info, &mut *ctx.cast::<libc::ucontext_t>()) };
+    if info.si_code != SYS_USER_DISPATCH {
+        return not_ours();
+    }
+    let g = &mut uc.uc_mcontext.gregs;
+    let nr = g[libc::REG_RAX as usize];
+    if nr == libc::SYS_rt_sigreturn {
+        // A program's handler returns: through our range, on the same frame.
+        g[libc::REG_RIP as usize] = uswap_sud_sigreturn as *const () as i64;
+        return;
+    }
+    let allowed = Allowed::new();
+    // SAFETY: this thread's errno, restored on the way out.
+    let errno = unsafe { *libc::__errno_location() };
+    // SAFETY: the kernel's mask is the first word of the saved sigset_t.
+    let mask = unsafe { &mut *(&mut uc.uc_sigmask as *mut libc::sigset_t).cast::<u64>() };
+    let result = dispatch(nr, g, mask);
+    g[libc::REG_RAX as usize] = result;
+    // SAFETY: as above.
+    unsafe { *libc::__errno_location() = errno };
+    drop(allowed);
+}
+
+/// A SIGSYS that dispatch did not raise (a seccomp filter's): the default action, as
+/// without uswap (a program that handles SIGSYS itself cannot use dispatch).
+fn not_ours() {
+    let dfl = KernelSigaction {
+        handler: 0,
+        flags: 0,
+        restorer: 0,
+        mask: 0,
+    };
+    raw_syscall(
+        libc::SYS_rt_sigaction,
+        [libc::SIGSYS as u64, &dfl as *const _ as u64, 0, 8, 0, 0],
+    );
+    let pid = raw_syscall(libc::SYS_getpid, [0; 6]);
+    let tid = raw_syscall(libc::SYS_gettid, [0; 6]);
+    raw_syscall(
+        libc::SYS_tgkill,
+        [pid as u64, tid as u64, libc::SIGSYS as u64, 0, 0, 0],
+    );
+}
+
+/// The program's registers at its system call: rdi, rsi, rdx, r10, r8, r9.
+fn args_of(g: &[i64; 23]) -> [u64; 6] {
+    [
+        libc::REG_RDI,
+        libc::REG_RSI,
+        libc::REG_RDX,
+        libc::REG_R10,
+        libc::REG_R8,
+        libc::REG_R9,
+    ]
+    .map(|r| g[r as usize] as u64)
+}
+
+fn dispatch(nr: i64, g: &[i64; 23], mask: &mut u64) -> i64 {
+    let mut a = args_of(g);
+    match nr {
+        libc::SYS_rt_sigprocmask => return sigprocmask(a, mask),
+        libc::SYS_rt_sigaction => return sigaction(a),
+        libc::SYS_vfork => return run(libc::SYS_fork, [0; 6], *mask, &mut CallPins::new()),
+        libc::SYS_clone | libc::SYS_clone3 => return clone(nr, g, a, *mask),
+        _ => {}
+    }
+    // A wait with a mask of its own must not block SIGSYS or SIGBUS either.
+    let mask_arg = match nr {
+        libc::SYS_rt_sigsuspend => Some(0),
+        libc::SYS_ppoll => Some(3),
+        libc::SYS_epoll_pwait | libc::SYS_epoll_pwait2 => Some(4),
+        _ => None,
+    };
+    let own_mask = mask_arg.filter(|&i| a[i] != 0).map(|i| {
+        // SAFETY: the program's mask argument; a bad pointer faults here as it would in
+        // the C library's wrapper.
+        let m = unsafe { std::ptr::read_unaligned(a[i] as *const u64) };
+        (i, m & !never_blocked())
+    });
+    if let Some((i, m)) = &own_mask {
+        a[*i] = m as *const u64 as u64;
+    }
+    let mut pins = CallPins::new();
+    syscall_args::pin_buffers(nr, &a, &mut pins);
+    run(nr, a, *mask, &mut pins)
+}
+
+/// Runs the program's call with the program's signal mask (so a signal interrupts it as
+/// it would have) and the selector at block (so the program's handlers are dispatched),
+/// then gives the pins back.
+fn run(nr: i64, a: [u64; 6], program_mask: u64, pins: &mut CallPins) -> i64 {
+    let result = with_program_mask(program_mask, || raw_syscall(nr, a));
+    pins.release();
+    result
+}
+
+fn with_program_mask(program_mask: u64, call: impl FnOnce() -> i64) -> i64 {
+    let handler_mask = program_mask | (asynchronous_mask() & !never_blocked());
+    let set_mask = |m: &u64| {
+        raw_syscall(
+            libc::SYS_rt_sigprocmask,
+            [libc::SIG_SETMASK as u64, m as *const u64 as u64, 0, 8, 0, 0],
+        )
+    };
+    set_selector(BLOCK);
+    set_mask(&program_mask);
+    let result = call();
+    set_mask(&handler_mask);
+    set_selector(ALLOW);
+    result
+}
+
+/// `rt_sigprocmask`, applied to the mask the handler returns to.
+fn sigprocmask(a: [u64; 6], mask: &mut u64) -> i64 {
+    let (how, set, old, size) = (a[0] as i32, a[1] as *const u64, a[2] as *mut u64, a[3]);
+    if size != 8 {
+        return -(libc::EINVAL as i64);
+    }
+    // SAFETY: the program's pointers; a bad one faults here as in the C library's wrapper.
+    let new = (!set.is_null()).then(|| unsafe { std::ptr::read_unaligned(set) });
+    let next = match (how, new) {
+        (_, None) => *mask,
+        (libc::SIG_BLOCK, Some(n)) => *mask | n,
+        (libc::SIG_UNBLOCK, Some(n)) => *mask & !n,
+        (libc::SIG_SETMASK, Some(n)) => n,
+        _ => return -(libc::EINVAL as i64),
+    };
+    if !old.is_null() {
+        // SAFETY: as above.
+        unsafe { std::ptr::write_unaligned(old, *mask) };
+    }
+    *mask = next & !never_blocked() & !bit(libc::SIGKILL) & !bit(libc::SIGSTOP);
+    0
+}
+
+/// `rt_sigaction`, with SIGSYS and SIGBUS left out of the handler's mask. SIGSYS itself
+/// stays uswap's.
+fn sigaction(a: [u64; 6]) -> i64 {
+    let (sig, act) = (a[0] as i32, a[1] as *const KernelSigaction);
+    let mut a = a;
+    let mut ours;
+    if !act.is_null() {
+        if sig == libc::SIGSYS {
+            return -(libc::EINVAL as i64);
+        }
+        // SAFETY: the program's pointer, as above.
+        ours = unsafe { std::ptr::read_unaligned(act) };
+        ours.mask &= !never_blocked();
+        a[1] = &ours as *const KernelSigaction as u64;
+    }
+    raw_syscall(libc::SYS_rt_sigaction, a)
+}
+
+const CLONE_ARGS_STACK: usize = 5;
+const CLONE_ARGS_STACK_SIZE: usize = 6;
+
+/// `clone` and `clone3`. A child that shares the address space and has a stack of its
+/// own starts at the program's next instruction with the program's registers; one that
+/// would share this handler's stack (vfork style) gets a copy of the address space
+/// instead; any other child (fork style) returns through this handler like the parent.
+fn clone(nr: i64, g: &[i64; 23], mut a: [u64; 6], mask: u64) -> i64 {
+    let mut pins = CallPins::new();
+    let mut args = [0u64; 16];
+    let (flags, stack) = if nr == libc::SYS_clone {
+        (a[0], a[1])
+    } else {
+        let size = (a[1] as usize).min(std::mem::size_of_val(&args));
+        if a[0] == 0 || size < 8 * (CLONE_ARGS_STACK_SIZE + 1) {
+            return raw_syscall(nr, a);
+        }
+        // SAFETY: the program's clone_args, `size` bytes of it.
+        unsafe { std::ptr::copy_nonoverlapping(a[0] as *const u8, args.as_mut_ptr().cast(), size) };
+        let top = args[CLONE_ARGS_STACK] + args[CLONE_ARGS_STACK_SIZE];
+        (args[0], if args[CLONE_ARGS_STACK] == 0 { 0 } else { top })
+    };
+    let shares_memory = flags & libc::CLONE_VM as u64 != 0;
+    let vfork = flags & libc::CLONE_VFORK as u64 != 0;
+    let on_own_stack = shares_memory && stack != 0;
+    if shares_memory && vfork && stack == 0 {
+        let flags = flags & !((libc::CLONE_VM | libc::CLONE_VFORK) as u64);
+        if nr == libc::SYS_clone {
+            a[0] = flags;
+        } else {
+            args[0] = flags;
+        }
+    }
+    if on_own_stack {
+        // The child's first `ret` takes it to the program's next instruction.
+        let sp = stack - 8;
+        // SAFETY: the top of the new thread's stack, which the program handed over.
+        unsafe { std::ptr::write(sp as *mut u64, g[libc::REG_RIP as usize] as u64) };
+        if nr == libc::SYS_clone {
+            a[1] = sp;
+        } else {
+            args[CLONE_ARGS_STACK_SIZE] -= 8;
+        }
+        if vfork {
+            // The child runs without dispatch until it execs, reading its arguments from
+            // the parent's memory: no aging until then.
+            pins.hold_off_aging();
+        }
+    }
+    if nr == libc::SYS_clone3 {
+        a[0] = args.as_ptr() as u64;
+    }
+    if !on_own_stack {
+        return run(nr, a, mask, &mut pins);
+    }
+    let r = |reg: libc::c_int| g[reg as usize] as u64;
+    let regs: [u64; 13] = [
+        nr as u64,
+        a[0],
+        a[1],
+        a[2],
+        a[3],
+        a[4],
+        a[5],
+        r(libc::REG_RBX),
+        r(libc::REG_RBP),
+        r(libc::REG_R12),
+        r(libc::REG_R13),
+        r(libc::REG_R14),
+        r(libc::REG_R15),
+    ];
+    // SAFETY: the routine loads these registers and makes the call; see its comment.
+    let result = with_program_mask(mask, || unsafe { uswap_sud_clone(regs.as_ptr()) });
+    pins.release();
+    result
+}

@@ -1,0 +1,334 @@
+//! SIGBUS mode with syscall dispatch: the program's system calls read and write its
+//! swapped-out memory as in thread mode, and what dispatch does itself (signal returns,
+//! signal masks, new threads, fork, spawn) behaves as without it.
+
+mod common;
+
+use common::{check, check_slice, fill};
+use uswap_core::{syscall_dispatch, Advice, Config, FaultMode, Region, PAGE_SIZE};
+
+const MIB: usize = 1 << 20;
+
+/// A SIGBUS-mode region of `size` bytes, every page filled with its pattern and then
+/// paged out, with dispatch on in the calling thread when `dispatch`.
+fn swapped_out(size: usize, dispatch: bool) -> Region {
+    let mut cfg = Config::new(MIB as u64);
+    cfg.fault_mode = FaultMode::Sigbus;
+    let region = Region::new(size as u64, cfg).unwrap();
+    for p in 0..size / PAGE_SIZE {
+        unsafe { fill(region.as_ptr(), p, 1) };
+    }
+    region.advise(0, region.len(), Advice::PageOut).unwrap();
+    assert!(region.stats().vmstat.pswpout > 0, "nothing was paged out");
+    if dispatch {
+        syscall_dispatch::enable_for_this_thread().unwrap();
+    }
+    region
+}
+
+fn pipe() -> (i32, i32) {
+    let mut fds = [0; 2];
+    assert_eq!(unsafe { libc::pipe(fds.as_mut_ptr()) }, 0);
+    (fds[0], fds[1])
+}
+
+fn errno() -> std::io::Error {
+    std::io::Error::last_os_error()
+}
+
+/// Runs `f` on a thread of its own (dispatch is per thread and stays with it).
+fn on_thread<T: Send>(f: impl FnOnce() -> T + Send) -> T {
+    std::thread::scope(|s| s.spawn(f).join().unwrap())
+}
+
+#[test]
+fn without_dispatch_a_kernel_access_to_a_swapped_out_page_fails() {
+    on_thread(|| {
+        let region = swapped_out(2 * MIB, false);
+        let (r, w) = pipe();
+        let n = unsafe { libc::write(w, region.as_ptr().add(7 * PAGE_SIZE).cast(), PAGE_SIZE) };
+        assert_eq!(
+            n, -1,
+            "write(2) from a swapped-out page succeeded without dispatch"
+        );
+        assert_eq!(errno().raw_os_error(), Some(libc::EFAULT));
+        unsafe { libc::close(r) };
+        unsafe { libc::close(w) };
+    });
+}
+
+#[test]
+fn write_and_read_move_swapped_out_pages_through_a_pipe_bit_identical() {
+    on_thread(|| {
+        let region = swapped_out(4 * MIB, true);
+        let base = region.as_ptr();
+        let pages = region.len() / PAGE_SIZE;
+        let (r, w) = pipe();
+        // Page p goes out through write(2) and comes back into page pages/2 + p/2's place
+        // through read(2): both sides are out on swap when the call starts.
+        for p in (0..pages / 2).step_by(7) {
+            let n = unsafe { libc::write(w, base.add(p * PAGE_SIZE).cast(), PAGE_SIZE) };
+            assert_eq!(n, PAGE_SIZE as isize, "write(2) of page {p}: {}", errno());
+            let dst = pages / 2 + p;
+            let n = unsafe { libc::read(r, base.add(dst * PAGE_SIZE).cast(), PAGE_SIZE) };
+            assert_eq!(
+                n,
+                PAGE_SIZE as isize,
+                "read(2) into page {dst}: {}",
+                errno()
+            );
+            let copied =
+                unsafe { std::slice::from_raw_parts(base.add(dst * PAGE_SIZE), PAGE_SIZE) };
+            assert!(
+                check_slice(copied, p, 1),
+                "page {dst} did not get page {p}'s data"
+            );
+        }
+        let stats = region.stats().vmstat;
+        assert!(stats.syscall_pins > 0, "no call pinned anything");
+        syscall_dispatch::disable_for_this_thread();
+        unsafe { libc::close(r) };
+        unsafe { libc::close(w) };
+    });
+}
+
+#[test]
+fn vectored_calls_and_a_stat_buffer_in_swapped_out_memory_are_served() {
+    on_thread(|| {
+        let region = swapped_out(2 * MIB, true);
+        let base = region.as_ptr();
+        let (r, w) = pipe();
+        // The iovec array itself lies in swapped-out memory too (it overwrites page 100).
+        let iov = unsafe { base.add(100 * PAGE_SIZE) } as *mut libc::iovec;
+        for (i, page) in [3usize, 40, 77].into_iter().enumerate() {
+            unsafe {
+                *iov.add(i) = libc::iovec {
+                    iov_base: base.add(page * PAGE_SIZE).cast(),
+                    iov_len: PAGE_SIZE,
+                }
+            };
+        }
+        region.advise(0, region.len(), Advice::PageOut).unwrap();
+        let n = unsafe { libc::writev(w, iov, 3) };
+        assert_eq!(n, 3 * PAGE_SIZE as isize, "writev: {}", errno());
+        for (i, page) in [200usize, 260, 300].into_iter().enumerate() {
+            unsafe { (*iov.add(i)).iov_base = base.add(page * PAGE_SIZE).cast() };
+        }
+        region.advise(0, region.len(), Advice::PageOut).unwrap();
+        let n = unsafe { libc::readv(r, iov, 3) };
+        assert_eq!(n, 3 * PAGE_SIZE as isize, "readv: {}", errno());
+        for (from, to) in [(3usize, 200usize), (40, 260), (77, 300)] {
+            let got = unsafe { std::slice::from_raw_parts(base.add(to * PAGE_SIZE), PAGE_SIZE) };
+            assert!(
+                check_slice(got, from, 1),
+                "page {to} did not get page {from}'s data"
+            );
+        }
+        let st = unsafe { base.add(400 * PAGE_SIZE + 8) } as *mut libc::stat;
+        region.advise(0, region.len(), Advice::PageOut).unwrap();
+        assert_eq!(unsafe { libc::fstat(r, st) }, 0, "fstat: {}", errno());
+        assert_eq!(unsafe { (*st).st_mode } & libc::S_IFMT, libc::S_IFIFO);
+        syscall_dispatch::disable_for_this_thread();
+        unsafe { libc::close(r) };
+        unsafe { libc::close(w) };
+    });
+}
+
+static SIGNALLED: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+extern "C" fn count_and_call(_: libc::c_int) {
+    // A system call inside the program's handler is dispatched too.
+    let pid = unsafe { libc::getpid() };
+    assert!(pid > 0);
+    SIGNALLED.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+}
+
+#[test]
+fn a_program_signal_handler_returns_and_blocking_every_signal_keeps_dispatch_alive() {
+    on_thread(|| {
+        let region = swapped_out(MIB, true);
+        unsafe {
+            libc::signal(
+                libc::SIGUSR1,
+                count_and_call as *const () as libc::sighandler_t,
+            );
+            for _ in 0..3 {
+                libc::raise(libc::SIGUSR1);
+            }
+        }
+        assert_eq!(SIGNALLED.load(std::sync::atomic::Ordering::SeqCst), 3);
+        // A thread that blocks every signal still has SIGSYS and SIGBUS open.
+        unsafe {
+            let mut all: libc::sigset_t = std::mem::zeroed();
+            let mut old: libc::sigset_t = std::mem::zeroed();
+            libc::sigfillset(&mut all);
+            assert_eq!(libc::pthread_sigmask(libc::SIG_BLOCK, &all, &mut old), 0);
+            let mut now: libc::sigset_t = std::mem::zeroed();
+            libc::pthread_sigmask(libc::SIG_BLOCK, std::ptr::null(), &mut now);
+            assert_eq!(libc::sigismember(&now, libc::SIGUSR1), 1);
+            assert_eq!(libc::sigismember(&now, libc::SIGSYS), 0);
+            assert_eq!(libc::sigismember(&now, libc::SIGBUS), 0);
+            // Touching a swapped-out page with every other signal blocked.
+            assert!(check(region.as_ptr(), 9, 1).is_ok());
+            libc::pthread_sigmask(libc::SIG_SETMASK, &old, std::ptr::null_mut());
+        }
+        syscall_dispatch::disable_for_this_thread();
+    });
+}
+
+#[test]
+fn threads_fork_and_spawn_from_a_dispatching_thread_work() {
+    on_thread(|| {
+        let region = swapped_out(MIB, true);
+        let base = region.as_ptr() as usize;
+        // A new thread (clone3 on its own stack) starts where the program expects.
+        let sum = std::thread::spawn(move || {
+            (0..8)
+                .map(|p| unsafe { check(base as *const u8, p, 1) }.is_ok() as u32)
+                .sum::<u32>()
+        })
+        .join()
+        .unwrap();
+        assert_eq!(sum, 8);
+        // fork: the child returns through the handler like the parent.
+        let pid = unsafe { libc::fork() };
+        if pid == 0 {
+            unsafe { libc::_exit(7) };
+        }
+        assert!(pid > 0, "fork: {}", errno());
+        let mut status = 0;
+        assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
+        assert!(libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 7);
+        // posix_spawn (a CLONE_VFORK child on a stack of its own).
+        let out = std::process::Command::new("/bin/echo")
+            .arg("spawned")
+            .output()
+            .unwrap();
+        assert_eq!(out.stdout, b"spawned\n");
+        syscall_dispatch::disable_for_this_thread();
+    });
+}
+
+/// Calls that read and write swapped-out pages while another thread's accesses keep aging
+/// and reclaim busy over the same pages: every call succeeds and every page keeps its
+/// data (a pin lost to aging would show as EFAULT; a wrong page as a pattern mismatch).
+#[test]
+fn stress_calls_on_pages_aging_keeps_taking_away() {
+    const ROUNDS: usize = 10_000;
+    let region = swapped_out(8 * MIB, false);
+    let (base, pages) = (region.as_ptr() as usize, region.len() / PAGE_SIZE);
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            let mut x = 0x9e37_79b9_7f4a_7c15u64;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                let p = x as usize % pages;
+                assert!(unsafe { check(base as *const u8, p, 1) }.is_ok());
+            }
+        });
+        syscall_dispatch::enable_for_this_thread().unwrap();
+        let (r, w) = pipe();
+        let mut buf = vec![0u8; PAGE_SIZE];
+        let mut x = 0x2545_f491_4f6c_dd1du64;
+        for _ in 0..ROUNDS {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            let p = x as usize % pages;
+            // Out through write(2) from the region, back through read(2) into the same
+            // page (its own data, so the other thread's checks hold), and once more into a
+            // private buffer to compare.
+            let at = (base + p * PAGE_SIZE) as *mut libc::c_void;
+            assert_eq!(
+                unsafe { libc::write(w, at, PAGE_SIZE) },
+                PAGE_SIZE as isize,
+                "{}",
+                errno()
+            );
+            assert_eq!(
+                unsafe { libc::read(r, at, PAGE_SIZE) },
+                PAGE_SIZE as isize,
+                "{}",
+                errno()
+            );
+            assert_eq!(
+                unsafe { libc::write(w, at, PAGE_SIZE) },
+                PAGE_SIZE as isize,
+                "{}",
+                errno()
+            );
+            assert_eq!(
+                unsafe { libc::read(r, buf.as_mut_ptr().cast(), PAGE_SIZE) },
+                PAGE_SIZE as isize
+            );
+            assert!(
+                check_slice(&buf, p, 1),
+                "page {p} came back wrong through the pipe"
+            );
+        }
+        syscall_dispatch::disable_for_this_thread();
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        unsafe { libc::close(r) };
+        unsafe { libc::close(w) };
+    });
+    let stats = region.stats().vmstat;
+    assert!(
+        stats.pswpin > 0 && stats.syscall_pins >= 3 * ROUNDS as u64,
+        "{stats:?}"
+    );
+    eprintln!(
+        "aging passed over pinned pages {} times",
+        stats.pgskip_pinned
+    );
+}
+
+/// A read(2) blocked on an empty pipe keeps its swapped-out destination pinned: another
+/// thread cycles every other page through the 1 MiB limit meanwhile, so aging reaches the
+/// pinned page and must leave it mapped, or the data read into it would be refused.
+#[test]
+fn a_page_pinned_by_a_blocked_read_stays_mapped_while_aging_cycles_the_rest() {
+    let region = swapped_out(8 * MIB, false);
+    let (base, pages) = (region.as_ptr() as usize, region.len() / PAGE_SIZE);
+    let (r, w) = pipe();
+    let target = 1_000;
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            for round in 0..4 {
+                for p in (0..pages).filter(|&p| p != target) {
+                    if let Err(e) = unsafe { check(base as *const u8, p, 1) } {
+                        panic!("round {round}: {e}");
+                    }
+                }
+            }
+            // The data: page 5's pattern, from a private copy (this thread has no dispatch).
+            let page5 = unsafe {
+                std::slice::from_raw_parts((base + 5 * PAGE_SIZE) as *const u8, PAGE_SIZE)
+            }
+            .to_vec();
+            let n = unsafe { libc::write(w, page5.as_ptr().cast(), PAGE_SIZE) };
+            assert_eq!(n, PAGE_SIZE as isize);
+        });
+        syscall_dispatch::enable_for_this_thread().unwrap();
+        let at = (base + target * PAGE_SIZE) as *mut libc::c_void;
+        let n = unsafe { libc::read(r, at, PAGE_SIZE) };
+        syscall_dispatch::disable_for_this_thread();
+        assert_eq!(n, PAGE_SIZE as isize, "read(2): {}", errno());
+    });
+    assert!(unsafe { check(base as *const u8, target, 1) }.is_err());
+    let got =
+        unsafe { std::slice::from_raw_parts((base + target * PAGE_SIZE) as *const u8, PAGE_SIZE) };
+    assert!(
+        check_slice(got, 5, 1),
+        "the page read into holds something else"
+    );
+    let stats = region.stats().vmstat;
+    assert!(
+        stats.pgskip_pinned > 0,
+        "aging never reached the pinned page: {stats:?}"
+    );
+    unsafe { libc::close(r) };
+    unsafe { libc::close(w) };
+}
