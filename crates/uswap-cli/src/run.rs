@@ -15,7 +15,6 @@ use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use uswap_core::memcg::MemCgroup;
 use uswap_core::run::{Settings, ENV};
-use uswap_core::FaultMode;
 
 /// The preload library's file name, beside the `uswap` binary.
 const PRELOAD: &str = "libuswap_preload.so";
@@ -46,9 +45,6 @@ pub fn run(args: &RunArgs) -> Result<()> {
         None => half_of_ram()?,
     };
     let config = args.core.config(memory)?;
-    if config.fault_mode != FaultMode::Thread {
-        bail!("uswap run needs --fault-mode thread: the program's system calls read its memory");
-    }
     let vm_size = match args.vm_size {
         Some(size) => size,
         None => {

@@ -143,9 +143,19 @@ fn preload_library_built() {
 
 /// `uswap run [--memory M --swap-dir TMP/swap] -- PROGRAM`, with $TMPDIR in `tmp` too.
 fn uswap_run(tmp: &Path, memory: Option<&str>, program: impl AsRef<OsStr>) -> Command {
+    uswap_run_in("thread", tmp, memory, program)
+}
+
+/// [`uswap_run`] in fault mode `mode`.
+fn uswap_run_in(
+    mode: &str,
+    tmp: &Path,
+    memory: Option<&str>,
+    program: impl AsRef<OsStr>,
+) -> Command {
     preload_library_built();
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_uswap"));
-    cmd.arg("run");
+    cmd.args(["run", "--fault-mode", mode]);
     if let Some(memory) = memory {
         let swap_dir = tmp.join("swap");
         fs::create_dir_all(&swap_dir).expect("a swap directory");
@@ -458,6 +468,67 @@ fn fork_verify_under_uswap_run() {
     cmd.args(["2", "128M"]);
     let line = expect_ok(&run(cmd, b"", "uswap run fork_verify"), "fork_verify");
     assert_eq!(line, format!("ok 2 children {} bytes", 2 * MEMORY_BYTES));
+}
+
+/// SIGBUS mode with syscall dispatch: the program's threads serve their own faults and
+/// its system calls (a pipe, a temporary file, /dev/zero over its blocks) still read and
+/// write its swapped-out memory; the result is the program's own, as in thread mode.
+#[test]
+fn malloc_stress_under_uswap_run_sigbus_mode() {
+    let _heavy = heavy();
+    let tmp = TempDir::new().unwrap();
+    let Some(exe) = build_malloc_stress(tmp.path()) else {
+        return;
+    };
+    let args = ["4", "256M"];
+    let mut cmd = uswap_run_in("sigbus", tmp.path(), Some(MEMORY), &exe);
+    cmd.args(args);
+    let line = expect_ok(&run(cmd, b"", "uswap run malloc_stress"), "malloc_stress");
+    let mut cmd = Command::new(&exe);
+    cmd.args(args).env("TMPDIR", tmp.path());
+    let native = expect_ok(&run(cmd, b"", "malloc_stress"), "malloc_stress");
+    assert_eq!(line, native);
+}
+
+/// SIGBUS mode with syscall dispatch under what a Python program does around its memory:
+/// subprocesses (vfork), fork, threads, a signal timer, pipes over swapped-out objects.
+#[test]
+fn python_processes_threads_and_signals_under_uswap_run_sigbus_mode() {
+    let _heavy = heavy();
+    let Some(python) = python3() else {
+        return;
+    };
+    let tmp = TempDir::new().unwrap();
+    let script = r#"
+import os, signal, subprocess, threading
+a = [bytes([i % 251]) * 4096 for i in range(40000)]
+ticks = []
+signal.signal(signal.SIGALRM, lambda s, f: ticks.append(1))
+signal.setitimer(signal.ITIMER_REAL, 0.002, 0.002)
+r = subprocess.run(["sh", "-c", "echo out; echo err >&2; exit 3"], capture_output=True)
+assert (r.returncode, r.stdout, r.stderr) == (3, b"out\n", b"err\n"), r
+pid = os.fork()
+if pid == 0:
+    os._exit(0 if all(x[0] == i % 251 for i, x in enumerate(a)) else 1)
+assert os.waitpid(pid, 0)[1] == 0
+def work(k):
+    b = [bytes([(i + k) % 13]) * 8192 for i in range(5000)]
+    assert all(x[0] == (i + k) % 13 for i, x in enumerate(b))
+ts = [threading.Thread(target=work, args=(k,)) for k in range(3)]
+[t.start() for t in ts]
+[t.join() for t in ts]
+rd, wr = os.pipe()
+for i in range(0, 40000, 97):
+    os.write(wr, a[i])
+    assert os.read(rd, 4096) == a[i]
+signal.setitimer(signal.ITIMER_REAL, 0)
+assert all(x[0] == i % 251 for i, x in enumerate(a))
+print("ok", len(ticks) > 0)
+"#;
+    let mut cmd = uswap_run_in("sigbus", tmp.path(), Some(MEMORY), &python);
+    cmd.args(["-c", script]);
+    let line = expect_ok(&run(cmd, b"", "uswap run python (sigbus)"), "python");
+    assert_eq!(line, "ok True");
 }
 
 #[test]

@@ -30,8 +30,10 @@
 //! write error) is stopped with a message and exit status 125 before it runs any code of
 //! the program: it would read wrong memory otherwise.
 //!
-//! Only thread-mode regions are copied. A SIGBUS-mode region is not inherited: its memory
-//! is not there in the child, which dies of SIGSEGV if it touches it.
+//! Regions of both fault modes are copied. A SIGBUS-mode child gets a SIGBUS service of
+//! its own, and the parent's registration is forgotten there (`sigbus::Service::
+//! forget_in_child`), so the child's faults find the child's region. Syscall dispatch is
+//! not inherited (the kernel clears it in a child): a child that wants it turns it on.
 //!
 //! Pages are copied batch after batch while the program's other threads run. A page that
 //! another thread writes during the fork reaches the child with its old or its new
@@ -41,7 +43,6 @@
 //! Lock order: the registry lock, then page locks (a batch at a time, in address order),
 //! then what reclaim and the swap device take under them.
 
-use crate::config::FaultMode;
 use crate::error::{Error, Result};
 use crate::mm::Mm;
 use crate::page::{Kind, PageLock};
@@ -169,10 +170,6 @@ enum Copy {
         /// Its device, in `Held::devices`.
         device: usize,
     },
-    /// A SIGBUS-mode region: not inherited; its runs are held inaccessible in the child.
-    NotInherited {
-        owned: Vec<Range<usize>>,
-    },
     Failed(Error),
 }
 
@@ -229,9 +226,7 @@ pub fn child() {
         // SAFETY: as in prepare.
         let start = unsafe { &*(*e.0).get() }.fault().mm().start();
         let reserved = match copy {
-            Copy::Made { owned, .. } | Copy::NotInherited { owned } => {
-                crate::mapping::Mapping::reserve_in_child(start, owned)
-            }
+            Copy::Made { owned, .. } => crate::mapping::Mapping::reserve_in_child(start, owned),
             Copy::Failed(_) => Ok(()),
         };
         if let Err(e) = reserved {
@@ -262,7 +257,6 @@ pub fn child() {
                 protections,
                 device,
             } => (image, owned, protections, &devices[device]),
-            Copy::NotInherited { .. } => continue,
             Copy::Failed(e) => die(&e),
         };
         // SAFETY: see `Entry`; the child has one thread and no reference into the old
@@ -278,8 +272,6 @@ pub fn child() {
         protect(start, &owned, &protections);
         inherited.push(e);
     }
-    // Regions not inherited leave the registry: a later fork must not close the numbers
-    // of their descriptors again (they may be in use by then).
     *regions = inherited;
     drop(regions);
 }
@@ -335,11 +327,6 @@ impl Devices {
 
 /// Copies one region for the child, onto the child's device standing for its own.
 fn copy_region(inner: &Inner, devices: &mut Devices) -> Copy {
-    if inner.config().fault_mode != FaultMode::Thread {
-        return Copy::NotInherited {
-            owned: owned_runs(inner.fault().mm()),
-        };
-    }
     let fault = inner.fault();
     let mm = fault.mm();
     let device = match devices.child_of(mm.swap()) {

@@ -105,7 +105,7 @@ impl Drop for Bounce<'_> {
 }
 
 /// What the kernel's page tables say about one page.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, Default)]
 pub(crate) struct PagemapEntry {
     pub present: bool,
     /// The userfaultfd write-protect bit (`PM_UFFD_WP`).
@@ -397,16 +397,33 @@ impl Mm {
     /// by uswap, from `/proc/self/pagemap`. `None` when pagemap cannot be read. Allocates
     /// nothing (one pread).
     pub fn pagemap_entry(&self, page: usize) -> Option<PagemapEntry> {
-        let file = self.pagemap.as_ref()?;
-        let mut entry = [0u8; 8];
-        let offset = (self.page_addr(page) / PAGE_SIZE * 8) as u64;
-        file.read_exact_at(&mut entry, offset).ok()?;
-        let bits = u64::from_ne_bytes(entry);
-        Some(PagemapEntry {
-            present: bits & (1 << 63) != 0,
-            write_protected: bits & (1 << 57) != 0,
-            kernel_swapped: bits & (1 << 62) != 0,
-        })
+        let mut entry = [PagemapEntry::default()];
+        self.pagemap_entries(page, &mut entry).then_some(entry[0])
+    }
+
+    /// [`Mm::pagemap_entry`] for `into.len()` pages from `first`, in one pread; false when
+    /// pagemap cannot be read.
+    pub fn pagemap_entries(&self, first: usize, into: &mut [PagemapEntry]) -> bool {
+        let Some(file) = self.pagemap.as_ref() else {
+            return false;
+        };
+        let mut raw = [0u64; 64];
+        let raw = &mut raw[..into.len()];
+        // SAFETY: the u64 array viewed as its bytes.
+        let bytes =
+            unsafe { std::slice::from_raw_parts_mut(raw.as_mut_ptr().cast(), raw.len() * 8) };
+        let offset = (self.page_addr(first) / PAGE_SIZE * 8) as u64;
+        if file.read_exact_at(bytes, offset).is_err() {
+            return false;
+        }
+        for (entry, bits) in into.iter_mut().zip(raw.iter()) {
+            *entry = PagemapEntry {
+                present: bits & (1 << 63) != 0,
+                write_protected: bits & (1 << 57) != 0,
+                kernel_swapped: bits & (1 << 62) != 0,
+            };
+        }
+        true
     }
 
     /// Unmaps what is still the region's: runs of pages the program did not unmap or move

@@ -581,6 +581,9 @@ impl Inner {
         if self.abandoned.load(std::sync::atomic::Ordering::Relaxed) {
             return;
         }
+        if let Some(Source::Sigbus(s)) = &self.source {
+            s.forget_in_child();
+        }
         let mm = self.fault.mm();
         mm.close_in_child();
         let device = Arc::as_ptr(mm.swap());

@@ -159,6 +159,17 @@ impl Service {
     }
 }
 
+impl Service {
+    /// In a fork child: the parent's registration goes, without waiting for handlers (the
+    /// threads inside them are not in the child), so that the child's own region, built
+    /// at the same address, is the one its faults find.
+    pub fn forget_in_child(&self) {
+        RANGES[self.index].1.store(0, SeqCst);
+        REGIONS[self.index].store(std::ptr::null_mut(), SeqCst);
+        IN_FLIGHT[self.index].store(0, SeqCst);
+    }
+}
+
 fn ring(fd: i32) {
     let one: u64 = 1;
     // SAFETY: writing 8 bytes to an eventfd; async-signal-safe.
@@ -505,9 +516,7 @@ impl CallPins {
                     None => unsafe { libc::sched_yield() },
                 };
             };
-            for page in pages {
-                bring_in(served, page, write);
-            }
+            bring_in(served, pages, write);
             mm.vmstat().syscall_pins.fetch_add(1, Relaxed);
             *free = Some((i, pin));
         }
@@ -550,28 +559,62 @@ impl CallPins {
     }
 }
 
-/// Brings one pinned page in, as the fault the kernel's access would raise: mapped, and
-/// writable (no longer write-protected, its swap copy given up) when it is to be written.
-/// Called after the pin is published, so aging does not take the page out again.
-fn bring_in(served: &Served, page: usize, write: bool) {
+/// Brings pinned pages in, as the faults the kernel's accesses would raise: mapped, and
+/// writable (no longer write-protected, a swap copy given up) when they are to be written.
+/// Called after the pin is published, so aging does not take them out again. The page
+/// tables are read (pagemap) a batch at a time: the page table's state alone does not say
+/// whether a page is write-protected (a write fault may have left the protection for the
+/// next one to clear).
+fn bring_in(served: &Served, pages: std::ops::Range<usize>, write: bool) {
+    let mm = served.fault.mm();
+    let mut entries = [crate::mm::PagemapEntry::default(); 64];
+    let mut first = pages.start;
+    while first < pages.end {
+        let n = (pages.end - first).min(entries.len());
+        let known = mm.pagemap_entries(first, &mut entries[..n]);
+        for (i, entry) in entries[..n].iter().enumerate() {
+            let page = first + i;
+            let (state, locked) = mm.pages().peek(page);
+            let usable = !locked
+                && match state.kind() {
+                    Kind::Active | Kind::Lazyfree if known => {
+                        entry.present && !(write && entry.write_protected)
+                    }
+                    Kind::Active => !write || state.slot().is_none(),
+                    _ => false,
+                };
+            if !usable {
+                bring_in_one(served, page, write);
+            }
+        }
+        first += n;
+    }
+}
+
+/// One page of [`bring_in`] found missing, or not yet writable, or busy.
+fn bring_in_one(served: &Served, page: usize, write: bool) {
     let mm = served.fault.mm();
     // Served faults that left the page as it was: an access would fail the same way.
     let mut served_in_vain = 0;
     while served_in_vain < 4 {
         let (state, locked) = mm.pages().peek(page);
-        if locked {
-            // A fault or aging is at work on it: look again when it is done.
+        if locked || served.fault.events_pending() {
+            // A fault or aging is at work on it, or a discard or unmap the program made is
+            // being handled (the table may not say yet that the page is gone): look again
+            // when it is done.
             // SAFETY: async-signal-safe.
             unsafe { libc::sched_yield() };
             continue;
         }
         let usable = |e: crate::mm::PagemapEntry| e.present && !(write && e.write_protected);
         match state.kind() {
-            Kind::Active if !write || state.slot().is_none() => return,
-            // A write to a clean page: the fault gives its swap copy up.
-            Kind::Active if mm.pagemap_entry(page).is_some_and(usable) => return,
-            // Lazily freed: mapped unless the kernel zapped it.
-            Kind::Lazyfree if mm.pagemap_entry(page).is_none_or(usable) => return,
+            Kind::Active | Kind::Lazyfree => match mm.pagemap_entry(page) {
+                Some(e) if usable(e) => return,
+                None if state.kind() == Kind::Lazyfree || !write || state.slot().is_none() => {
+                    return
+                }
+                _ => {}
+            },
             // Not the program's memory any more, or lost: the call fails as an access would.
             Kind::Unmapped | Kind::Poisoned => return,
             _ => {}

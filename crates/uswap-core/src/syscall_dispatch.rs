@@ -78,7 +78,7 @@ global_asm!(
     "ud2",
     // i64 uswap_sud_clone(const u64 regs[13]): rax, rdi, rsi, rdx, r10, r8, r9, rbx, rbp,
     // r12..r15 loaded from `regs`, then the system call. The parent returns here; the
-    // child's stack holds the program's next instruction, where its `ret` goes.
+    // child's stack holds the program's rdi and next instruction, which it pops.
     ".globl uswap_sud_clone",
     ".hidden uswap_sud_clone",
     "uswap_sud_clone:",
@@ -112,6 +112,7 @@ global_asm!(
     "pop rbx",
     "ret",
     "2:",
+    "pop rdi",
     "ret",
     ".globl uswap_sud_end",
     ".hidden uswap_sud_end",
@@ -254,6 +255,7 @@ fn return_sigbus_through_range() {
 /// unblocked in it. Threads it creates start without dispatch.
 pub fn enable_for_this_thread() -> Result<()> {
     install_handler()?;
+    ensure_alternate_stack()?;
     let begin = std::ptr::addr_of!(uswap_sud_begin) as u64;
     let end = std::ptr::addr_of!(uswap_sud_end) as u64;
     let selector = SELECTOR.with(|s| s.get() as u64);
@@ -367,7 +369,7 @@ fn dispatch(nr: i64, g: &[i64; 23], mask: &mut u64) -> i64 {
     match nr {
         libc::SYS_rt_sigprocmask => return sigprocmask(a, mask),
         libc::SYS_rt_sigaction => return sigaction(a),
-        libc::SYS_vfork => return run(libc::SYS_fork, [0; 6], *mask, &mut CallPins::new()),
+        libc::SYS_vfork => return vfork(g, *mask),
         libc::SYS_clone | libc::SYS_clone3 => return clone(nr, g, a, *mask),
         _ => {}
     }
@@ -492,14 +494,11 @@ fn clone(nr: i64, g: &[i64; 23], mut a: [u64; 6], mask: u64) -> i64 {
         }
     }
     if on_own_stack {
-        // The child's first `ret` takes it to the program's next instruction.
-        let sp = stack - 8;
-        // SAFETY: the top of the new thread's stack, which the program handed over.
-        unsafe { std::ptr::write(sp as *mut u64, g[libc::REG_RIP as usize] as u64) };
+        let sp = child_returns_to_program(stack, g);
         if nr == libc::SYS_clone {
             a[1] = sp;
         } else {
-            args[CLONE_ARGS_STACK_SIZE] -= 8;
+            args[CLONE_ARGS_STACK_SIZE] -= stack - sp;
         }
         if vfork {
             // The child runs without dispatch until it execs, reading its arguments from
@@ -513,6 +512,25 @@ fn clone(nr: i64, g: &[i64; 23], mut a: [u64; 6], mask: u64) -> i64 {
     if !on_own_stack {
         return run(nr, a, mask, &mut pins);
     }
+    clone_on(nr, a, g, mask, &mut pins)
+}
+
+/// Writes what the clone routine's child pops below `top`, the top of its stack: the
+/// program's rdi and next instruction. Returns the child's stack pointer.
+fn child_returns_to_program(top: u64, g: &[i64; 23]) -> u64 {
+    let sp = top - 16;
+    // SAFETY: the top of the child's stack, which the program handed over (or, for vfork,
+    // the free space below the program's own stack pointer).
+    unsafe {
+        std::ptr::write(sp as *mut u64, g[libc::REG_RDI as usize] as u64);
+        std::ptr::write((sp + 8) as *mut u64, g[libc::REG_RIP as usize] as u64);
+    }
+    sp
+}
+
+/// Runs `clone` or `clone3` through the clone routine, the child on a stack prepared by
+/// [`child_returns_to_program`].
+fn clone_on(nr: i64, a: [u64; 6], g: &[i64; 23], mask: u64, pins: &mut CallPins) -> i64 {
     let r = |reg: libc::c_int| g[reg as usize] as u64;
     let regs: [u64; 13] = [
         nr as u64,
@@ -533,4 +551,140 @@ fn clone(nr: i64, g: &[i64; 23], mut a: [u64; 6], mask: u64) -> i64 {
     let result = with_program_mask(mask, || unsafe { uswap_sud_clone(regs.as_ptr()) });
     pins.release();
     result
+}
+
+/// `vfork`: the child runs on the parent's stack until it execs or exits, which is where
+/// this handler runs unless the thread has an alternate signal stack (the child's frames
+/// would overwrite the handler's). On one, the child is made as `clone3(CLONE_VM |
+/// CLONE_VFORK)` with its stack pointer where the program's was, returning where the
+/// program's call would have. Without one, the C library's `fork` makes a copy instead
+/// (uswap's fork handlers copy the regions, which costs a write of their data).
+fn vfork(g: &[i64; 23], mask: u64) -> i64 {
+    if !on_alternate_stack() {
+        // SAFETY: fork from the handler; the child returns through it like the parent.
+        return match unsafe { libc::fork() } {
+            -1 => -(unsafe { *libc::__errno_location() }) as i64,
+            pid => pid as i64,
+        };
+    }
+    let program_sp = g[libc::REG_RSP as usize] as u64;
+    let sp = child_returns_to_program(program_sp, g);
+    let mut args = [0u64; 11];
+    args[0] = (libc::CLONE_VM | libc::CLONE_VFORK) as u64;
+    args[4] = libc::SIGCHLD as u64;
+    args[CLONE_ARGS_STACK] = sp - 16;
+    args[CLONE_ARGS_STACK_SIZE] = 16;
+    let a = [
+        args.as_ptr() as u64,
+        std::mem::size_of_val(&args) as u64,
+        0,
+        0,
+        0,
+        0,
+    ];
+    let mut pins = CallPins::new();
+    pins.hold_off_aging();
+    clone_on(libc::SYS_clone3, a, g, mask, &mut pins)
+}
+
+fn on_alternate_stack() -> bool {
+    // SAFETY: reading this thread's alternate stack settings.
+    unsafe {
+        let mut ss: libc::stack_t = std::mem::zeroed();
+        libc::sigaltstack(std::ptr::null(), &mut ss) == 0 && ss.ss_flags & libc::SS_ONSTACK != 0
+    }
+}
+
+/// An alternate signal stack uswap gave a dispatching thread, freed when the thread ends.
+struct OwnAltStack {
+    base: *mut libc::c_void,
+    len: usize,
+}
+
+impl Drop for OwnAltStack {
+    fn drop(&mut self) {
+        // Straight to the kernel, not dispatched: the handler would run on this very stack.
+        let off = libc::stack_t {
+            ss_sp: std::ptr::null_mut(),
+            ss_flags: libc::SS_DISABLE,
+            ss_size: 0,
+        };
+        raw_syscall(
+            libc::SYS_sigaltstack,
+            [&off as *const _ as u64, 0, 0, 0, 0, 0],
+        );
+        raw_syscall(
+            libc::SYS_munmap,
+            [self.base as u64, self.len as u64, 0, 0, 0, 0],
+        );
+    }
+}
+
+thread_local! {
+    static ALT_STACK: std::cell::RefCell<Option<OwnAltStack>> = const { std::cell::RefCell::new(None) };
+}
+
+/// Size of the alternate stack uswap gives a thread that has none.
+const ALT_STACK_SIZE: usize = 64 << 10;
+
+/// Gives the calling thread an alternate signal stack when it has none or a small one, so
+/// that uswap's handlers (the fault path runs in them) run off the program's stack (see
+/// [`vfork`]) with room enough.
+fn ensure_alternate_stack() -> Result<()> {
+    // Straight to the kernel: `uswap run` serves the program's anonymous mmaps from its
+    // region, where a signal stack must not be.
+    let call = |nr, a: [u64; 6], op: &'static str| match raw_syscall(nr, a) {
+        r if r < 0 => Err(Error::Os {
+            op,
+            source: std::io::Error::from_raw_os_error(-r as i32),
+        }),
+        r => Ok(r as u64),
+    };
+    // SAFETY: plain data, filled by the kernel.
+    let mut ss: libc::stack_t = unsafe { std::mem::zeroed() };
+    call(
+        libc::SYS_sigaltstack,
+        [0, &mut ss as *mut _ as u64, 0, 0, 0, 0],
+        "sigaltstack",
+    )?;
+    // One the program set up (Rust's runtime gives each thread a small one) is kept when
+    // it is big enough for uswap's fault path.
+    if ss.ss_flags & libc::SS_DISABLE == 0 && ss.ss_size >= ALT_STACK_SIZE {
+        return Ok(());
+    }
+    let len = ALT_STACK_SIZE + crate::PAGE_SIZE;
+    let rw = (libc::PROT_READ | libc::PROT_WRITE) as u64;
+    let flags = (libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_STACK) as u64;
+    let mmap = [0, len as u64, rw, flags, u64::MAX, 0];
+    let base = call(libc::SYS_mmap, mmap, "mmap (alternate signal stack)")?;
+    let own = OwnAltStack {
+        base: base as *mut libc::c_void,
+        len,
+    };
+    // The lowest page guards against overflow.
+    let guard = [
+        base,
+        crate::PAGE_SIZE as u64,
+        libc::PROT_NONE as u64,
+        0,
+        0,
+        0,
+    ];
+    call(
+        libc::SYS_mprotect,
+        guard,
+        "mprotect (alternate signal stack)",
+    )?;
+    let stack = libc::stack_t {
+        ss_sp: (base as usize + crate::PAGE_SIZE) as *mut libc::c_void,
+        ss_flags: 0,
+        ss_size: ALT_STACK_SIZE,
+    };
+    call(
+        libc::SYS_sigaltstack,
+        [&stack as *const _ as u64, 0, 0, 0, 0, 0],
+        "sigaltstack",
+    )?;
+    ALT_STACK.with(|s| *s.borrow_mut() = Some(own));
+    Ok(())
 }

@@ -53,6 +53,7 @@ extern "C" fn child() {
     // SAFETY: as in prepare; the child has this one thread.
     drop(unsafe { (*std::ptr::addr_of_mut!(HELD)).take() });
     uswap_core::fork::child();
+    crate::threads::dispatch_in_fork_child();
     crate::child_control();
 }
 

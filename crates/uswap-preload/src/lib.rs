@@ -10,7 +10,9 @@
 //! - `madvise` unchanged: the kernel tells uswap about discards through userfaultfd.
 //!
 //! uswap's own allocations never use the space (`internal`). Faults are served by handler
-//! threads (thread mode), so the program's system calls can read and write its memory.
+//! threads (thread mode), so the program's system calls can read and write its memory; or,
+//! in SIGBUS mode, by the faulting thread itself, every program thread running with
+//! syscall dispatch (`uswap_core::syscall_dispatch`) so that its system calls still can.
 
 mod fork;
 mod heap;
@@ -134,11 +136,12 @@ fn start(text: &str) -> uswap_core::Result<Arc<Region>> {
         });
     }
     let mut settings = Settings::parse(text)?;
-    if settings.config.fault_mode != FaultMode::Thread {
-        return Err(uswap_core::Error::InvalidConfig {
-            what: "fault mode",
-            why: "uswap run needs thread mode: the program's system calls read its memory".into(),
-        });
+    if settings.config.fault_mode == FaultMode::Sigbus {
+        // The program's system calls must see its swapped-out memory: its threads run
+        // with syscall dispatch, this one first (before the region, so that a kernel
+        // without it is refused before anything is made).
+        uswap_core::syscall_dispatch::enable_for_this_thread()?;
+        threads::dispatch_in_new_threads();
     }
     settings.config.memcg =
         settings

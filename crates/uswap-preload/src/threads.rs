@@ -14,7 +14,7 @@
 use crate::internal::{self, Inside};
 use crate::sys;
 use libc::{c_int, c_void, pthread_attr_t, pthread_t};
-use std::sync::atomic::{AtomicPtr, Ordering::Acquire, Ordering::Release};
+use std::sync::atomic::{AtomicBool, AtomicPtr, Ordering::Acquire, Ordering::Release};
 
 type StartRoutine = extern "C" fn(*mut c_void) -> *mut c_void;
 type PthreadCreate =
@@ -48,6 +48,43 @@ extern "C" fn start_uswap_thread(start: *mut c_void) -> *mut c_void {
     (start.routine)(start.arg)
 }
 
+/// Whether the program's threads run with syscall dispatch (SIGBUS mode).
+static DISPATCH: AtomicBool = AtomicBool::new(false);
+
+/// From now on the program's new threads turn syscall dispatch on before they run.
+pub(crate) fn dispatch_in_new_threads() {
+    DISPATCH.store(true, Release);
+}
+
+/// A fork child's thread: dispatch is not inherited, so it is turned on again.
+pub(crate) fn dispatch_in_fork_child() {
+    if DISPATCH.load(Acquire) {
+        if let Err(e) = uswap_core::syscall_dispatch::enable_for_this_thread() {
+            sys::warn(&format!(
+                "uswap: the child of fork runs without syscall dispatch: {e}\n"
+            ));
+        }
+    }
+}
+
+extern "C" fn start_dispatching_thread(start: *mut c_void) -> *mut c_void {
+    // SAFETY: made by Box::into_raw in pthread_create below, taken back once.
+    let start = unsafe { Box::from_raw(start.cast::<Start>()) };
+    if let Err(e) = uswap_core::syscall_dispatch::enable_for_this_thread() {
+        // Its system calls could fail on swapped-out memory: stop rather than risk it.
+        sys::warn(&format!(
+            "uswap run: a new thread cannot turn syscall dispatch on: {e}\n"
+        ));
+        // SAFETY: ending the process.
+        unsafe { libc::_exit(125) };
+    }
+    let Start { routine, arg } = {
+        let _inside = Inside::enter();
+        *start
+    };
+    routine(arg)
+}
+
 #[no_mangle]
 pub unsafe extern "C" fn pthread_create(
     thread: *mut pthread_t,
@@ -57,7 +94,15 @@ pub unsafe extern "C" fn pthread_create(
 ) -> c_int {
     if !internal::inside() {
         let _inside = Inside::enter();
-        return real()(thread, attr, routine, arg);
+        if !DISPATCH.load(Acquire) {
+            return real()(thread, attr, routine, arg);
+        }
+        let start = Box::into_raw(Box::new(Start { routine, arg }));
+        let rc = real()(thread, attr, start_dispatching_thread, start.cast());
+        if rc != 0 {
+            drop(Box::from_raw(start));
+        }
+        return rc;
     }
     let Some(stack) = OwnStack::new(attr) else {
         return libc::EAGAIN;
