@@ -57,7 +57,9 @@ pub struct CoreArgs {
     #[arg(long, value_name = "SIZE", value_parser = nonzero_size)]
     pub swap_size: Option<u64>,
 
-    /// How faults reach uswap: `thread` (handler threads) or `sigbus` (the faulting thread)
+    /// How faults reach uswap: `thread` (handler threads) or `sigbus` (the faulting thread;
+    /// under `uswap run` every program thread also runs with syscall dispatch, so its
+    /// system calls see swapped-out memory)
     #[arg(long, value_name = "MODE", value_parser = |s: &str| s.parse::<FaultMode>())]
     pub fault_mode: Option<FaultMode>,
 

@@ -330,6 +330,7 @@ fn install_handler() -> Result<()> {
             }
             PREVIOUS.store(Box::into_raw(Box::new(old)), Release);
         }
+        crate::syscall_dispatch::return_sigbus_through_range();
     });
     result
 }
@@ -353,6 +354,7 @@ fn reinstall() {
             // The previous record is leaked, not freed: a handler may be reading it.
             PREVIOUS.store(Box::into_raw(Box::new(old)), Release);
         }
+        crate::syscall_dispatch::return_sigbus_through_range();
     }
 }
 

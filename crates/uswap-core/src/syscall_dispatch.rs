@@ -227,8 +227,9 @@ fn install_handler() -> Result<()> {
 }
 
 /// Has uswap's SIGBUS handler return through the range's signal return: through the C
-/// library's, each fault of a dispatching thread would cost a second signal.
-fn return_sigbus_through_range() {
+/// library's, each fault of a dispatching thread would cost a second signal. Called when
+/// either handler is installed.
+pub(crate) fn return_sigbus_through_range() {
     let mut act = KernelSigaction {
         handler: 0,
         flags: 0,
@@ -398,9 +399,67 @@ fn dispatch(nr: i64, g: &[i64; 23], mask: &mut u64) -> i64 {
 /// it would have) and the selector at block (so the program's handlers are dispatched),
 /// then gives the pins back.
 fn run(nr: i64, a: [u64; 6], program_mask: u64, pins: &mut CallPins) -> i64 {
-    let result = with_program_mask(program_mask, || raw_syscall(nr, a));
+    let result = if never_waits(nr) {
+        // Nothing for a signal to interrupt: it is delivered when the handler returns.
+        raw_syscall(nr, a)
+    } else {
+        with_program_mask(program_mask, || raw_syscall(nr, a))
+    };
     pins.release();
     result
+}
+
+/// Calls that return without waiting on anything a signal could cut short: they run with
+/// the handler's signal mask, which saves two mask changes.
+fn never_waits(nr: i64) -> bool {
+    matches!(
+        nr,
+        libc::SYS_getpid
+            | libc::SYS_getppid
+            | libc::SYS_gettid
+            | libc::SYS_getuid
+            | libc::SYS_geteuid
+            | libc::SYS_getgid
+            | libc::SYS_getegid
+            | libc::SYS_getpgrp
+            | libc::SYS_getpgid
+            | libc::SYS_getsid
+            | libc::SYS_getcwd
+            | libc::SYS_getrusage
+            | libc::SYS_getrlimit
+            | libc::SYS_prlimit64
+            | libc::SYS_clock_gettime
+            | libc::SYS_clock_getres
+            | libc::SYS_gettimeofday
+            | libc::SYS_time
+            | libc::SYS_times
+            | libc::SYS_uname
+            | libc::SYS_sysinfo
+            | libc::SYS_sched_yield
+            | libc::SYS_sched_getaffinity
+            | libc::SYS_sched_setaffinity
+            | libc::SYS_lseek
+            | libc::SYS_fstat
+            | libc::SYS_dup
+            | libc::SYS_dup2
+            | libc::SYS_dup3
+            | libc::SYS_pipe
+            | libc::SYS_pipe2
+            | libc::SYS_eventfd2
+            | libc::SYS_epoll_create1
+            | libc::SYS_epoll_ctl
+            | libc::SYS_mmap
+            | libc::SYS_munmap
+            | libc::SYS_mprotect
+            | libc::SYS_madvise
+            | libc::SYS_mremap
+            | libc::SYS_brk
+            | libc::SYS_kill
+            | libc::SYS_tgkill
+            | libc::SYS_sigaltstack
+            | libc::SYS_exit
+            | libc::SYS_exit_group
+    )
 }
 
 fn with_program_mask(program_mask: u64, call: impl FnOnce() -> i64) -> i64 {

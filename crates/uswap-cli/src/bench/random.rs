@@ -51,6 +51,11 @@ pub struct RandomArgs {
     #[arg(long)]
     pub breakdown: bool,
 
+    /// Run each accessing thread with syscall dispatch on, as `uswap run --fault-mode
+    /// sigbus` runs a program's threads (needs --fault-mode sigbus)
+    #[arg(long)]
+    pub syscall_dispatch: bool,
+
     #[command(flatten)]
     pub core: CoreArgs,
 
@@ -114,7 +119,13 @@ pub fn run(a: &RandomArgs) -> Result<()> {
         threads: a.threads as usize,
         write_pct: a.write_pct,
         seconds: a.seconds,
+        syscall_dispatch: a.syscall_dispatch,
     };
+    if a.syscall_dispatch
+        && (a.backend != Backend::Uswap || a.core.fault_mode != Some(uswap_core::FaultMode::Sigbus))
+    {
+        bail!("--syscall-dispatch is a part of uswap's SIGBUS mode: add --fault-mode sigbus (and leave --backend at uswap)");
+    }
     let r = match a.backend {
         Backend::Uswap => run_uswap(a, &params)?,
         Backend::Kernel => run_kernel(a, &params)?,

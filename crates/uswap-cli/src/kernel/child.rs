@@ -159,6 +159,7 @@ mod tests {
                 threads: 3,
                 write_pct: 20,
                 seconds: 1.5,
+                syscall_dispatch: false,
             },
         };
         let args = command_args(&spec);

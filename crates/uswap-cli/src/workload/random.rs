@@ -27,6 +27,9 @@ pub struct RandomParams {
     /// Share of accesses that are writes, in percent.
     pub write_pct: u8,
     pub seconds: f64,
+    /// Each accessing thread runs with syscall dispatch on (SIGBUS mode).
+    #[serde(default)]
+    pub syscall_dispatch: bool,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -85,7 +88,17 @@ pub fn run<S>(
         let threads: Vec<_> = (0..p.threads)
             .map(|id| {
                 let (written, stop, log) = (&written, &stop, &run_errors);
-                s.spawn(move || access_loop(mem, written, p.write_pct, id as u64, stop, log))
+                s.spawn(move || {
+                    if p.syscall_dispatch {
+                        uswap_core::syscall_dispatch::enable_for_this_thread()
+                            .expect("turning syscall dispatch on");
+                    }
+                    let r = access_loop(mem, written, p.write_pct, id as u64, stop, log);
+                    if p.syscall_dispatch {
+                        uswap_core::syscall_dispatch::disable_for_this_thread();
+                    }
+                    r
+                })
             })
             .collect();
         thread::sleep(Duration::from_secs_f64(p.seconds));
@@ -207,6 +220,7 @@ mod tests {
             threads: 2,
             write_pct: 50,
             seconds: 0.05,
+            syscall_dispatch: false,
         };
         let mut calls = 0;
         let (out, before, after) = run(map.mem(), &params, || {
