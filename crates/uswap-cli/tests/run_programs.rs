@@ -843,18 +843,35 @@ fn redis_check(redis: &mut Redis) {
 
 /// redis-server under `uswap run --memory 64M`, or None after a SKIPPED line.
 fn redis_under_uswap(tmp: &Path) -> Option<RedisServer> {
+    redis_under_uswap_in("thread", tmp)
+}
+
+/// [`redis_under_uswap`] in fault mode `mode`.
+fn redis_under_uswap_in(mode: &str, tmp: &Path) -> Option<RedisServer> {
     let redis_server = installed("redis-server")?;
     let data = tmp.join("data");
     fs::create_dir_all(&data).unwrap();
-    let cmd = uswap_run(tmp, Some(MEMORY), redis_server);
+    let cmd = uswap_run_in(mode, tmp, Some(MEMORY), redis_server);
     Some(RedisServer::start(cmd, &data, "uswap run redis-server"))
 }
 
 #[test]
 fn redis_under_uswap_run() {
+    redis_holds_its_data("thread");
+}
+
+/// SIGBUS mode with syscall dispatch: redis reads requests into and writes replies from
+/// swapped-out memory, and installs its own SIGBUS crash handler, which gets only the
+/// signals that are not uswap's faults.
+#[test]
+fn redis_under_uswap_run_sigbus_mode() {
+    redis_holds_its_data("sigbus");
+}
+
+fn redis_holds_its_data(mode: &str) {
     let _heavy = heavy();
     let tmp = TempDir::new().unwrap();
-    let Some(server) = redis_under_uswap(tmp.path()) else {
+    let Some(server) = redis_under_uswap_in(mode, tmp.path()) else {
         return;
     };
     let mut redis = server.client();

@@ -335,6 +335,46 @@ fn install_handler() -> Result<()> {
     result
 }
 
+/// Whether uswap's SIGBUS handler has been installed in this process.
+pub(crate) fn installed() -> bool {
+    INSTALL.is_completed() && handler_is_ours()
+}
+
+/// Program actions for SIGBUS recorded by syscall dispatch; reused in turn, never freed (a
+/// handler may be reading one).
+static mut RECORDS: [std::mem::MaybeUninit<libc::sigaction>; 16] =
+    [const { std::mem::MaybeUninit::uninit() }; 16];
+static NEXT_RECORD: AtomicUsize = AtomicUsize::new(0);
+
+/// The program's own SIGBUS action as dispatch sees it: returns the one recorded (handler,
+/// flags, mask word) and, given `new`, records that one as where SIGBUS signals that are
+/// not about a region go. uswap's handler stays installed.
+pub(crate) fn program_action(new: Option<(usize, u64, u64)>) -> (usize, u64, u64) {
+    // SAFETY: PREVIOUS points to a never freed record once set.
+    let old = unsafe { PREVIOUS.load(Acquire).as_ref() }
+        .map(|p| {
+            // SAFETY: the kernel's mask is the first word of the C library's sigset_t.
+            let mask = unsafe { *(&p.sa_mask as *const libc::sigset_t).cast::<u64>() };
+            (p.sa_sigaction, p.sa_flags as u64, mask)
+        })
+        .unwrap_or((libc::SIG_DFL, 0, 0));
+    if let Some((handler, flags, mask)) = new {
+        // SAFETY: plain data; a record is written before it is published, and the 16 are
+        // reused in turn.
+        unsafe {
+            let mut record: libc::sigaction = std::mem::zeroed();
+            record.sa_sigaction = handler;
+            record.sa_flags = flags as libc::c_int;
+            *(&mut record.sa_mask as *mut libc::sigset_t).cast::<u64>() = mask;
+            let i = NEXT_RECORD.fetch_add(1, Relaxed) % 16;
+            let slot = std::ptr::addr_of_mut!(RECORDS[i]).cast::<libc::sigaction>();
+            slot.write(record);
+            PREVIOUS.store(slot, Release);
+        }
+    }
+    old
+}
+
 fn handler_is_ours() -> bool {
     // SAFETY: reading the current disposition.
     unsafe {

@@ -502,19 +502,46 @@ fn sigprocmask(a: [u64; 6], mask: &mut u64) -> i64 {
 }
 
 /// `rt_sigaction`, with SIGSYS and SIGBUS left out of the handler's mask. SIGSYS itself
-/// stays uswap's.
+/// stays uswap's. So does SIGBUS while uswap's handler is installed: the program's action
+/// is recorded and gets the SIGBUS signals that are not about a region (a program's crash
+/// reporter, say, which would otherwise take uswap's faults for crashes).
 fn sigaction(a: [u64; 6]) -> i64 {
-    let (sig, act) = (a[0] as i32, a[1] as *const KernelSigaction);
-    let mut a = a;
-    let mut ours;
-    if !act.is_null() {
-        if sig == libc::SIGSYS {
-            return -(libc::EINVAL as i64);
+    let (sig, act, old) = (
+        a[0] as i32,
+        a[1] as *const KernelSigaction,
+        a[2] as *mut KernelSigaction,
+    );
+    if a[3] != 8 {
+        return -(libc::EINVAL as i64);
+    }
+    // SAFETY: the program's pointers; a bad one faults here as in the C library's wrapper.
+    let new = (!act.is_null()).then(|| unsafe { std::ptr::read_unaligned(act) });
+    if sig == libc::SIGSYS && new.is_some() {
+        return -(libc::EINVAL as i64);
+    }
+    if sig == libc::SIGBUS && crate::sigbus::installed() {
+        let previous =
+            crate::sigbus::program_action(new.map(|n| (n.handler as usize, n.flags, n.mask)));
+        if !old.is_null() {
+            let (handler, flags, mask) = previous;
+            let record = KernelSigaction {
+                handler: handler as u64,
+                flags,
+                restorer: 0,
+                mask,
+            };
+            // SAFETY: as above.
+            unsafe { std::ptr::write_unaligned(old, record) };
         }
-        // SAFETY: the program's pointer, as above.
-        ours = unsafe { std::ptr::read_unaligned(act) };
-        ours.mask &= !never_blocked();
-        a[1] = &ours as *const KernelSigaction as u64;
+        return 0;
+    }
+    let mut a = a;
+    let filtered = new.map(|mut n| {
+        n.mask &= !never_blocked();
+        n
+    });
+    if let Some(n) = &filtered {
+        a[1] = n as *const KernelSigaction as u64;
     }
     raw_syscall(libc::SYS_rt_sigaction, a)
 }

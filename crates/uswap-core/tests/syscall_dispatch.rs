@@ -332,3 +332,37 @@ fn a_page_pinned_by_a_blocked_read_stays_mapped_while_aging_cycles_the_rest() {
     unsafe { libc::close(r) };
     unsafe { libc::close(w) };
 }
+
+static PROGRAM_SIGBUS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+extern "C" fn program_sigbus(_: libc::c_int) {
+    PROGRAM_SIGBUS.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+}
+
+/// A program that installs a SIGBUS handler of its own (a crash reporter) keeps getting
+/// uswap's faults served: its handler is recorded, reported back to it, and called only
+/// for SIGBUS signals that are not about a region.
+#[test]
+fn a_program_sigbus_handler_gets_only_what_is_not_a_fault_of_uswaps() {
+    on_thread(|| {
+        let region = swapped_out(MIB, true);
+        unsafe {
+            let mut act: libc::sigaction = std::mem::zeroed();
+            act.sa_sigaction = program_sigbus as *const () as usize;
+            assert_eq!(libc::sigaction(libc::SIGBUS, &act, std::ptr::null_mut()), 0);
+            let mut seen: libc::sigaction = std::mem::zeroed();
+            assert_eq!(
+                libc::sigaction(libc::SIGBUS, std::ptr::null(), &mut seen),
+                0
+            );
+            assert_eq!(seen.sa_sigaction, program_sigbus as *const () as usize);
+        }
+        for p in 0..16 {
+            assert!(unsafe { check(region.as_ptr(), p, 1) }.is_ok());
+        }
+        assert_eq!(PROGRAM_SIGBUS.load(std::sync::atomic::Ordering::SeqCst), 0);
+        unsafe { libc::raise(libc::SIGBUS) };
+        assert_eq!(PROGRAM_SIGBUS.load(std::sync::atomic::Ordering::SeqCst), 1);
+        syscall_dispatch::disable_for_this_thread();
+    });
+}
