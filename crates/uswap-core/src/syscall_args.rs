@@ -43,6 +43,10 @@ pub(crate) fn pin_buffers(nr: i64, a: &[u64; 6], pins: &mut CallPins) {
         libc::SYS_write | libc::SYS_pwrite64 => buf(pins, p(1), p(2), R),
         libc::SYS_readv | libc::SYS_preadv | libc::SYS_preadv2 => iovec(pins, p(1), p(2), W),
         libc::SYS_writev | libc::SYS_pwritev | libc::SYS_pwritev2 => iovec(pins, p(1), p(2), R),
+        // Which way vmsplice copies depends on the pipe end: writable covers both.
+        libc::SYS_vmsplice => iovec(pins, p(1), p(2), W),
+        libc::SYS_process_vm_readv => iovec(pins, p(1), p(2), W),
+        libc::SYS_process_vm_writev => iovec(pins, p(1), p(2), R),
         libc::SYS_recvfrom => {
             buf(pins, p(1), p(2), W);
             socket_address(pins, p(4), p(5));

@@ -275,11 +275,13 @@ pub fn enable_for_this_thread() -> Result<()> {
     if rc != 0 {
         let source = std::io::Error::last_os_error();
         return Err(match source.raw_os_error() {
-            Some(libc::EINVAL) | Some(libc::ENOSYS) => Error::invalid(
+            Some(libc::EINVAL | libc::ENOSYS | libc::EPERM) => Error::invalid(
                 "syscall dispatch",
-                "this kernel has no syscall user dispatch (Linux 5.11 and later, x86-64, \
-                 CONFIG_GENERIC_ENTRY); use thread mode for a program whose system calls \
-                 read its memory",
+                format!(
+                    "this kernel refuses syscall user dispatch ({source}; it needs Linux 5.11 \
+                     or later on x86-64, and may be turned off by sysctl); use thread mode \
+                     for a program whose system calls read its memory"
+                ),
             ),
             _ => Error::Os {
                 op: "prctl(PR_SET_SYSCALL_USER_DISPATCH)",
