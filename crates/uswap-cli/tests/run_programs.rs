@@ -500,7 +500,8 @@ fn python_processes_threads_and_signals_under_uswap_run_sigbus_mode() {
     };
     let tmp = TempDir::new().unwrap();
     let script = r#"
-import os, signal, subprocess, threading
+import faulthandler, os, signal, subprocess, threading
+faulthandler.enable()
 a = [bytes([i % 251]) * 4096 for i in range(40000)]
 ticks = []
 signal.signal(signal.SIGALRM, lambda s, f: ticks.append(1))

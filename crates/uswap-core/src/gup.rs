@@ -24,7 +24,7 @@ use std::sync::atomic::Ordering::{Relaxed, Release, SeqCst};
 
 /// Ranges pinned at once per region: one per system call in progress (a vectored call
 /// takes one per buffer, up to its share).
-pub(crate) const PIN_SLOTS: usize = 64;
+pub(crate) const PIN_SLOTS: usize = 256;
 
 /// The pinned ranges of one region.
 pub(crate) struct Pins {

@@ -512,7 +512,7 @@ pub(crate) struct CallPins {
 }
 
 /// Ranges one system call may pin; a call with more buffers pins what covers them.
-pub(crate) const CALL_PINS: usize = 16;
+pub(crate) const CALL_PINS: usize = 64;
 
 impl CallPins {
     pub fn new() -> CallPins {

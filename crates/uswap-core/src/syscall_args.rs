@@ -45,8 +45,10 @@ pub(crate) fn pin_buffers(nr: i64, a: &[u64; 6], pins: &mut CallPins) {
         libc::SYS_writev | libc::SYS_pwritev | libc::SYS_pwritev2 => iovec(pins, p(1), p(2), R),
         // Which way vmsplice copies depends on the pipe end: writable covers both.
         libc::SYS_vmsplice => iovec(pins, p(1), p(2), W),
-        libc::SYS_process_vm_readv => iovec(pins, p(1), p(2), W),
-        libc::SYS_process_vm_writev => iovec(pins, p(1), p(2), R),
+        libc::SYS_process_vm_readv | libc::SYS_process_vm_writev => {
+            iovec(pins, p(1), p(2), nr == libc::SYS_process_vm_readv);
+            buf(pins, p(3), p(4).min(1024) * 16, R);
+        }
         libc::SYS_recvfrom => {
             buf(pins, p(1), p(2), W);
             socket_address(pins, p(4), p(5));
@@ -59,13 +61,9 @@ pub(crate) fn pin_buffers(nr: i64, a: &[u64; 6], pins: &mut CallPins) {
         libc::SYS_sendmsg => msghdr(pins, p(1), R),
         libc::SYS_recvmmsg | libc::SYS_sendmmsg => {
             let write = nr == libc::SYS_recvmmsg;
-            let (vec, len) = (p(1), p(2).min(1024));
-            buf(pins, vec, len * 64, W);
-            for i in 0..len {
-                msghdr(pins, vec + i * 64, write);
-            }
-            if nr == libc::SYS_recvmmsg {
-                buf(pins, p(4), 16, R);
+            mmsghdrs(pins, p(1), p(2).min(1024), write);
+            if write {
+                buf(pins, p(4), 16, W);
             }
         }
         libc::SYS_accept | libc::SYS_accept4 | libc::SYS_getsockname | libc::SYS_getpeername => {
@@ -79,7 +77,7 @@ pub(crate) fn pin_buffers(nr: i64, a: &[u64; 6], pins: &mut CallPins) {
         libc::SYS_poll => buf(pins, p(0), p(1) * 8, W),
         libc::SYS_ppoll => {
             buf(pins, p(0), p(1) * 8, W);
-            buf(pins, p(2), 16, R);
+            buf(pins, p(2), 16, W);
         }
         libc::SYS_select | libc::SYS_pselect6 => {
             let set = p(0).div_ceil(64) * 8;
@@ -209,6 +207,7 @@ pub(crate) fn pin_buffers(nr: i64, a: &[u64; 6], pins: &mut CallPins) {
             buf(pins, p(1), 24, W);
         }
         libc::SYS_rt_sigtimedwait => {
+            buf(pins, p(0), 8, R);
             buf(pins, p(1), 128, W);
             buf(pins, p(2), 16, R);
         }
@@ -329,6 +328,34 @@ fn msghdr(pins: &mut CallPins, msg: usize, write: bool) {
     iovec(pins, word(msg, 2), word(msg, 3), write);
 }
 
+/// An `mmsghdr` vector: the vector, then every message's iovec arrays, and every buffer
+/// (each pinned alone while pins last, else one range covering them).
+fn mmsghdrs(pins: &mut CallPins, vec: usize, count: usize, write: bool) {
+    if vec == 0 || count == 0 {
+        return;
+    }
+    pins.pin(vec, count * 64, W);
+    let msg = |i: usize| vec + i * 64;
+    pin_each(pins, R, |f| {
+        for i in 0..count {
+            f(word(msg(i), 2), word(msg(i), 3).min(1024) * 16);
+        }
+    });
+    pin_each(pins, write, |f| {
+        for i in 0..count {
+            let m = msg(i);
+            f(word(m, 0), word(m, 1) & 0xffff_ffff);
+            f(word(m, 4), word(m, 5));
+            let (iov, n) = (word(m, 2), word(m, 3).min(1024));
+            if iov != 0 {
+                for j in 0..n {
+                    f(word(iov, 2 * j), word(iov, 2 * j + 1));
+                }
+            }
+        }
+    });
+}
+
 /// A socket address the kernel writes, with its length (in and out).
 fn socket_address(pins: &mut CallPins, addr: usize, len: usize) {
     if len == 0 {
@@ -373,16 +400,14 @@ fn strings(pins: &mut CallPins, array: usize) {
     });
 }
 
-/// `futex`: the word, the timeout of a wait, the second word of a requeue or wake-op.
+/// `futex`, but for the waits (`futex_wait_word`): the word and the second word of a
+/// requeue or wake-op, the timeout of a lock. A wake only looks the word's address up.
 fn futex(pins: &mut CallPins, a: &[u64; 6]) {
     let op = a[1] as i32 & libc::FUTEX_CMD_MASK;
-    pins.pin(a[0] as usize, 4, W);
     match op {
-        libc::FUTEX_WAIT
-        | libc::FUTEX_WAIT_BITSET
-        | libc::FUTEX_LOCK_PI
-        | libc::FUTEX_LOCK_PI2
-        | libc::FUTEX_WAIT_REQUEUE_PI => {
+        libc::FUTEX_WAKE | libc::FUTEX_WAKE_BITSET => {}
+        libc::FUTEX_LOCK_PI | libc::FUTEX_LOCK_PI2 | libc::FUTEX_WAIT_REQUEUE_PI => {
+            pins.pin(a[0] as usize, 4, W);
             if a[3] != 0 {
                 pins.pin(a[3] as usize, 16, R);
             }
@@ -394,8 +419,32 @@ fn futex(pins: &mut CallPins, a: &[u64; 6]) {
         | libc::FUTEX_CMP_REQUEUE
         | libc::FUTEX_WAKE_OP
         | libc::FUTEX_CMP_REQUEUE_PI => {
+            pins.pin(a[0] as usize, 4, W);
             pins.pin(a[4] as usize, 4, W);
         }
-        _ => {}
+        _ => {
+            pins.pin(a[0] as usize, 4, W);
+        }
     }
+}
+
+/// Whether `futex` call `a` is a plain wait: it reads its word (and timeout) once before
+/// it sleeps and changes nothing when that read fails, so it is retried on EFAULT instead
+/// of holding a pin for as long as it sleeps.
+pub(crate) fn is_futex_wait(nr: i64, a: &[u64; 6]) -> bool {
+    nr == libc::SYS_futex
+        && matches!(
+            a[1] as i32 & libc::FUTEX_CMD_MASK,
+            libc::FUTEX_WAIT | libc::FUTEX_WAIT_BITSET
+        )
+}
+
+/// Brings a futex wait's word and timeout in, without keeping them pinned.
+pub(crate) fn bring_in_futex_wait(a: &[u64; 6]) {
+    let mut pins = CallPins::new();
+    pins.pin(a[0] as usize, 4, W);
+    if a[3] != 0 {
+        pins.pin(a[3] as usize, 16, R);
+    }
+    pins.release();
 }

@@ -28,10 +28,12 @@
 //!   calls that wait with a mask of their own (`rt_sigsuspend`, `ppoll`, `epoll_pwait`) get
 //!   a mask without them;
 //! - `clone` and `clone3` for a thread with a stack of its own start the child at the
-//!   program's next instruction with the program's registers; `vfork` runs as `fork`
-//!   (the child would otherwise return through this handler's frame on the shared stack),
-//!   and a `CLONE_VFORK` child on a stack of its own (`posix_spawn`) runs while aging is
-//!   held off every SIGBUS-mode region, as it reads its arguments without dispatch.
+//!   program's next instruction with the program's registers; `vfork` becomes
+//!   `clone3(CLONE_VM | CLONE_VFORK)` on the program's stack (the handler runs on an
+//!   alternate stack, so the child does not overwrite its frame), and a `CLONE_VFORK`
+//!   child gives up the alternate stack it inherits and runs while aging is held off every
+//!   SIGBUS-mode region, as it reads its arguments without dispatch;
+//! - `sigaltstack` is kept as the program's view: uswap's alternate stack stays in place.
 
 use crate::error::{Error, Result};
 use crate::sigbus::CallPins;
@@ -111,9 +113,24 @@ global_asm!(
     "pop rbp",
     "pop rbx",
     "ret",
+    // The child: a CLONE_VFORK child keeps the parent's alternate signal stack, where the
+    // parent's handler frame is live; it gives it up before any signal can use it.
     "2:",
+    "push rsi",
+    "mov eax, 131",
+    "lea rdi, [rip + uswap_sud_no_altstack]",
+    "xor esi, esi",
+    "syscall",
+    "pop rsi",
+    "xor eax, eax",
     "pop rdi",
     "ret",
+    ".p2align 3",
+    "uswap_sud_no_altstack:",
+    ".quad 0",
+    ".long 2",
+    ".long 0",
+    ".quad 0",
     ".globl uswap_sud_end",
     ".hidden uswap_sud_end",
     "uswap_sud_end:",
@@ -374,6 +391,7 @@ fn dispatch(nr: i64, g: &[i64; 23], mask: &mut u64) -> i64 {
         libc::SYS_rt_sigaction => return sigaction(a),
         libc::SYS_vfork => return vfork(g, *mask),
         libc::SYS_clone | libc::SYS_clone3 => return clone(nr, g, a, *mask),
+        libc::SYS_sigaltstack => return sigaltstack(a),
         _ => {}
     }
     // A wait with a mask of its own must not block SIGSYS or SIGBUS either.
@@ -392,9 +410,46 @@ fn dispatch(nr: i64, g: &[i64; 23], mask: &mut u64) -> i64 {
     if let Some((i, m)) = &own_mask {
         a[*i] = m as *const u64 as u64;
     }
+    // pselect6 passes its mask through a { mask pointer, size } pair.
+    let pselect = (nr == libc::SYS_pselect6 && a[5] != 0).then(|| {
+        // SAFETY: as above.
+        let pair = unsafe { std::ptr::read_unaligned(a[5] as *const [u64; 2]) };
+        // SAFETY: as above.
+        let mask =
+            (pair[0] != 0).then(|| unsafe { std::ptr::read_unaligned(pair[0] as *const u64) });
+        (pair, mask.map(|m| m & !never_blocked()))
+    });
+    let pselect_pair = pselect.as_ref().map(|(pair, mask)| {
+        let mask = mask.as_ref().map_or(0, |m| m as *const u64 as u64);
+        [mask, pair[1]]
+    });
+    if let Some(pair) = &pselect_pair {
+        a[5] = pair.as_ptr() as u64;
+    }
+    if syscall_args::is_futex_wait(nr, &a) {
+        return futex_wait(a, *mask);
+    }
     let mut pins = CallPins::new();
     syscall_args::pin_buffers(nr, &a, &mut pins);
     run(nr, a, *mask, &mut pins)
+}
+
+/// A futex wait: its word is brought in, not pinned (a wait may last for good, and a pin
+/// held that long would keep a slot of the region's table); if aging takes the page out
+/// before the kernel reads the word, the wait fails with EFAULT having done nothing, and
+/// runs again.
+fn futex_wait(a: [u64; 6], mask: u64) -> i64 {
+    let mut result = 0;
+    for _ in 0..8 {
+        syscall_args::bring_in_futex_wait(&a);
+        result = run(libc::SYS_futex, a, mask, &mut CallPins::new());
+        let in_region = crate::sigbus::in_region(a[0] as usize, 4)
+            || (a[3] != 0 && crate::sigbus::in_region(a[3] as usize, 16));
+        if result != -(libc::EFAULT as i64) || !in_region {
+            break;
+        }
+    }
+    result
 }
 
 /// Runs the program's call with the program's signal mask (so a signal interrupts it as
@@ -458,7 +513,6 @@ fn never_waits(nr: i64) -> bool {
             | libc::SYS_brk
             | libc::SYS_kill
             | libc::SYS_tgkill
-            | libc::SYS_sigaltstack
             | libc::SYS_exit
             | libc::SYS_exit_group
     )
@@ -548,6 +602,42 @@ fn sigaction(a: [u64; 6]) -> i64 {
     raw_syscall(libc::SYS_rt_sigaction, a)
 }
 
+thread_local! {
+    /// The alternate signal stack the program asked for (disabled until it asks): uswap's
+    /// own stays in place, as its handlers need the room, and the program's handlers run
+    /// on it too.
+    static PROGRAM_ALT_STACK: std::cell::Cell<(u64, i32, u64)> =
+        const { std::cell::Cell::new((0, libc::SS_DISABLE, 0)) };
+}
+
+/// `sigaltstack`, kept as the program's view. The real call would fail here: this handler
+/// runs on the alternate stack, which the kernel will not change while it is in use.
+fn sigaltstack(a: [u64; 6]) -> i64 {
+    let (new, old) = (a[0] as *const libc::stack_t, a[1] as *mut libc::stack_t);
+    let (sp, flags, size) = PROGRAM_ALT_STACK.with(|s| s.get());
+    if !old.is_null() {
+        let record = libc::stack_t {
+            ss_sp: sp as *mut libc::c_void,
+            ss_flags: flags,
+            ss_size: size as usize,
+        };
+        // SAFETY: the program's pointer, as above.
+        unsafe { std::ptr::write_unaligned(old, record) };
+    }
+    if !new.is_null() {
+        // SAFETY: as above.
+        let n = unsafe { std::ptr::read_unaligned(new) };
+        if n.ss_flags & !libc::SS_DISABLE != 0 {
+            return -(libc::EINVAL as i64);
+        }
+        if n.ss_flags & libc::SS_DISABLE == 0 && n.ss_size < libc::MINSIGSTKSZ {
+            return -(libc::ENOMEM as i64);
+        }
+        PROGRAM_ALT_STACK.with(|s| s.set((n.ss_sp as u64, n.ss_flags, n.ss_size as u64)));
+    }
+    0
+}
+
 const CLONE_ARGS_STACK: usize = 5;
 const CLONE_ARGS_STACK_SIZE: usize = 6;
 
@@ -565,6 +655,7 @@ fn clone(nr: i64, g: &[i64; 23], mut a: [u64; 6], mask: u64) -> i64 {
         if a[0] == 0 || size < 8 * (CLONE_ARGS_STACK_SIZE + 1) {
             return raw_syscall(nr, a);
         }
+        a[1] = size as u64;
         // SAFETY: the program's clone_args, `size` bytes of it.
         unsafe { std::ptr::copy_nonoverlapping(a[0] as *const u8, args.as_mut_ptr().cast(), size) };
         let top = args[CLONE_ARGS_STACK] + args[CLONE_ARGS_STACK_SIZE];
@@ -740,6 +831,13 @@ fn ensure_alternate_stack() -> Result<()> {
     if ss.ss_flags & libc::SS_DISABLE == 0 && ss.ss_size >= ALT_STACK_SIZE {
         return Ok(());
     }
+    PROGRAM_ALT_STACK.with(|p| {
+        p.set((
+            ss.ss_sp as u64,
+            ss.ss_flags & libc::SS_DISABLE,
+            ss.ss_size as u64,
+        ))
+    });
     let len = ALT_STACK_SIZE + crate::PAGE_SIZE;
     let rw = (libc::PROT_READ | libc::PROT_WRITE) as u64;
     let flags = (libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_STACK) as u64;

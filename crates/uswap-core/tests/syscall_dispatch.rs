@@ -366,3 +366,53 @@ fn a_program_sigbus_handler_gets_only_what_is_not_a_fault_of_uswaps() {
         syscall_dispatch::disable_for_this_thread();
     });
 }
+
+/// `sigaltstack` with dispatch on: the program sets, reads back and disables its alternate
+/// stack as it would without it (the real call would fail with EPERM: uswap's handler runs
+/// on the alternate stack), and a pselect6 with every signal in its mask returns.
+#[test]
+fn the_programs_alternate_stack_and_a_pselect_mask_behave_as_without_dispatch() {
+    on_thread(|| {
+        let _region = swapped_out(MIB, true);
+        let mut mem = vec![0u8; 64 << 10];
+        unsafe {
+            let set = libc::stack_t {
+                ss_sp: mem.as_mut_ptr().cast(),
+                ss_flags: 0,
+                ss_size: mem.len(),
+            };
+            let mut old: libc::stack_t = std::mem::zeroed();
+            assert_eq!(libc::sigaltstack(&set, &mut old), 0, "{}", errno());
+            let mut now: libc::stack_t = std::mem::zeroed();
+            assert_eq!(libc::sigaltstack(std::ptr::null(), &mut now), 0);
+            assert_eq!((now.ss_sp, now.ss_size), (set.ss_sp, set.ss_size));
+            let off = libc::stack_t {
+                ss_sp: std::ptr::null_mut(),
+                ss_flags: libc::SS_DISABLE,
+                ss_size: 0,
+            };
+            assert_eq!(libc::sigaltstack(&off, std::ptr::null_mut()), 0);
+            libc::sigaltstack(std::ptr::null(), &mut now);
+            assert_eq!(now.ss_flags & libc::SS_DISABLE, libc::SS_DISABLE);
+            // A wait with every signal blocked for its duration.
+            let mut all: libc::sigset_t = std::mem::zeroed();
+            libc::sigfillset(&mut all);
+            let timeout = libc::timespec {
+                tv_sec: 0,
+                tv_nsec: 1_000_000,
+            };
+            assert_eq!(
+                libc::pselect(
+                    0,
+                    std::ptr::null_mut(),
+                    std::ptr::null_mut(),
+                    std::ptr::null_mut(),
+                    &timeout,
+                    &all
+                ),
+                0
+            );
+        }
+        syscall_dispatch::disable_for_this_thread();
+    });
+}
