@@ -346,13 +346,19 @@ fn python_alloc_checks_itself_without_uswap() {
 
 #[test]
 fn malloc_stress_under_uswap_run() {
+    malloc_stress_does_its_native_work("thread");
+}
+
+/// malloc_stress under `uswap run` in fault mode `mode`: its output is the one it prints
+/// without uswap.
+fn malloc_stress_does_its_native_work(mode: &str) {
     let _heavy = heavy();
     let tmp = TempDir::new().unwrap();
     let Some(exe) = build_malloc_stress(tmp.path()) else {
         return;
     };
     let args = ["4", "256M"];
-    let mut cmd = uswap_run(tmp.path(), Some(MEMORY), &exe);
+    let mut cmd = uswap_run_in(mode, tmp.path(), Some(MEMORY), &exe);
     cmd.args(args);
     let line = expect_ok(&run(cmd, b"", "uswap run malloc_stress"), "malloc_stress");
 
@@ -475,19 +481,7 @@ fn fork_verify_under_uswap_run() {
 /// write its swapped-out memory; the result is the program's own, as in thread mode.
 #[test]
 fn malloc_stress_under_uswap_run_sigbus_mode() {
-    let _heavy = heavy();
-    let tmp = TempDir::new().unwrap();
-    let Some(exe) = build_malloc_stress(tmp.path()) else {
-        return;
-    };
-    let args = ["4", "256M"];
-    let mut cmd = uswap_run_in("sigbus", tmp.path(), Some(MEMORY), &exe);
-    cmd.args(args);
-    let line = expect_ok(&run(cmd, b"", "uswap run malloc_stress"), "malloc_stress");
-    let mut cmd = Command::new(&exe);
-    cmd.args(args).env("TMPDIR", tmp.path());
-    let native = expect_ok(&run(cmd, b"", "malloc_stress"), "malloc_stress");
-    assert_eq!(line, native);
+    malloc_stress_does_its_native_work("sigbus");
 }
 
 /// SIGBUS mode with syscall dispatch under what a Python program does around its memory:
