@@ -25,8 +25,11 @@
 //!   (the C library's return path lies outside the range);
 //! - `rt_sigprocmask` changes the mask the handler returns to, never blocking SIGSYS or
 //!   SIGBUS (a blocked synchronous signal kills the process), and `rt_sigaction` and the
-//!   calls that wait with a mask of their own (`rt_sigsuspend`, `ppoll`, `epoll_pwait`) get
-//!   a mask without them;
+//!   calls that wait with a mask of their own (`rt_sigsuspend`, `ppoll`, `pselect6`,
+//!   `epoll_pwait`) get a mask without them; a program's SIGBUS action is recorded, not
+//!   installed (`sigbus::program_action`): it gets the SIGBUS signals that are not uswap's;
+//! - a futex wait has its word brought in but not pinned while it sleeps, and runs again
+//!   if it fails with EFAULT (it changed nothing then);
 //! - `clone` and `clone3` for a thread with a stack of its own start the child at the
 //!   program's next instruction with the program's registers; `vfork` becomes
 //!   `clone3(CLONE_VM | CLONE_VFORK)` on the program's stack (the handler runs on an
