@@ -298,44 +298,43 @@ fn word(addr: usize, i: usize) -> usize {
     unsafe { std::ptr::read_unaligned((addr as *const usize).add(i)) }
 }
 
+/// Calls `f` with each buffer (address, length) of the `iovec` array at `iov`.
+fn each_iov(iov: usize, count: usize, f: &mut dyn FnMut(usize, usize)) {
+    if iov != 0 {
+        for i in 0..count.min(1024) {
+            f(word(iov, 2 * i), word(iov, 2 * i + 1));
+        }
+    }
+}
+
 /// An `iovec` array and its buffers.
 fn iovec(pins: &mut CallPins, iov: usize, count: usize, write: bool) {
-    let count = count.min(1024);
     if iov == 0 {
         return;
     }
-    pins.pin(iov, count * 16, R);
-    pin_each(pins, write, |f| {
-        for i in 0..count {
-            f(word(iov, 2 * i), word(iov, 2 * i + 1));
-        }
-    });
+    pins.pin(iov, count.min(1024) * 16, R);
+    pin_each(pins, write, |f| each_iov(iov, count, f));
 }
 
-/// A `msghdr`: its address, vector and control buffer.
+/// A `msghdr`: the header, its address, vector and control buffer.
 fn msghdr(pins: &mut CallPins, msg: usize, write: bool) {
-    if msg == 0 {
-        return;
-    }
-    pins.pin(msg, 56, W);
-    let name = (word(msg, 0), word(msg, 1) & 0xffff_ffff);
-    let control = (word(msg, 4), word(msg, 5));
-    for (addr, len) in [name, control] {
-        if addr != 0 && len != 0 {
-            pins.pin(addr, len, write);
-        }
-    }
-    iovec(pins, word(msg, 2), word(msg, 3), write);
+    messages(pins, msg, 1, 56, write);
 }
 
-/// An `mmsghdr` vector: the vector, then every message's iovec arrays, and every buffer
-/// (each pinned alone while pins last, else one range covering them).
+/// An `mmsghdr` vector (each a `msghdr` and the length the kernel writes after it).
 fn mmsghdrs(pins: &mut CallPins, vec: usize, count: usize, write: bool) {
-    if vec == 0 || count == 0 {
+    messages(pins, vec, count, 64, write);
+}
+
+/// `count` message headers 64 bytes apart from `first` (`header` bytes of each read or
+/// written by the kernel): the headers, then their iovec arrays, then every buffer they
+/// name, each pinned alone while pins last, else one range covering them.
+fn messages(pins: &mut CallPins, first: usize, count: usize, header: usize, write: bool) {
+    if first == 0 || count == 0 {
         return;
     }
-    pins.pin(vec, count * 64, W);
-    let msg = |i: usize| vec + i * 64;
+    pins.pin(first, (count - 1) * 64 + header, W);
+    let msg = |i: usize| first + i * 64;
     pin_each(pins, R, |f| {
         for i in 0..count {
             f(word(msg(i), 2), word(msg(i), 3).min(1024) * 16);
@@ -346,12 +345,7 @@ fn mmsghdrs(pins: &mut CallPins, vec: usize, count: usize, write: bool) {
             let m = msg(i);
             f(word(m, 0), word(m, 1) & 0xffff_ffff);
             f(word(m, 4), word(m, 5));
-            let (iov, n) = (word(m, 2), word(m, 3).min(1024));
-            if iov != 0 {
-                for j in 0..n {
-                    f(word(iov, 2 * j), word(iov, 2 * j + 1));
-                }
-            }
+            each_iov(word(m, 2), word(m, 3), f);
         }
     });
 }

@@ -26,10 +26,26 @@ fn swapped_out(size: usize, dispatch: bool) -> Region {
     region
 }
 
-fn pipe() -> (i32, i32) {
+/// A pipe, closed when dropped.
+struct Pipe {
+    r: i32,
+    w: i32,
+}
+
+impl Drop for Pipe {
+    fn drop(&mut self) {
+        unsafe { libc::close(self.r) };
+        unsafe { libc::close(self.w) };
+    }
+}
+
+fn pipe() -> Pipe {
     let mut fds = [0; 2];
     assert_eq!(unsafe { libc::pipe(fds.as_mut_ptr()) }, 0);
-    (fds[0], fds[1])
+    Pipe {
+        r: fds[0],
+        w: fds[1],
+    }
 }
 
 fn errno() -> std::io::Error {
@@ -45,15 +61,14 @@ fn on_thread<T: Send>(f: impl FnOnce() -> T + Send) -> T {
 fn without_dispatch_a_kernel_access_to_a_swapped_out_page_fails() {
     on_thread(|| {
         let region = swapped_out(2 * MIB, false);
-        let (r, w) = pipe();
+        let pipe = pipe();
+        let w = pipe.w;
         let n = unsafe { libc::write(w, region.as_ptr().add(7 * PAGE_SIZE).cast(), PAGE_SIZE) };
         assert_eq!(
             n, -1,
             "write(2) from a swapped-out page succeeded without dispatch"
         );
         assert_eq!(errno().raw_os_error(), Some(libc::EFAULT));
-        unsafe { libc::close(r) };
-        unsafe { libc::close(w) };
     });
 }
 
@@ -63,7 +78,8 @@ fn write_and_read_move_swapped_out_pages_through_a_pipe_bit_identical() {
         let region = swapped_out(4 * MIB, true);
         let base = region.as_ptr();
         let pages = region.len() / PAGE_SIZE;
-        let (r, w) = pipe();
+        let pipe = pipe();
+        let (r, w) = (pipe.r, pipe.w);
         // Page p goes out through write(2) and comes back into page pages/2 + p/2's place
         // through read(2): both sides are out on swap when the call starts.
         for p in (0..pages / 2).step_by(7) {
@@ -87,8 +103,6 @@ fn write_and_read_move_swapped_out_pages_through_a_pipe_bit_identical() {
         let stats = region.stats().vmstat;
         assert!(stats.syscall_pins > 0, "no call pinned anything");
         syscall_dispatch::disable_for_this_thread();
-        unsafe { libc::close(r) };
-        unsafe { libc::close(w) };
     });
 }
 
@@ -97,7 +111,8 @@ fn vectored_calls_and_a_stat_buffer_in_swapped_out_memory_are_served() {
     on_thread(|| {
         let region = swapped_out(2 * MIB, true);
         let base = region.as_ptr();
-        let (r, w) = pipe();
+        let pipe = pipe();
+        let (r, w) = (pipe.r, pipe.w);
         // The iovec array itself lies in swapped-out memory too (it overwrites page 100).
         let iov = unsafe { base.add(100 * PAGE_SIZE) } as *mut libc::iovec;
         for (i, page) in [3usize, 40, 77].into_iter().enumerate() {
@@ -129,8 +144,6 @@ fn vectored_calls_and_a_stat_buffer_in_swapped_out_memory_are_served() {
         assert_eq!(unsafe { libc::fstat(r, st) }, 0, "fstat: {}", errno());
         assert_eq!(unsafe { (*st).st_mode } & libc::S_IFMT, libc::S_IFIFO);
         syscall_dispatch::disable_for_this_thread();
-        unsafe { libc::close(r) };
-        unsafe { libc::close(w) };
     });
 }
 
@@ -230,7 +243,8 @@ fn stress_calls_on_pages_aging_keeps_taking_away() {
             }
         });
         syscall_dispatch::enable_for_this_thread().unwrap();
-        let (r, w) = pipe();
+        let pipe = pipe();
+        let (r, w) = (pipe.r, pipe.w);
         let mut buf = vec![0u8; PAGE_SIZE];
         let mut x = 0x2545_f491_4f6c_dd1du64;
         for _ in 0..ROUNDS {
@@ -271,8 +285,6 @@ fn stress_calls_on_pages_aging_keeps_taking_away() {
         }
         syscall_dispatch::disable_for_this_thread();
         stop.store(true, std::sync::atomic::Ordering::Relaxed);
-        unsafe { libc::close(r) };
-        unsafe { libc::close(w) };
     });
     let stats = region.stats().vmstat;
     assert!(
@@ -292,7 +304,8 @@ fn stress_calls_on_pages_aging_keeps_taking_away() {
 fn a_page_pinned_by_a_blocked_read_stays_mapped_while_aging_cycles_the_rest() {
     let region = swapped_out(8 * MIB, false);
     let (base, pages) = (region.as_ptr() as usize, region.len() / PAGE_SIZE);
-    let (r, w) = pipe();
+    let pipe = pipe();
+    let (r, w) = (pipe.r, pipe.w);
     let target = 1_000;
     std::thread::scope(|s| {
         s.spawn(|| {
@@ -329,8 +342,6 @@ fn a_page_pinned_by_a_blocked_read_stays_mapped_while_aging_cycles_the_rest() {
         stats.pgskip_pinned > 0,
         "aging never reached the pinned page: {stats:?}"
     );
-    unsafe { libc::close(r) };
-    unsafe { libc::close(w) };
 }
 
 static PROGRAM_SIGBUS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
@@ -414,5 +425,51 @@ fn the_programs_alternate_stack_and_a_pselect_mask_behave_as_without_dispatch() 
             );
         }
         syscall_dispatch::disable_for_this_thread();
+    });
+}
+
+/// sendmsg(2) and recvmsg(2) on a socket pair with the header, its iovec array and the
+/// buffers all in swapped-out memory.
+#[test]
+fn a_message_whose_header_vector_and_buffers_are_swapped_out_goes_through_a_socket() {
+    on_thread(|| {
+        let region = swapped_out(2 * MIB, true);
+        let base = region.as_ptr();
+        let mut fds = [0; 2];
+        let rc = unsafe { libc::socketpair(libc::AF_UNIX, libc::SOCK_DGRAM, 0, fds.as_mut_ptr()) };
+        assert_eq!(rc, 0, "socketpair: {}", errno());
+        let at = |page: usize| unsafe { base.add(page * PAGE_SIZE) };
+        let message = |header: usize, iov: usize, pages: [usize; 2]| unsafe {
+            let v = at(iov) as *mut libc::iovec;
+            for (i, p) in pages.into_iter().enumerate() {
+                *v.add(i) = libc::iovec {
+                    iov_base: at(p).cast(),
+                    iov_len: PAGE_SIZE,
+                };
+            }
+            let m = at(header) as *mut libc::msghdr;
+            *m = std::mem::zeroed();
+            (*m).msg_iov = v;
+            (*m).msg_iovlen = 2;
+            m
+        };
+        let sent = message(10, 11, [20, 21]);
+        let received = message(30, 31, [40, 41]);
+        region.advise(0, region.len(), Advice::PageOut).unwrap();
+        let n = unsafe { libc::sendmsg(fds[0], sent, 0) };
+        assert_eq!(n, 2 * PAGE_SIZE as isize, "sendmsg: {}", errno());
+        region.advise(0, region.len(), Advice::PageOut).unwrap();
+        let n = unsafe { libc::recvmsg(fds[1], received, 0) };
+        assert_eq!(n, 2 * PAGE_SIZE as isize, "recvmsg: {}", errno());
+        for (from, to) in [(20usize, 40usize), (21, 41)] {
+            let got = unsafe { std::slice::from_raw_parts(at(to), PAGE_SIZE) };
+            assert!(
+                check_slice(got, from, 1),
+                "page {to} did not get page {from}'s data"
+            );
+        }
+        syscall_dispatch::disable_for_this_thread();
+        unsafe { libc::close(fds[0]) };
+        unsafe { libc::close(fds[1]) };
     });
 }
