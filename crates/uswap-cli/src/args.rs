@@ -57,9 +57,10 @@ pub struct CoreArgs {
     #[arg(long, value_name = "SIZE", value_parser = nonzero_size)]
     pub swap_size: Option<u64>,
 
-    /// How faults reach uswap: `thread` (handler threads) or `sigbus` (the faulting thread;
+    /// How faults reach uswap: `thread` (handler threads), `sigbus` (the faulting thread;
     /// under `uswap run` every program thread also runs with syscall dispatch, so its
-    /// system calls see swapped-out memory)
+    /// system calls see swapped-out memory), or `auto` (sigbus where the kernel offers
+    /// syscall dispatch, else thread) [default: auto for `uswap run`, thread for benches]
     #[arg(long, value_name = "MODE", value_parser = |s: &str| s.parse::<FaultMode>())]
     pub fault_mode: Option<FaultMode>,
 

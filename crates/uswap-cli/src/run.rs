@@ -44,7 +44,11 @@ pub fn run(args: &RunArgs) -> Result<()> {
         Some(m) => m,
         None => half_of_ram()?,
     };
-    let config = args.core.config(memory)?;
+    let mut config = args.core.config(memory)?;
+    if args.core.fault_mode.is_none() {
+        // The library's default is thread mode; a program run whole gets auto.
+        config.fault_mode = uswap_core::FaultMode::Auto;
+    }
     let vm_size = match args.vm_size {
         Some(size) => size,
         None => {

@@ -484,6 +484,35 @@ fn malloc_stress_under_uswap_run_sigbus_mode() {
     malloc_stress_does_its_native_work("sigbus");
 }
 
+#[test]
+fn malloc_stress_under_uswap_run_auto_mode() {
+    malloc_stress_does_its_native_work("auto");
+}
+
+/// System calls between swapped-out heap blocks (pipes, sockets, vectors), and threads
+/// cancelled while blocked in a call, direct or dispatched: `direct_calls.c` checks itself.
+#[test]
+fn system_calls_and_cancellation_under_uswap_run_auto_mode() {
+    system_calls_and_cancellation_in("auto");
+}
+
+#[test]
+fn system_calls_and_cancellation_under_uswap_run() {
+    system_calls_and_cancellation_in("thread");
+}
+
+fn system_calls_and_cancellation_in(mode: &str) {
+    let _heavy = heavy();
+    let tmp = TempDir::new().unwrap();
+    let Some(exe) = build_c_program(tmp.path(), "direct_calls") else {
+        return;
+    };
+    let mut cmd = uswap_run_in(mode, tmp.path(), Some(MEMORY), &exe);
+    cmd.args(["256", "2000"]);
+    let line = expect_ok(&run(cmd, b"", "uswap run direct_calls"), "direct_calls");
+    assert_eq!(line, "ok 4096 blocks");
+}
+
 /// SIGBUS mode with syscall dispatch under what a Python program does around its memory:
 /// subprocesses (vfork), fork, threads, a signal timer, pipes over swapped-out objects.
 #[test]
@@ -861,6 +890,11 @@ fn redis_under_uswap_run() {
 #[test]
 fn redis_under_uswap_run_sigbus_mode() {
     redis_holds_its_data("sigbus");
+}
+
+#[test]
+fn redis_under_uswap_run_auto_mode() {
+    redis_holds_its_data("auto");
 }
 
 fn redis_holds_its_data(mode: &str) {

@@ -57,8 +57,26 @@ pub enum FaultMode {
     /// including the kernel's own (a `read()` system call into a swapped-out page).
     Thread,
     /// The faulting thread gets SIGBUS and resolves its own fault: fewer context switches,
-    /// but a kernel access to a missing page fails with EFAULT. Opt-in.
+    /// but a kernel access to a missing page fails with EFAULT unless the thread runs with
+    /// syscall dispatch (`syscall_dispatch::enable_for_this_thread`).
     Sigbus,
+    /// SIGBUS mode where this kernel offers syscall dispatch, thread mode where it does not
+    /// (resolved when the region is made, see [`FaultMode::resolve`]). `uswap run`'s
+    /// default: it runs every program thread with dispatch. A library user that chooses it
+    /// turns dispatch on in each thread whose system calls use region memory.
+    Auto,
+}
+
+impl FaultMode {
+    /// The mode a region runs in: `Auto` becomes `Sigbus` when syscall dispatch works on
+    /// this kernel, else `Thread`.
+    pub fn resolve(self) -> FaultMode {
+        match self {
+            FaultMode::Auto if crate::syscall_dispatch::supported() => FaultMode::Sigbus,
+            FaultMode::Auto => FaultMode::Thread,
+            mode => mode,
+        }
+    }
 }
 
 impl FromStr for FaultMode {
@@ -67,9 +85,10 @@ impl FromStr for FaultMode {
         match s {
             "thread" => Ok(FaultMode::Thread),
             "sigbus" => Ok(FaultMode::Sigbus),
+            "auto" => Ok(FaultMode::Auto),
             _ => Err(Error::invalid(
                 "fault mode",
-                format!("{s:?}: use `thread` or `sigbus`"),
+                format!("{s:?}: use `auto`, `thread` or `sigbus`"),
             )),
         }
     }

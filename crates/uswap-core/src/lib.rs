@@ -32,6 +32,7 @@ pub mod stats;
 pub mod swap_state;
 mod sync;
 mod syscall_args;
+pub mod syscall_direct;
 pub mod syscall_dispatch;
 pub mod uffd;
 mod vma;

@@ -453,6 +453,8 @@ impl Inner {
         owned: &[std::ops::Range<usize>],
         image: Option<&crate::fork::RegionImage>,
     ) -> Result<Inner> {
+        let mut cfg = cfg;
+        cfg.fault_mode = cfg.fault_mode.resolve();
         let pages = (map.len() / PAGE_SIZE) as u64;
         let limit = cfg.limit_pages();
         let needed = pages.saturating_sub(limit);
@@ -553,7 +555,8 @@ impl Inner {
             FaultPath::reclaim,
         )?);
         inner.source = Some(match inner.cfg.fault_mode {
-            FaultMode::Thread => Source::Handlers(Handlers::start(
+            // `build` resolved auto.
+            FaultMode::Thread | FaultMode::Auto => Source::Handlers(Handlers::start(
                 &fault,
                 HandlerConfig {
                     threads: inner.cfg.handler_threads,

@@ -38,6 +38,14 @@ static IN_FLIGHT: [AtomicU32; MAX_REGIONS] = [const { AtomicU32::new(0) }; MAX_R
 /// announces itself in `IN_FLIGHT` only for the entry whose range holds the address.
 static RANGES: [(AtomicUsize, AtomicUsize); MAX_REGIONS] =
     [const { (AtomicUsize::new(0), AtomicUsize::new(0)) }; MAX_REGIONS];
+/// One past the highest entry ever registered: lookups stop there (a process usually has
+/// one region, and a direct system call looks up each of its buffers).
+static ENTRIES_USED: AtomicUsize = AtomicUsize::new(0);
+
+/// The entries that may be registered.
+fn entries() -> std::ops::Range<usize> {
+    0..ENTRIES_USED.load(Acquire)
+}
 
 /// The SIGBUS action found before ours, for signals that are not about a region. Leaked
 /// on purpose: the handler may read it at any time.
@@ -120,6 +128,7 @@ pub(crate) fn register(fault: &Arc<FaultPath>) -> Result<Service> {
             )
         })?;
     let mm = fault.mm();
+    ENTRIES_USED.fetch_max(index + 1, SeqCst);
     RANGES[index].0.store(mm.start(), SeqCst);
     RANGES[index].1.store(mm.start() + mm.len(), SeqCst);
     let mut service = Service {
@@ -418,8 +427,8 @@ fn dispatch(sig: libc::c_int, info: *mut libc::siginfo_t, ctx: *mut libc::c_void
     // A userfaultfd fault is BUS_ADRERR; a poisoned page (uswap's UFFDIO_POISON or a
     // hardware memory error) is BUS_MCEERR_*: that one is never retried here.
     let uffd_fault = code == libc::BUS_ADRERR;
-    for (i, entry) in REGIONS.iter().enumerate() {
-        let (start, end) = (&RANGES[i].0, &RANGES[i].1);
+    for i in entries() {
+        let (entry, start, end) = (&REGIONS[i], &RANGES[i].0, &RANGES[i].1);
         if addr < start.load(Relaxed) || addr >= end.load(Relaxed) {
             continue;
         }
@@ -500,7 +509,7 @@ fn resolve(s: &Served, page: usize) -> Outcome {
 /// Whether `[addr, addr + len)` overlaps a SIGBUS-mode region.
 pub(crate) fn in_region(addr: usize, len: usize) -> bool {
     let end = addr.saturating_add(len);
-    RANGES
+    RANGES[entries()]
         .iter()
         .any(|(start, stop)| addr < stop.load(Relaxed) && end > start.load(Relaxed))
 }
@@ -508,7 +517,14 @@ pub(crate) fn in_region(addr: usize, len: usize) -> bool {
 /// Pins a system call holds on region memory (SIGBUS mode with syscall dispatch), given
 /// back by [`CallPins::release`]. Each keeps its region registered (`IN_FLIGHT`) until then.
 pub(crate) struct CallPins {
+    /// The first `len` entries are held.
     held: [Option<(usize, Pin)>; CALL_PINS],
+    len: usize,
+    /// How a pinned page that is not usable is treated: brought in (a dispatched call, in
+    /// the SIGSYS handler), or only noted (a direct call, which then takes the trap).
+    bring_in: bool,
+    /// A direct call's pins found a page that is not usable as it is.
+    missed: bool,
 }
 
 /// Ranges one system call may pin; a call with more buffers pins what covers them.
@@ -518,11 +534,33 @@ impl CallPins {
     pub fn new() -> CallPins {
         CallPins {
             held: [const { None }; CALL_PINS],
+            len: 0,
+            bring_in: true,
+            missed: false,
         }
     }
 
+    /// Pins that bring nothing in: a page that is not mapped and usable for the call as it
+    /// stands is noted instead ([`CallPins::all_usable`]). For calls made outside a signal
+    /// handler (`syscall_direct.rs`), which must not make system calls of their own.
+    pub fn usable_only() -> CallPins {
+        CallPins {
+            bring_in: false,
+            ..CallPins::new()
+        }
+    }
+
+    /// Whether every page pinned so far was usable as it stood (`usable_only` pins).
+    pub fn all_usable(&self) -> bool {
+        !self.missed
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
     pub fn free(&self) -> usize {
-        self.held.iter().filter(|h| h.is_none()).count()
+        CALL_PINS - self.len
     }
 
     /// Brings in every page of `[addr, addr + len)` that lies in a SIGBUS-mode region,
@@ -532,13 +570,13 @@ impl CallPins {
     /// left in this call (nothing pinned for the range then).
     pub fn pin(&mut self, addr: usize, len: usize, write: bool) -> bool {
         let end = addr.saturating_add(len);
-        for i in 0..MAX_REGIONS {
+        for i in entries() {
             if len == 0 || end <= RANGES[i].0.load(Relaxed) || addr >= RANGES[i].1.load(Relaxed) {
                 continue;
             }
-            let Some(free) = self.held.iter_mut().find(|h| h.is_none()) else {
+            if self.len == CALL_PINS {
                 return false;
-            };
+            }
             IN_FLIGHT[i].fetch_add(1, SeqCst);
             // SAFETY: an entry stays valid while IN_FLIGHT is non-zero (Service::stop waits).
             let Some(served) = (unsafe { REGIONS[i].load(SeqCst).as_ref() }) else {
@@ -554,13 +592,23 @@ impl CallPins {
             let pin = loop {
                 match mm.pins().pin(pages.clone()) {
                     Some(pin) => break pin,
+                    None if !self.bring_in => {
+                        // Every slot is taken: the dispatched path waits for one.
+                        self.missed = true;
+                        IN_FLIGHT[i].fetch_sub(1, SeqCst);
+                        return true;
+                    }
                     // SAFETY: async-signal-safe; another call gives its pin back.
                     None => unsafe { libc::sched_yield() },
                 };
             };
-            bring_in(served, pages, write);
+            if self.bring_in {
+                bring_in(served, pages, write);
+            } else if !usable_as_they_stand(served, pages, write) {
+                self.missed = true;
+            }
             mm.vmstat().syscall_pins.fetch_add(1, Relaxed);
-            *free = Some((i, pin));
+            self.hold(i, pin);
         }
         true
     }
@@ -568,10 +616,10 @@ impl CallPins {
     /// Pins every SIGBUS-mode region whole, bringing nothing in: aging leaves them alone
     /// until `release` (a child that shares the memory runs without dispatch meanwhile).
     pub fn hold_off_aging(&mut self) {
-        for i in 0..MAX_REGIONS {
-            let Some(free) = self.held.iter_mut().find(|h| h.is_none()) else {
+        for i in entries() {
+            if self.len == CALL_PINS {
                 return;
-            };
+            }
             IN_FLIGHT[i].fetch_add(1, SeqCst);
             // SAFETY: as in `pin`.
             let pin = unsafe { REGIONS[i].load(SeqCst).as_ref() }.and_then(|served| {
@@ -581,7 +629,7 @@ impl CallPins {
                     .flatten()
             });
             match pin {
-                Some(pin) => *free = Some((i, pin)),
+                Some(pin) => self.hold(i, pin),
                 None => {
                     IN_FLIGHT[i].fetch_sub(1, SeqCst);
                 }
@@ -589,9 +637,16 @@ impl CallPins {
         }
     }
 
+    fn hold(&mut self, region: usize, pin: Pin) {
+        self.held[self.len] = Some((region, pin));
+        self.len += 1;
+    }
+
     /// Gives every pin back and lets their regions go.
     pub fn release(&mut self) {
-        for (i, pin) in self.held.iter_mut().filter_map(Option::take) {
+        self.missed = false;
+        let len = std::mem::take(&mut self.len);
+        for (i, pin) in self.held[..len].iter_mut().filter_map(Option::take) {
             // SAFETY: registered while IN_FLIGHT is raised, as in `pin`.
             if let Some(served) = unsafe { REGIONS[i].load(SeqCst).as_ref() } {
                 served.fault.mm().pins().unpin(pin);
@@ -631,6 +686,20 @@ fn bring_in(served: &Served, pages: std::ops::Range<usize>, write: bool) {
         }
         first += n;
     }
+}
+
+/// Whether every pinned page is mapped, and writable when it is to be `write`n, by the
+/// page table alone (no system call): active, not locked (so aging, which locks a page
+/// before it reads the pins, either saw this pin or is done with the page), and without a
+/// swap copy when written (a page that keeps one is write-protected). A page whose
+/// protection a failed write fault left in place passes: the kernel's write then fails
+/// with EFAULT, having changed nothing, and the caller takes the dispatched path.
+fn usable_as_they_stand(served: &Served, pages: std::ops::Range<usize>, write: bool) -> bool {
+    let table = served.fault.mm().pages();
+    pages.into_iter().all(|page| {
+        let (state, locked) = table.peek(page);
+        !locked && state.kind() == Kind::Active && !(write && state.slot().is_some())
+    })
 }
 
 /// One page of [`bring_in`] found missing, or not yet writable, or busy.

@@ -65,6 +65,9 @@ global_asm!(
     ".globl uswap_sud_syscall6",
     ".hidden uswap_sud_syscall6",
     "uswap_sud_syscall6:",
+    // Unwind information: a direct call (`syscall_direct.rs`) cancelled in its system
+    // call unwinds through here.
+    ".cfi_startproc",
     "mov rax, rdi",
     "mov rdi, rsi",
     "mov rsi, rdx",
@@ -74,6 +77,7 @@ global_asm!(
     "mov r9, [rsp + 8]",
     "syscall",
     "ret",
+    ".cfi_endproc",
     // The restorer of uswap's signal handlers.
     ".globl uswap_sud_sigreturn",
     ".hidden uswap_sud_sigreturn",
@@ -140,8 +144,12 @@ global_asm!(
     ".popsection",
 );
 
-extern "C" {
+extern "C-unwind" {
+    // Unwinds when a direct call is cancelled in it (its frame has unwind information).
     fn uswap_sud_syscall6(nr: i64, a0: u64, a1: u64, a2: u64, a3: u64, a4: u64, a5: u64) -> i64;
+}
+
+extern "C" {
     fn uswap_sud_sigreturn();
     fn uswap_sud_clone(regs: *const u64) -> i64;
     static uswap_sud_begin: u8;
@@ -169,6 +177,13 @@ fn set_selector(value: u8) -> u8 {
             old
         }
     })
+}
+
+/// Whether this thread runs with dispatch and is in the program's code (not in one of
+/// uswap's handlers): its system calls from outside the range are dispatched.
+pub(crate) fn dispatching_program_code() -> bool {
+    // SAFETY: the thread's own byte.
+    SELECTOR.with(|s| unsafe { std::ptr::read_volatile(s.get()) } == BLOCK)
 }
 
 /// While alive, this thread's system calls go straight to the kernel: uswap's signal
@@ -319,6 +334,22 @@ pub fn enable_for_this_thread() -> Result<()> {
     }
     set_selector(BLOCK);
     Ok(())
+}
+
+/// Whether this kernel offers syscall user dispatch to this process: tried once, in a
+/// thread of its own that turns it on and ends.
+pub fn supported() -> bool {
+    static SUPPORTED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *SUPPORTED.get_or_init(|| {
+        std::thread::Builder::new()
+            .name("uswap-probe".into())
+            .spawn(|| {
+                let works = enable_for_this_thread().is_ok();
+                disable_for_this_thread();
+                works
+            })
+            .is_ok_and(|probe| probe.join().unwrap_or(false))
+    })
 }
 
 /// Turns dispatch off for the calling thread.

@@ -14,6 +14,7 @@
 //! in SIGBUS mode, by the faulting thread itself, every program thread running with
 //! syscall dispatch (`uswap_core::syscall_dispatch`) so that its system calls still can.
 
+mod calls;
 mod fork;
 mod heap;
 mod internal;
@@ -44,6 +45,7 @@ extern "C" fn init() {
     };
     let program = std::env::args().next().unwrap_or_default();
     fork::register();
+    calls::resolve_all();
     warm_up_name_services();
     match start(&text) {
         Ok(region) => {
@@ -126,6 +128,26 @@ fn malloc_is_ours() -> bool {
     std::ptr::eq(found.cast_const(), heap::malloc as *const libc::c_void)
 }
 
+/// The program's system calls must see its swapped-out memory: in SIGBUS mode its threads
+/// run with syscall dispatch, this one first (before the region, so that a kernel without
+/// it is refused, or in auto mode gets thread mode, before anything is made).
+fn fault_mode(asked: FaultMode) -> uswap_core::Result<FaultMode> {
+    use uswap_core::syscall_dispatch::enable_for_this_thread;
+    match asked {
+        FaultMode::Sigbus => enable_for_this_thread().map(|()| FaultMode::Sigbus),
+        FaultMode::Auto => Ok(match enable_for_this_thread() {
+            Ok(()) => FaultMode::Sigbus,
+            Err(e) => {
+                sys::warn(&format!(
+                    "uswap run: faults are served by handler threads (thread mode): {e}\n"
+                ));
+                FaultMode::Thread
+            }
+        }),
+        FaultMode::Thread => Ok(FaultMode::Thread),
+    }
+}
+
 fn start(text: &str) -> uswap_core::Result<Arc<Region>> {
     if !malloc_is_ours() {
         return Err(uswap_core::Error::InvalidConfig {
@@ -136,11 +158,8 @@ fn start(text: &str) -> uswap_core::Result<Arc<Region>> {
         });
     }
     let mut settings = Settings::parse(text)?;
+    settings.config.fault_mode = fault_mode(settings.config.fault_mode)?;
     if settings.config.fault_mode == FaultMode::Sigbus {
-        // The program's system calls must see its swapped-out memory: its threads run
-        // with syscall dispatch, this one first (before the region, so that a kernel
-        // without it is refused before anything is made).
-        uswap_core::syscall_dispatch::enable_for_this_thread()?;
         threads::dispatch_in_new_threads();
     }
     settings.config.memcg =
