@@ -555,10 +555,6 @@ impl CallPins {
         !self.missed
     }
 
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
     pub fn free(&self) -> usize {
         CALL_PINS - self.len
     }

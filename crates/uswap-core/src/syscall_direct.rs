@@ -21,7 +21,7 @@
 //! left by `siglongjmp`, which never gives its pins back) finds the thread's record in
 //! use, and its calls are dispatched.
 
-use crate::sigbus::CallPins;
+use crate::sigbus::{in_region, CallPins};
 use crate::syscall_args;
 use crate::syscall_dispatch::{dispatching_program_code, raw_syscall};
 use std::cell::{Cell, UnsafeCell};
@@ -61,6 +61,16 @@ pub fn call(nr: i64, a: [u64; 6], cancellation_point: bool) -> Option<i64> {
     if !dispatching_program_code() || IN_CALL.get() {
         return None;
     }
+    if !syscall_args::takes_vector(nr) && !a.iter().any(|&arg| in_region(arg as usize, 1)) {
+        // Nothing of the call's lies in region memory (a buffer that began outside a
+        // region and ran into one would fail with EFAULT, and be dispatched).
+        let result = if cancellation_point {
+            cancellable(nr, a)
+        } else {
+            raw_syscall(nr, a)
+        };
+        return (result != -(libc::EFAULT as i64)).then_some(result);
+    }
     IN_CALL.set(true);
     // Declined too once the thread's record is gone (calls made at thread or process exit).
     let usable = with_pins(|pins| {
@@ -75,16 +85,11 @@ pub fn call(nr: i64, a: [u64; 6], cancellation_point: bool) -> Option<i64> {
             raw_syscall(nr, a)
         }
     });
+    with_pins(CallPins::release);
+    IN_CALL.set(false);
     // A write into a page whose protection a failed write fault left in place fails with
     // EFAULT having changed nothing: the dispatched path brings the page in.
-    let pinned = with_pins(|pins| {
-        let pinned = !pins.is_empty();
-        pins.release();
-        pinned
-    })
-    .unwrap_or(false);
-    IN_CALL.set(false);
-    result.filter(|&r| !(r == -(libc::EFAULT as i64) && pinned))
+    result.filter(|&r| r != -(libc::EFAULT as i64))
 }
 
 /// `f` on this thread's record; `None` once the record is destroyed.

@@ -52,7 +52,7 @@ pub struct RandomArgs {
     pub breakdown: bool,
 
     /// Run each accessing thread with syscall dispatch on, as `uswap run --fault-mode
-    /// sigbus` runs a program's threads (needs --fault-mode sigbus)
+    /// sigbus` runs a program's threads (needs --fault-mode sigbus; auto turns it on)
     #[arg(long)]
     pub syscall_dispatch: bool,
 
@@ -115,14 +115,19 @@ struct UswapDetail {
 
 pub fn run(a: &RandomArgs) -> Result<()> {
     super::set_pages(a.size)?;
+    use uswap_core::FaultMode;
+    // Auto mode runs the accessing threads as `uswap run` runs a program's.
+    let auto_sigbus = a.core.fault_mode.map(FaultMode::resolve) == Some(FaultMode::Sigbus)
+        && a.core.fault_mode == Some(FaultMode::Auto);
     let params = RandomParams {
         threads: a.threads as usize,
         write_pct: a.write_pct,
         seconds: a.seconds,
-        syscall_dispatch: a.syscall_dispatch,
+        syscall_dispatch: a.syscall_dispatch || auto_sigbus,
     };
     if a.syscall_dispatch
-        && (a.backend != Backend::Uswap || a.core.fault_mode != Some(uswap_core::FaultMode::Sigbus))
+        && (a.backend != Backend::Uswap
+            || a.core.fault_mode.map(FaultMode::resolve) != Some(FaultMode::Sigbus))
     {
         bail!("--syscall-dispatch is a part of uswap's SIGBUS mode: add --fault-mode sigbus (and leave --backend at uswap)");
     }
