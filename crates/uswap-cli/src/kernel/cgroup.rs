@@ -216,7 +216,7 @@ mod tests {
     fn create_writes_the_settings_into_the_new_group() {
         let root = tree(&[("memory/memory.limit_in_bytes", "0")]);
         let h = Hierarchy::detect(root.path()).unwrap();
-        let g = Cgroup::create(&h, "uswap-bench-1", Some(1 << 20)).unwrap();
+        let g = Cgroup::create(&h, "uswap-kernel-1", Some(1 << 20)).unwrap();
         let read = |f: &str| fs::read_to_string(g.path().join(f)).unwrap();
         assert_eq!(read("memory.limit_in_bytes"), "1048576");
         g.set_limit(None).unwrap();
@@ -224,7 +224,7 @@ mod tests {
         g.add_process(1234).unwrap();
         assert_eq!(read("cgroup.procs"), "1234");
         assert!(
-            Cgroup::create(&h, "uswap-bench-1", None).is_err(),
+            Cgroup::create(&h, "uswap-kernel-1", None).is_err(),
             "an existing group is not reused"
         );
     }

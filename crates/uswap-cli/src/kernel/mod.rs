@@ -96,10 +96,21 @@ pub fn run_paused(
     spec: &child::Spec,
     at_pause: impl FnMut() -> Result<()>,
 ) -> Result<(child::Report, Environment)> {
+    with_environment(setup, || run_child(spec, at_pause))
+}
+
+/// Sets up the cgroup, swap and settings `setup` asks for, runs `body` in them, and undoes
+/// everything before it returns, also on errors and on Ctrl-C.
+fn with_environment<T>(
+    setup: &Setup,
+    body: impl FnOnce() -> Result<T>,
+) -> Result<(T, Environment)> {
     // SAFETY: geteuid has no preconditions.
     if unsafe { libc::geteuid() } != 0 {
         bail!("--backend kernel needs root: it creates a memory cgroup and swap (run with sudo)");
     }
+    // Before anything is changed: a machine without the controller is refused untouched.
+    let hierarchy = Hierarchy::detect(Path::new("/sys/fs/cgroup"))?;
     let _cleanup = teardown::Guard::new()?;
     let swap = match &setup.swap {
         Some(plan) => prepare_swap(plan)?,
@@ -109,15 +120,14 @@ pub fn run_paused(
         Some(_) => apply_tunables(&setup.tunables)?,
         None => Vec::new(),
     };
-    let hierarchy = Hierarchy::detect(Path::new("/sys/fs/cgroup"))?;
-    let name = format!("uswap-bench-{}", process::id());
+    let name = format!("uswap-kernel-{}", process::id());
     let cgroup = teardown::with(|t| -> Result<String> {
         let group = Cgroup::create(&hierarchy, &name, setup.memory_limit)?;
         let path = group.path().display().to_string();
         t.cgroup = Some(group);
         Ok(path)
     })?;
-    let report = run_child(spec, at_pause)?;
+    let outcome = body()?;
     let zram = teardown::with(|t| match &t.swap {
         Some(OwnSwap::Zram(z)) => Some(z.usage()),
         _ => None,
@@ -130,7 +140,7 @@ pub fn run_paused(
         zram,
         tunables,
     };
-    Ok((report, env))
+    Ok((outcome, env))
 }
 
 /// For a pause in swapoff mode: lifts the cgroup's memory limit, so the whole set fits in
@@ -216,6 +226,15 @@ fn make_swap_file(dir: &Path, bytes: u64) -> Result<String> {
     teardown::with(|t| {
         t.swap = Some(OwnSwap::File(path.clone()));
         swap::create_file_and_enable(&path, bytes)
+    })
+    .with_context(|| {
+        format!(
+            "cannot make a swap file in {}: swap files need a disk file system with room for \
+             {} MiB (ext4, xfs, btrfs; not tmpfs or overlayfs): give --swap-dir on one, a \
+             smaller --swap-size, or use --kernel-swap zram",
+            dir.display(),
+            bytes >> 20
+        )
     })?;
     Ok(format!(
         "swap file {} of {} MiB (removed afterwards)",
