@@ -2,6 +2,11 @@
 # bench_run.sh: real programs under `uswap run --memory M` against the same programs under
 # the kernel's swap with a memory cgroup limited to M (issue 8 §4).
 #
+# For a program that runs to its end, `uswap bench run --memory M -- CMD ARGS…` replaces the
+# per-program comparison (interleaved rounds, wall and CPU time, peak memory, exit status);
+# this script stays for what that cannot time: a server under load from a client
+# (redis-server with redis-benchmark) and stress-ng's bogo ops/s.
+#
 # Usage (as root, from anywhere):
 #   docs/scripts/bench_run.sh [--memory 256M] [--keys 400000] [--value 1024]
 #       [--requests 200000] [--clients 50] [--vm-bytes 512M] [--vm-method rand-set]

@@ -139,6 +139,29 @@ pub struct KernelArgs {
 }
 
 impl CoreArgs {
+    /// The options set that only uswap has (not the swap directory, size and readahead,
+    /// which the kernel backend applies too), by name.
+    pub fn uswap_only_options(&self) -> Vec<&'static str> {
+        let set = [
+            ("--fault-mode", self.fault_mode.is_some()),
+            ("--handlers", self.handlers.is_some()),
+            ("--handler-spin", self.handler_spin.is_some()),
+            ("--read-poll", self.read_poll.is_some()),
+            ("--fault-around", self.fault_around.is_some()),
+            ("--aging-block", self.aging_block.is_some()),
+            ("--io", self.io.is_some()),
+            ("--slot-alloc", self.slot_alloc.is_some()),
+            ("--swap-cache", self.swap_cache.is_some()),
+            ("--lru-lock", self.lru_lock.is_some()),
+            ("--lru-batch", self.lru_batch.is_some()),
+            ("--pcp", self.pcp.is_some()),
+            ("--watermarks", self.watermarks.is_some()),
+        ];
+        set.into_iter()
+            .filter_map(|(name, is_set)| is_set.then_some(name))
+            .collect()
+    }
+
     /// The directory swap files go in.
     pub fn swap_dir(&self) -> PathBuf {
         self.swap_dir.clone().unwrap_or_else(std::env::temp_dir)
@@ -255,6 +278,16 @@ mod tests {
             cfg.swap.location,
             SwapLocation::TempIn(std::env::temp_dir())
         );
+    }
+
+    #[test]
+    fn uswap_only_options_are_named_and_shared_ones_are_not() {
+        assert!(core(&["--swap-size", "1G", "--page-cluster", "2"])
+            .unwrap()
+            .uswap_only_options()
+            .is_empty());
+        let c = core(&["--fault-mode", "thread", "--pcp", "off"]).unwrap();
+        assert_eq!(c.uswap_only_options(), ["--fault-mode", "--pcp"]);
     }
 
     #[test]

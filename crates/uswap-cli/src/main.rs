@@ -39,6 +39,7 @@ enum Command {
         bench: Bench,
     },
     /// Run a program with its memory in uswap: at most --memory resident, the rest swapped
+    /// (or under the kernel's swap in a memory cgroup, with --backend kernel)
     Run(run::RunArgs),
     /// Counters and fault latency of a program running under uswap, once or every few
     /// seconds (like vmstat)
@@ -65,10 +66,14 @@ enum Bench {
     /// Latency of one access to a small hot set while threads thrash a set larger than
     /// memory with writes, reported like ping (seed 003's experiment)
     Probe(bench::probe::ProbeArgs),
+    /// A program (CMD ARGS…) under the kernel's swap and under `uswap run`, in interleaved
+    /// rounds: wall and CPU time, peak memory, faults, swap, exit status, and the ratios
+    Run(bench::run::BenchRunArgs),
 }
 
-fn run(cli: Cli) -> Result<()> {
-    match cli.command {
+/// Runs the command; returns the exit status (a program's own for those that run one).
+fn run(cli: Cli) -> Result<ExitCode> {
+    let done = match cli.command {
         Command::Info { json } => info::run(json),
         Command::Bench { bench } => match bench {
             Bench::Random(a) => bench::random::run(&a),
@@ -76,12 +81,14 @@ fn run(cli: Cli) -> Result<()> {
             Bench::Refault(a) => bench::refault::run(&a),
             Bench::Swapback(a) => bench::swapback::run(&a),
             Bench::Probe(a) => bench::probe::run(&a),
+            Bench::Run(a) => return bench::run::run(&a),
         },
-        Command::Run(a) => run::run(&a),
+        Command::Run(a) => return run::run(&a),
         Command::Stat(a) => stat::run(&a),
         Command::Ctl(a) => ctl::run(&a),
         Command::KernelChild { spec } => kernel::child::main(&spec),
-    }
+    };
+    done.map(|()| ExitCode::SUCCESS)
 }
 
 fn main() -> ExitCode {
@@ -91,7 +98,7 @@ fn main() -> ExitCode {
     // SAFETY: restoring the default disposition of SIGPIPE, before any thread starts.
     unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
     match run(Cli::parse()) {
-        Ok(()) => ExitCode::SUCCESS,
+        Ok(code) => code,
         Err(e) => {
             eprintln!("error: {e:#}");
             ExitCode::FAILURE

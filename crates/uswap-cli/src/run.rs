@@ -4,15 +4,20 @@
 //! The command becomes the program (`exec`): its process ID, standard streams, signals and
 //! exit status are the program's own. What makes its memory uswap's is the preload library
 //! (`libuswap_preload.so`, built beside the `uswap` binary) and the settings it reads from
-//! the environment.
+//! the environment. With `--backend kernel` the program runs instead as a child in a memory
+//! cgroup under the kernel's swap, which is removed after it.
 
-use crate::args::{nonzero_size, CoreArgs};
+use crate::args::{nonzero_size, CoreArgs, KernelArgs};
+use crate::bench::Backend;
+use crate::kernel::tunables::{self, Tunable};
+use crate::kernel::{self, program, KernelSwap};
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use std::ffi::OsString;
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
+use std::process::ExitCode;
 use uswap_core::memcg::MemCgroup;
 use uswap_core::run::{Settings, ENV};
 
@@ -31,19 +36,32 @@ pub struct RunArgs {
     #[arg(long, value_name = "SIZE", value_parser = nonzero_size)]
     pub vm_size: Option<u64>,
 
+    /// Whose swap: `uswap`, or `kernel` (root): the program as a child in a memory cgroup
+    /// limited to --memory, with the kernel's swap (--kernel-swap) of --swap-size [default:
+    /// as for --vm-size] in --swap-dir, all removed after it; its exit status is passed on
+    /// (128 + N for death by signal N), and so are SIGINT, SIGTERM and SIGHUP sent to uswap
+    #[arg(long, value_enum, default_value_t = Backend::Uswap)]
+    pub backend: Backend,
+
     #[command(flatten)]
     pub core: CoreArgs,
+
+    #[command(flatten)]
+    pub kernel: KernelArgs,
 
     /// The program and its arguments
     #[arg(required = true, trailing_var_arg = true, value_name = "CMD")]
     pub command: Vec<OsString>,
 }
 
-pub fn run(args: &RunArgs) -> Result<()> {
+pub fn run(args: &RunArgs) -> Result<ExitCode> {
     let memory = match args.memory {
         Some(m) => m,
         None => half_of_ram()?,
     };
+    if args.backend == Backend::Kernel {
+        return run_under_kernel(args, memory);
+    }
     let mut config = args.core.config(memory)?;
     if args.core.fault_mode.is_none() {
         // The library's default is thread mode; a program run whole gets auto.
@@ -88,6 +106,55 @@ pub fn run(args: &RunArgs) -> Result<()> {
     Err(err).with_context(|| format!("cannot run {}", program.display()))
 }
 
+/// `--backend kernel`: the program as a child in a memory cgroup under the kernel's swap;
+/// returns its exit status once everything made for it is gone.
+fn run_under_kernel(args: &RunArgs, memory: u64) -> Result<ExitCode> {
+    let mut uswap_only = args.core.uswap_only_options();
+    if args.vm_size.is_some() {
+        uswap_only.insert(0, "--vm-size");
+    }
+    if !uswap_only.is_empty() {
+        bail!(
+            "{} set uswap's own behaviour and mean nothing with --backend kernel: leave them \
+             out (--swap-dir, --swap-size, --readahead and --page-cluster apply to both)",
+            uswap_only.join(", ")
+        );
+    }
+    let setup = kernel_setup(
+        memory,
+        args.core.swap_dir(),
+        args.core.swap_size,
+        args.kernel.kernel_swap,
+        tunables::for_readahead(args.core.readahead, args.core.page_cluster)?,
+    );
+    let mut command = std::process::Command::new(&args.command[0]);
+    command.args(&args.command[1..]);
+    let (done, _) = kernel::run_program(&setup, command)?;
+    Ok(ExitCode::from(program::exit_code(done.finished.status)))
+}
+
+/// What a program under the kernel's swap needs: a cgroup limited to `memory`, and swap of
+/// `swap_size` (default: as much as `uswap run` would have) of `kind`, the swap already on
+/// or a swap file in `swap_dir` for `file`.
+pub fn kernel_setup(
+    memory: u64,
+    swap_dir: PathBuf,
+    swap_size: Option<u64>,
+    kind: KernelSwap,
+    tunables: Vec<(Tunable, String)>,
+) -> kernel::Setup {
+    kernel::Setup {
+        memory_limit: Some(memory),
+        swap: Some(kernel::SwapPlan {
+            kind,
+            bytes: swap_size.unwrap_or_else(|| default_swap(memory, &swap_dir)),
+            dir: swap_dir,
+            own: false,
+        }),
+        tunables,
+    }
+}
+
 /// Swap space when none is set: three times the memory, at least 4 GiB, at most 64 GiB and
 /// what the swap directory's file system has free.
 fn default_swap(memory: u64, swap_dir: &Path) -> u64 {
@@ -121,7 +188,7 @@ fn half_of_ram() -> Result<u64> {
 }
 
 /// The preload library beside this binary.
-fn preload_library() -> Result<PathBuf> {
+pub fn preload_library() -> Result<PathBuf> {
     let exe = std::env::current_exe().context("cannot find the uswap binary's own path")?;
     let lib = exe.with_file_name(PRELOAD);
     if lib.to_string_lossy().contains([' ', '\t', ':']) {

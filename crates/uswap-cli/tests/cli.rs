@@ -1,5 +1,6 @@
 //! The `uswap` binary end to end: bad input is refused clearly, and a small benchmark runs
-//! clean. (The kernel backend is not run here: it needs root and changes the machine.)
+//! clean. (The kernel backend is not run here: it needs root and changes the machine;
+//! tests/kernel_run.rs runs it.)
 
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::process::CommandExt;
@@ -89,6 +90,40 @@ fn a_bad_library_setting_names_the_setting() {
         err.contains("handler threads") && err.contains('0'),
         "{err}"
     );
+}
+
+#[test]
+fn uswap_only_options_and_a_repeated_mode_are_refused_before_anything_runs() {
+    let err = refused(&[
+        "run",
+        "--backend",
+        "kernel",
+        "--fault-mode",
+        "thread",
+        "--vm-size",
+        "1G",
+        "--",
+        "true",
+    ]);
+    assert!(
+        err.contains("--vm-size, --fault-mode") && err.contains("--backend kernel"),
+        "{err}"
+    );
+    let err = refused(&[
+        "bench",
+        "run",
+        "--memory",
+        "64M",
+        "--modes",
+        "thread,thread",
+        "--",
+        "true",
+    ]);
+    assert!(err.contains("thread twice"), "{err}");
+    let err = refused(&[
+        "bench", "run", "--memory", "64M", "--modes", "zram", "--", "true",
+    ]);
+    assert!(err.contains("zram") && err.contains("kernel"), "{err}");
 }
 
 #[test]

@@ -4,6 +4,8 @@ pub mod fault;
 pub mod probe;
 pub mod random;
 pub mod refault;
+pub mod run;
+pub mod run_report;
 pub mod swapback;
 
 use crate::report;

@@ -1,7 +1,8 @@
 //! A memory cgroup for the kernel-backend child: v1 or v2, whichever has the memory
-//! controller on this machine.
+//! controller on this machine; its limit, and what it saw.
 
 use anyhow::{bail, Context, Result};
+use std::collections::BTreeMap;
 use std::fs;
 use std::io;
 use std::path::{Path, PathBuf};
@@ -75,6 +76,14 @@ impl Hierarchy {
             ),
         }
     }
+
+    /// The control file with the most memory the group has used at once.
+    fn peak_file(&self) -> &'static str {
+        match self {
+            Hierarchy::V1(_) => "memory.max_usage_in_bytes",
+            Hierarchy::V2(_) => "memory.peak",
+        }
+    }
 }
 
 /// A cgroup this program created; [`Cgroup::remove`] deletes it.
@@ -113,9 +122,34 @@ impl Cgroup {
         self.write(file, &value)
     }
 
+    /// The most memory the group has used at once (anonymous, page cache and kernel memory).
+    pub fn peak(&self) -> Result<u64> {
+        let text = self.read(self.hierarchy.peak_file())?;
+        text.trim()
+            .parse()
+            .with_context(|| format!("{} reads {text:?}", self.hierarchy.peak_file()))
+    }
+
+    /// The counters of `memory.stat` (v2 has `pswpin` and `pswpout` there; v1 does not).
+    pub fn stat(&self) -> Result<BTreeMap<String, u64>> {
+        let text = self.read("memory.stat")?;
+        Ok(text
+            .lines()
+            .filter_map(|line| {
+                let (name, value) = line.split_once(' ')?;
+                Some((name.to_string(), value.trim().parse().ok()?))
+            })
+            .collect())
+    }
+
     /// Moves process `pid` (and only it) into the group.
     pub fn add_process(&self, pid: u32) -> Result<()> {
         self.write("cgroup.procs", &pid.to_string())
+    }
+
+    fn read(&self, file: &str) -> Result<String> {
+        let path = self.path.join(file);
+        fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))
     }
 
     fn write(&self, file: &str, value: &str) -> Result<()> {
@@ -216,15 +250,20 @@ mod tests {
     fn create_writes_the_settings_into_the_new_group() {
         let root = tree(&[("memory/memory.limit_in_bytes", "0")]);
         let h = Hierarchy::detect(root.path()).unwrap();
-        let g = Cgroup::create(&h, "uswap-bench-1", Some(1 << 20)).unwrap();
+        let g = Cgroup::create(&h, "uswap-kernel-1", Some(1 << 20)).unwrap();
         let read = |f: &str| fs::read_to_string(g.path().join(f)).unwrap();
         assert_eq!(read("memory.limit_in_bytes"), "1048576");
         g.set_limit(None).unwrap();
         assert_eq!(read("memory.limit_in_bytes"), "-1");
         g.add_process(1234).unwrap();
         assert_eq!(read("cgroup.procs"), "1234");
+        fs::write(g.path().join("memory.max_usage_in_bytes"), "8192\n").unwrap();
+        assert_eq!(g.peak().unwrap(), 8192);
+        fs::write(g.path().join("memory.stat"), "cache 4096\npgmajfault 3\n").unwrap();
+        let stat = g.stat().unwrap();
+        assert_eq!((stat["cache"], stat["pgmajfault"]), (4096, 3));
         assert!(
-            Cgroup::create(&h, "uswap-bench-1", None).is_err(),
+            Cgroup::create(&h, "uswap-kernel-1", None).is_err(),
             "an existing group is not reused"
         );
     }

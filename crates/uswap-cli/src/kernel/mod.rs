@@ -1,9 +1,10 @@
-//! `--backend kernel`: the same workload in a child process under the kernel's own swap, in
-//! a memory cgroup with the same limit, with a swap file on the same file system as uswap's
-//! or a zram device.
+//! `--backend kernel`: the same workload, or the same program, in a child process under the
+//! kernel's own swap, in a memory cgroup with the same limit, with a swap file on the same
+//! file system as uswap's or a zram device.
 
 mod cgroup;
 pub mod child;
+pub mod program;
 mod swap;
 mod teardown;
 pub mod tunables;
@@ -19,6 +20,7 @@ use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
 use std::process::{self, Child, Command, Stdio};
 use swap::OwnSwap;
+pub use teardown::interrupted;
 use tunables::{Tunable, TunableState};
 
 /// Which swap device the kernel backend uses.
@@ -81,6 +83,26 @@ impl Environment {
     }
 }
 
+/// What a program run under the kernel's swap did, as the cgroup and the kernel saw it.
+#[derive(Debug)]
+pub struct ProgramRun {
+    pub finished: program::Finished,
+    /// The most memory the cgroup used at once (`memory.peak`, v1's
+    /// `memory.max_usage_in_bytes`): the whole tree's, page cache and kernel memory included.
+    pub cgroup_peak_bytes: u64,
+    pub swap: ProgramSwap,
+}
+
+/// Pages the run swapped in and out.
+#[derive(Clone, Copy, Debug, Serialize)]
+pub struct ProgramSwap {
+    pub pswpin: u64,
+    pub pswpout: u64,
+    /// `cgroup`: the cgroup's own counters (v2 memory.stat); `machine`: /proc/vmstat over the
+    /// run, everything the machine swapped meanwhile (cgroup v1 has no per-group counters).
+    pub source: &'static str,
+}
+
 /// Runs `spec` in a child under the kernel's swap and returns its report. Everything made
 /// for it is removed, and every setting changed for it restored, before this returns, also
 /// on errors and on Ctrl-C.
@@ -96,10 +118,56 @@ pub fn run_paused(
     spec: &child::Spec,
     at_pause: impl FnMut() -> Result<()>,
 ) -> Result<(child::Report, Environment)> {
+    with_environment(setup, || run_child(spec, at_pause))
+}
+
+/// Runs `command` (a program, `exec`ed as given) in the memory cgroup under the kernel's
+/// swap. SIGINT, SIGTERM and SIGHUP sent to this process are passed on to it meanwhile; the
+/// cleanup is the same as [`run`]'s and follows the program's exit.
+pub fn run_program(setup: &Setup, command: Command) -> Result<(ProgramRun, Environment)> {
+    with_environment(setup, || {
+        let before = vmstat::read()?;
+        let finished = program::run(command, true)?;
+        let after = vmstat::read()?;
+        let (peak, stat) = teardown::with(|t| -> Result<_> {
+            let group = t.cgroup.as_ref().context("the cgroup is gone")?;
+            Ok((group.peak()?, group.stat()?))
+        })?;
+        let swap = match (stat.get("pswpin"), stat.get("pswpout")) {
+            (Some(&pswpin), Some(&pswpout)) => ProgramSwap {
+                pswpin,
+                pswpout,
+                source: "cgroup",
+            },
+            _ => {
+                let moved = after.since(&before);
+                ProgramSwap {
+                    pswpin: moved.pswpin,
+                    pswpout: moved.pswpout,
+                    source: "machine",
+                }
+            }
+        };
+        Ok(ProgramRun {
+            finished,
+            cgroup_peak_bytes: peak,
+            swap,
+        })
+    })
+}
+
+/// Sets up the cgroup, swap and settings `setup` asks for, runs `body` in them, and undoes
+/// everything before it returns, also on errors and on Ctrl-C.
+fn with_environment<T>(
+    setup: &Setup,
+    body: impl FnOnce() -> Result<T>,
+) -> Result<(T, Environment)> {
     // SAFETY: geteuid has no preconditions.
     if unsafe { libc::geteuid() } != 0 {
         bail!("--backend kernel needs root: it creates a memory cgroup and swap (run with sudo)");
     }
+    // Before anything is changed: a machine without the controller is refused untouched.
+    let hierarchy = Hierarchy::detect(Path::new("/sys/fs/cgroup"))?;
     let _cleanup = teardown::Guard::new()?;
     let swap = match &setup.swap {
         Some(plan) => prepare_swap(plan)?,
@@ -109,15 +177,14 @@ pub fn run_paused(
         Some(_) => apply_tunables(&setup.tunables)?,
         None => Vec::new(),
     };
-    let hierarchy = Hierarchy::detect(Path::new("/sys/fs/cgroup"))?;
-    let name = format!("uswap-bench-{}", process::id());
+    let name = format!("uswap-kernel-{}", process::id());
     let cgroup = teardown::with(|t| -> Result<String> {
         let group = Cgroup::create(&hierarchy, &name, setup.memory_limit)?;
         let path = group.path().display().to_string();
         t.cgroup = Some(group);
         Ok(path)
     })?;
-    let report = run_child(spec, at_pause)?;
+    let outcome = body()?;
     let zram = teardown::with(|t| match &t.swap {
         Some(OwnSwap::Zram(z)) => Some(z.usage()),
         _ => None,
@@ -130,7 +197,7 @@ pub fn run_paused(
         zram,
         tunables,
     };
-    Ok((report, env))
+    Ok((outcome, env))
 }
 
 /// For a pause in swapoff mode: lifts the cgroup's memory limit, so the whole set fits in
@@ -216,6 +283,15 @@ fn make_swap_file(dir: &Path, bytes: u64) -> Result<String> {
     teardown::with(|t| {
         t.swap = Some(OwnSwap::File(path.clone()));
         swap::create_file_and_enable(&path, bytes)
+    })
+    .with_context(|| {
+        format!(
+            "cannot make a swap file in {}: swap files need a disk file system with room for \
+             {} MiB (ext4, xfs, btrfs; not tmpfs or overlayfs): give --swap-dir on one, a \
+             smaller --swap-size, or use --kernel-swap zram",
+            dir.display(),
+            bytes >> 20
+        )
     })?;
     Ok(format!(
         "swap file {} of {} MiB (removed afterwards)",
@@ -264,7 +340,7 @@ fn run_child(
             .stdout(Stdio::piped())
             .spawn()
             .with_context(|| format!("starting {}", exe.display()))?;
-        t.child = Some(child.id());
+        t.child = Some(teardown::Child::workload(child.id()));
         group.add_process(child.id())?;
         Ok(child)
     })?;

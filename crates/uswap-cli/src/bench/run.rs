@@ -1,0 +1,223 @@
+//! `uswap bench run -- CMD ARGS…`: one program under the kernel's swap and under `uswap
+//! run` (thread mode, and the default fault mode), in interleaved rounds, every run timed
+//! and measured; the report is [`super::run_report`]'s.
+
+use super::run_report::{self, Mode, Record, Report};
+use crate::args::{existing_dir, nonzero_size, KernelArgs};
+use crate::kernel::{self, program, Environment};
+use anyhow::{bail, ensure, Context, Result};
+use clap::{value_parser, Args};
+use indicatif::{ProgressBar, ProgressStyle};
+use std::ffi::OsString;
+use std::fs::{self, File};
+use std::path::{Path, PathBuf};
+use std::process::{Command, ExitCode, Stdio};
+
+#[derive(Args, Debug)]
+#[command(after_help = run_report::COLUMNS_HELP)]
+pub struct BenchRunArgs {
+    /// Memory every run may keep resident: the kernel's cgroup limit, `uswap run --memory`
+    #[arg(long, value_name = "SIZE", value_parser = nonzero_size)]
+    pub memory: u64,
+
+    /// Rounds; each runs every mode once, in the order of --modes
+    #[arg(long, value_name = "N", default_value_t = 3, value_parser = value_parser!(u32).range(1..=1000))]
+    pub rounds: u32,
+
+    /// What to run the program under: `kernel` (the kernel's swap in a memory cgroup, root),
+    /// `thread` (`uswap run --fault-mode thread`), `default` (`uswap run` with its default
+    /// fault mode)
+    #[arg(long, value_enum, value_name = "MODE,…", value_delimiter = ',',
+          default_values_t = [Mode::Kernel, Mode::Thread, Mode::Default])]
+    pub modes: Vec<Mode>,
+
+    /// Directory for every run's swap (`uswap run --swap-dir`; the kernel's swap file)
+    /// [default: $TMPDIR or /tmp]
+    #[arg(long, value_name = "DIR", value_parser = existing_dir)]
+    pub swap_dir: Option<PathBuf>,
+
+    /// Swap size of every run [default: as `uswap run` picks it]
+    #[arg(long, value_name = "SIZE", value_parser = nonzero_size)]
+    pub swap_size: Option<u64>,
+
+    #[command(flatten)]
+    pub kernel: KernelArgs,
+
+    /// Directory for the logs, one per run with the program's stdout and stderr [default:
+    /// a new uswap-bench-run-PID directory in $TMPDIR]
+    #[arg(long, value_name = "DIR", value_parser = existing_dir)]
+    pub log_dir: Option<PathBuf>,
+
+    /// Let the program's stdout and stderr through instead of logging them
+    #[arg(long)]
+    pub show_output: bool,
+
+    /// Print one JSON object with every run instead of tables
+    #[arg(long)]
+    pub json: bool,
+
+    /// The program and its arguments (run directly, not through a shell; stdin is
+    /// /dev/null)
+    #[arg(required = true, trailing_var_arg = true, value_name = "CMD")]
+    pub command: Vec<OsString>,
+}
+
+/// Runs every round and prints the report. A run that fails is reported and makes the
+/// command fail after the report; an interrupted bench reports what it finished and exits
+/// as the signal asks (128 + N).
+pub fn run(a: &BenchRunArgs) -> Result<ExitCode> {
+    check_modes(&a.modes)?;
+    if a.modes.iter().any(|m| *m != Mode::Kernel) {
+        crate::run::preload_library()?;
+    }
+    let logs = log_dir(a)?;
+    let swap_dir = a.swap_dir.clone().unwrap_or_else(std::env::temp_dir);
+    let progress = progress_bar(a.rounds as u64 * a.modes.len() as u64);
+    let mut records = Vec::new();
+    let mut environment = None;
+    let mut interrupted = None;
+    'rounds: for round in 1..=a.rounds {
+        for &mode in &a.modes {
+            progress.set_message(format!("round {round} of {}: {mode}", a.rounds));
+            let log = logs
+                .as_ref()
+                .map(|dir| dir.join(format!("round{round}-{mode}.log")));
+            let output = Output::new(log.as_deref())?;
+            let record = match mode {
+                Mode::Kernel => {
+                    let (record, env) = run_kernel(a, &swap_dir, round, output)?;
+                    environment.get_or_insert(env);
+                    record
+                }
+                Mode::Thread | Mode::Default => run_uswap(a, &swap_dir, mode, round, output)?,
+            };
+            records.push(Record { log, ..record });
+            progress.inc(1);
+            interrupted = kernel::interrupted();
+            if interrupted.is_some() {
+                break 'rounds;
+            }
+        }
+    }
+    progress.finish_and_clear();
+    let report = Report::new(a, logs, environment, records);
+    super::emit(&report, a.json, run_report::print)?;
+    if let Some(signal) = interrupted {
+        eprintln!("uswap bench run: interrupted (signal {signal}); the report has the runs done");
+        return Ok(ExitCode::from(128 + signal as u8));
+    }
+    let failed = report.failed();
+    ensure!(
+        failed == 0,
+        "{failed} of {} runs failed (exit status above; the logs say why)",
+        report.runs.len()
+    );
+    Ok(ExitCode::SUCCESS)
+}
+
+fn check_modes(modes: &[Mode]) -> Result<()> {
+    for (i, mode) in modes.iter().enumerate() {
+        if modes[..i].contains(mode) {
+            bail!("--modes names {mode} twice: name each mode once (--rounds repeats them)");
+        }
+    }
+    Ok(())
+}
+
+/// The directory the logs go in, made if it is the default; `None` with --show-output.
+fn log_dir(a: &BenchRunArgs) -> Result<Option<PathBuf>> {
+    if a.show_output {
+        return Ok(None);
+    }
+    if let Some(dir) = &a.log_dir {
+        return Ok(Some(dir.clone()));
+    }
+    let dir = std::env::temp_dir().join(format!("uswap-bench-run-{}", std::process::id()));
+    fs::create_dir(&dir).with_context(|| format!("creating log directory {}", dir.display()))?;
+    Ok(Some(dir))
+}
+
+fn progress_bar(runs: u64) -> ProgressBar {
+    let bar = ProgressBar::new(runs);
+    let style = ProgressStyle::with_template("{elapsed:>4} [{bar:20}] {pos}/{len} runs  {msg}")
+        .expect("a valid template")
+        .progress_chars("=> ");
+    bar.set_style(style);
+    bar
+}
+
+/// Where a run's stdout and stderr go.
+enum Output {
+    /// Both into one log file.
+    Log(File),
+    /// Through to this process's own.
+    Shown,
+}
+
+impl Output {
+    fn new(log: Option<&Path>) -> Result<Output> {
+        match log {
+            Some(path) => File::create(path)
+                .map(Output::Log)
+                .with_context(|| format!("creating log {}", path.display())),
+            None => Ok(Output::Shown),
+        }
+    }
+
+    fn apply(self, command: &mut Command) -> Result<()> {
+        command.stdin(Stdio::null());
+        if let Output::Log(file) = self {
+            command.stderr(file.try_clone().context("sharing the log file")?);
+            command.stdout(file);
+        }
+        Ok(())
+    }
+}
+
+fn run_kernel(
+    a: &BenchRunArgs,
+    swap_dir: &Path,
+    round: u32,
+    output: Output,
+) -> Result<(Record, Environment)> {
+    let setup = crate::run::kernel_setup(
+        a.memory,
+        swap_dir.to_path_buf(),
+        a.swap_size,
+        a.kernel.kernel_swap,
+        Vec::new(),
+    );
+    let mut command = Command::new(&a.command[0]);
+    command.args(&a.command[1..]);
+    output.apply(&mut command)?;
+    let (done, env) = kernel::run_program(&setup, command)
+        .context("the kernel side (run it alone with `uswap run --backend kernel`)")?;
+    let mut record = Record::new(round, Mode::Kernel, &done.finished);
+    record.cgroup_peak_bytes = Some(done.cgroup_peak_bytes);
+    record.swap = Some(done.swap);
+    Ok((record, env))
+}
+
+/// `uswap run` (this binary) with the mode's fault mode, the program under it.
+fn run_uswap(
+    a: &BenchRunArgs,
+    swap_dir: &Path,
+    mode: Mode,
+    round: u32,
+    output: Output,
+) -> Result<Record> {
+    let exe = std::env::current_exe().context("finding the uswap binary")?;
+    let mut command = Command::new(exe);
+    command.args(["run", "--memory", &a.memory.to_string()]);
+    if mode == Mode::Thread {
+        command.args(["--fault-mode", "thread"]);
+    }
+    command.arg("--swap-dir").arg(swap_dir);
+    if let Some(size) = a.swap_size {
+        command.args(["--swap-size", &size.to_string()]);
+    }
+    command.arg("--").args(&a.command);
+    output.apply(&mut command)?;
+    let done = program::run(command, false)?;
+    Ok(Record::new(round, mode, &done))
+}
