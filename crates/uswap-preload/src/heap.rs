@@ -1,8 +1,12 @@
 //! The program's `malloc`: dlmalloc arenas whose segments are granules of the space, so
 //! the heap (glibc's brk heap included, which this replaces) is uswap memory.
 //!
-//! A thread takes an arena round robin on its first call and keeps it; `free` goes to the
-//! arena owning the block's granule, whichever thread calls it. A call made while the
+//! A thread takes a set of arenas round robin on its first call and keeps it; within the
+//! set, each size class has an arena of its own, so small blocks (a hash table's entries
+//! and keys, say) are packed together apart from large ones (its values), as jemalloc's
+//! and mimalloc's size-segregated slabs keep them: a program's hot small objects then
+//! share few pages, which stay in memory while the rest swaps. `free` goes to the arena
+//! owning the block's granule, whichever thread calls it. A call made while the
 //! thread runs uswap code, or before the space exists, is served by the internal heap
 //! (kernel memory), and `free` sends such blocks back there by address.
 
@@ -16,7 +20,13 @@ use std::cell::Cell;
 use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
 use std::sync::{Mutex, MutexGuard};
 
-const ARENAS: usize = 8;
+/// Sets of arenas, one taken by each thread.
+const ARENA_SETS: usize = 8;
+/// The largest request of each size class but the last, which takes everything up to a
+/// large block's threshold.
+const CLASS_LIMITS: [usize; 2] = [128, 1024];
+const CLASSES: usize = CLASS_LIMITS.len() + 1;
+const ARENAS: usize = ARENA_SETS * CLASSES;
 /// dlmalloc's alignment (two words); memalign is needed only above it.
 const MIN_ALIGN: usize = 16;
 
@@ -109,13 +119,23 @@ fn lock(i: usize) -> MutexGuard<'static, Dlmalloc<SpaceGranules>> {
     ARENA[i].lock().unwrap_or_else(|e| e.into_inner())
 }
 
-fn my_arena() -> usize {
-    MY_ARENA.with(|a| {
+/// The size class of a request of `size` bytes.
+fn class_of(size: usize) -> usize {
+    CLASS_LIMITS
+        .iter()
+        .position(|&limit| size <= limit)
+        .unwrap_or(CLASS_LIMITS.len())
+}
+
+/// This thread's arena for requests of `size` bytes.
+fn my_arena(size: usize) -> usize {
+    let set = MY_ARENA.with(|a| {
         if a.get() == usize::MAX {
-            a.set(NEXT_ARENA.fetch_add(1, Relaxed) % ARENAS);
+            a.set(NEXT_ARENA.fetch_add(1, Relaxed) % ARENA_SETS);
         }
         a.get()
-    })
+    });
+    set * CLASSES + class_of(size)
 }
 
 /// The space, if this call should be served from it.
@@ -161,7 +181,7 @@ unsafe fn alloc(size: usize, align: usize) -> *mut u8 {
     let align = align.max(MIN_ALIGN);
     let ptr = match serving() {
         Some(space) if is_large(size, align) => large::alloc(space, size, align),
-        Some(_) => lock(my_arena()).malloc(size, align),
+        Some(_) => lock(my_arena(size)).malloc(size, align),
         None => internal::heap().malloc(size, align),
     };
     if ptr.is_null() {
@@ -194,7 +214,7 @@ pub unsafe extern "C" fn calloc(n: size_t, size: size_t) -> *mut c_void {
     // Large blocks and fresh segments are zero; dlmalloc clears what it reuses.
     let ptr = match serving() {
         Some(space) if is_large(bytes, MIN_ALIGN) => large::alloc(space, bytes, MIN_ALIGN),
-        Some(_) => lock(my_arena()).calloc(bytes, MIN_ALIGN),
+        Some(_) => lock(my_arena(bytes)).calloc(bytes, MIN_ALIGN),
         None => internal::heap().calloc(bytes, MIN_ALIGN),
     };
     if ptr.is_null() {
@@ -244,6 +264,8 @@ pub unsafe extern "C" fn realloc(ptr: *mut c_void, size: size_t) -> *mut c_void 
     let ptr = ptr.cast::<u8>();
     let new = match owner(ptr as usize) {
         Owner::Arena(_) if is_large(size, MIN_ALIGN) => move_block(ptr, usable_size(ptr), size),
+        // A block that grows or shrinks into another size class moves to its arena.
+        Owner::Arena(a) if a % CLASSES != class_of(size) => move_block(ptr, usable_size(ptr), size),
         Owner::Arena(a) => lock(a).c_realloc(ptr, size),
         Owner::Large if size >= large::THRESHOLD => {
             let space = space::get().expect("a large block lives in the space");
