@@ -230,7 +230,7 @@ fn bench_run_reports_every_run_as_json() {
     }
     assert!(runs[0]["cgroup_peak_bytes"].as_u64().is_some(), "{report}");
     assert_eq!(
-        report["summary"][1]["round_ratios"]
+        report["summary"][1]["round_speeds"]
             .as_array()
             .unwrap()
             .len(),

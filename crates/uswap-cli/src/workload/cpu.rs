@@ -50,10 +50,14 @@ mod tests {
     #[test]
     fn busy_work_shows_as_cpu_time_and_a_sleep_as_a_switch() {
         let before = CpuUse::now();
-        let spin_until = std::time::Instant::now() + std::time::Duration::from_millis(30);
+        // Spins until 20 ms of CPU time show (on a loaded machine that takes longer than
+        // 20 ms of wall time); a CpuUse that did not count it would spin to the deadline.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
         let mut x = 0u64;
-        while std::time::Instant::now() < spin_until {
-            x = std::hint::black_box(x.wrapping_add(1));
+        while CpuUse::now().since(&before).cpu_s() < 0.02 && std::time::Instant::now() < deadline {
+            for _ in 0..10_000 {
+                x = std::hint::black_box(x.wrapping_add(1));
+            }
         }
         std::thread::sleep(std::time::Duration::from_millis(2));
         let used = CpuUse::now().since(&before);
