@@ -526,6 +526,23 @@ print("ok", len(ticks) > 0)
     assert_eq!(line, "ok True");
 }
 
+/// SIGBUS mode: a process that ends inside a signal handler that interrupted a dispatched
+/// call (a child forked in the handler calls `exit`, then the parent's SIGTERM handler
+/// does, as PostgreSQL's processes do). The handler runs on uswap's alternate stack, which
+/// the thread's exit once unmapped under it: both died of SIGSEGV.
+#[test]
+fn exit_inside_signal_handlers_under_uswap_run_sigbus_mode() {
+    let _heavy = heavy();
+    let tmp = TempDir::new().unwrap();
+    let Some(exe) = build_c_program(tmp.path(), "handler_exit") else {
+        return;
+    };
+    let mut cmd = uswap_run_in("sigbus", tmp.path(), Some(MEMORY), &exe);
+    cmd.arg("192M");
+    let line = expect_ok(&run(cmd, b"", "uswap run handler_exit"), "handler_exit");
+    assert_eq!(line, format!("ok {} bytes", 3 * MEMORY_BYTES));
+}
+
 #[test]
 fn python_fork_under_uswap_run() {
     let _heavy = heavy();

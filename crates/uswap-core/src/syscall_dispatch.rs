@@ -784,6 +784,11 @@ struct OwnAltStack {
 }
 
 impl Drop for OwnAltStack {
+    /// Frees the stack unless the thread is running on it: a thread may end inside a
+    /// signal handler that runs there (`exit` in a program handler that interrupted a
+    /// dispatched call, or a fork child born in such a handler, as PostgreSQL's helper
+    /// processes are). The kernel then refuses to disable it, and the stack stays mapped
+    /// for the few instructions the thread has left.
     fn drop(&mut self) {
         // Straight to the kernel, not dispatched: the handler would run on this very stack.
         let off = libc::stack_t {
@@ -791,10 +796,13 @@ impl Drop for OwnAltStack {
             ss_flags: libc::SS_DISABLE,
             ss_size: 0,
         };
-        raw_syscall(
+        let disabled = raw_syscall(
             libc::SYS_sigaltstack,
             [&off as *const _ as u64, 0, 0, 0, 0, 0],
         );
+        if disabled != 0 {
+            return;
+        }
         raw_syscall(
             libc::SYS_munmap,
             [self.base as u64, self.len as u64, 0, 0, 0, 0],
