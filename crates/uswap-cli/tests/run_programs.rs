@@ -543,6 +543,23 @@ fn exit_inside_signal_handlers_under_uswap_run_sigbus_mode() {
     assert_eq!(line, format!("ok {} bytes", 3 * MEMORY_BYTES));
 }
 
+/// SIGBUS mode: threads cancelled while they fault on memory past the limit (asynchronous
+/// cancellation, as will-it-scale's workers) and while blocked in a dispatched read into
+/// it (deferred). The cancellation signal once acted inside uswap's SIGBUS handler, whose
+/// frame cannot unwind: the process aborted.
+#[test]
+fn cancelled_threads_under_uswap_run_sigbus_mode() {
+    let _heavy = heavy();
+    let tmp = TempDir::new().unwrap();
+    let Some(exe) = build_c_program(tmp.path(), "cancel_workers") else {
+        return;
+    };
+    let mut cmd = uswap_run_in("sigbus", tmp.path(), Some(MEMORY), &exe);
+    cmd.args(["2", "96M"]);
+    let line = expect_ok(&run(cmd, b"", "uswap run cancel_workers"), "cancel_workers");
+    assert_eq!(line, "ok 2 workers");
+}
+
 #[test]
 fn python_fork_under_uswap_run() {
     let _heavy = heavy();

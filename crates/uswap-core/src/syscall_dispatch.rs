@@ -207,11 +207,12 @@ fn never_blocked() -> u64 {
     bit(libc::SIGSYS) | bit(libc::SIGBUS)
 }
 
-/// The asynchronous signals, as a kernel mask word: blocked while the handler runs.
-fn asynchronous_mask() -> u64 {
-    let set = crate::signals::asynchronous();
+/// The signals blocked while uswap's SIGSYS handler runs, as a kernel mask word: every
+/// asynchronous one, the C library's own included (`signals::handler_mask`).
+fn handler_mask() -> u64 {
+    let set = crate::signals::handler_mask();
     // SAFETY: the kernel's mask is the first word of the C library's sigset_t.
-    unsafe { *(&set as *const libc::sigset_t).cast::<u64>() }
+    unsafe { *(&set as *const libc::sigset_t).cast::<u64>() & !never_blocked() }
 }
 
 static INSTALL: Once = Once::new();
@@ -225,7 +226,7 @@ fn install_handler() -> Result<()> {
             handler: on_sigsys as *const () as u64,
             flags: (libc::SA_SIGINFO | libc::SA_ONSTACK | libc::SA_NODEFER) as u64 | SA_RESTORER,
             restorer: uswap_sud_sigreturn as *const () as u64,
-            mask: asynchronous_mask() & !never_blocked(),
+            mask: handler_mask(),
         };
         let rc = raw_syscall(
             libc::SYS_rt_sigaction,
@@ -522,7 +523,7 @@ fn never_waits(nr: i64) -> bool {
 }
 
 fn with_program_mask(program_mask: u64, call: impl FnOnce() -> i64) -> i64 {
-    let handler_mask = program_mask | (asynchronous_mask() & !never_blocked());
+    let handler_mask = program_mask | handler_mask();
     let set_mask = |m: &u64| {
         raw_syscall(
             libc::SYS_rt_sigprocmask,
