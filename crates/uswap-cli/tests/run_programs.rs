@@ -555,6 +555,40 @@ print("ok", len(ticks) > 0)
     assert_eq!(line, "ok True");
 }
 
+/// SIGBUS mode: a process that ends inside a signal handler that interrupted a dispatched
+/// call (a child forked in the handler calls `exit`, then the parent's SIGTERM handler
+/// does, as PostgreSQL's processes do). The handler runs on uswap's alternate stack, which
+/// the thread's exit once unmapped under it: both died of SIGSEGV.
+#[test]
+fn exit_inside_signal_handlers_under_uswap_run_sigbus_mode() {
+    let _heavy = heavy();
+    let tmp = TempDir::new().unwrap();
+    let Some(exe) = build_c_program(tmp.path(), "handler_exit") else {
+        return;
+    };
+    let mut cmd = uswap_run_in("sigbus", tmp.path(), Some(MEMORY), &exe);
+    cmd.arg("192M");
+    let line = expect_ok(&run(cmd, b"", "uswap run handler_exit"), "handler_exit");
+    assert_eq!(line, format!("ok {} bytes", 3 * MEMORY_BYTES));
+}
+
+/// SIGBUS mode: threads cancelled while they fault on memory past the limit (asynchronous
+/// cancellation, as will-it-scale's workers) and while blocked in a dispatched read into
+/// it (deferred). The cancellation signal once acted inside uswap's SIGBUS handler, whose
+/// frame cannot unwind: the process aborted.
+#[test]
+fn cancelled_threads_under_uswap_run_sigbus_mode() {
+    let _heavy = heavy();
+    let tmp = TempDir::new().unwrap();
+    let Some(exe) = build_c_program(tmp.path(), "cancel_workers") else {
+        return;
+    };
+    let mut cmd = uswap_run_in("sigbus", tmp.path(), Some(MEMORY), &exe);
+    cmd.args(["2", "96M"]);
+    let line = expect_ok(&run(cmd, b"", "uswap run cancel_workers"), "cancel_workers");
+    assert_eq!(line, "ok 2 workers");
+}
+
 #[test]
 fn python_fork_under_uswap_run() {
     let _heavy = heavy();
@@ -956,6 +990,140 @@ fn redis_bgsave_under_uswap_run() {
     );
     redis_check(&mut plain.client());
     plain.shutdown();
+}
+
+// ---- PostgreSQL ----------------------------------------------------------------------
+
+/// The newest PostgreSQL's programs (Debian's layout), or None after a SKIPPED line.
+fn postgres_programs() -> Option<PathBuf> {
+    let bin = fs::read_dir("/usr/lib/postgresql")
+        .into_iter()
+        .flatten()
+        .filter_map(|e| Some(e.ok()?.path().join("bin")))
+        .filter(|bin| bin.join("postgres").is_file())
+        .max();
+    if bin.is_none() {
+        eprintln!("SKIPPED: postgresql not installed");
+    }
+    bin
+}
+
+/// The `postgres` user's uid and gid: PostgreSQL refuses to run as root.
+fn postgres_user() -> Option<(u32, u32)> {
+    // SAFETY: a lookup by a NUL-terminated name; the record is read at once.
+    let pw = unsafe { libc::getpwnam(c"postgres".as_ptr()).as_ref() };
+    if pw.is_none() {
+        eprintln!("SKIPPED: no postgres user");
+    }
+    pw.map(|pw| (pw.pw_uid, pw.pw_gid))
+}
+
+/// `cmd` run as the `postgres` user, keeping CAP_SYS_PTRACE (what userfaultfd asks of a
+/// user without access to /dev/userfaultfd).
+fn as_postgres(setpriv: &Path, cmd: &Command) -> Command {
+    let mut wrapped = Command::new(setpriv);
+    wrapped
+        .args(["--reuid=postgres", "--regid=postgres", "--init-groups"])
+        .args(["--inh-caps=+sys_ptrace", "--ambient-caps=+sys_ptrace", "--"])
+        .arg(cmd.get_program())
+        .args(cmd.get_args());
+    for (key, value) in cmd.get_envs() {
+        match value {
+            Some(value) => wrapped.env(key, value),
+            None => wrapped.env_remove(key),
+        };
+    }
+    wrapped
+}
+
+/// SIGBUS mode under PostgreSQL 15's process model: the postmaster forks its helper
+/// processes inside signal handlers that interrupt its dispatched waits, and it and they
+/// exit there. Every one of them died of SIGSEGV at exit while uswap's alternate stack was
+/// unmapped under them. A table several times the limit is written and read back, and the
+/// server stops cleanly.
+#[test]
+fn postgres_under_uswap_run_sigbus_mode() {
+    let _heavy = heavy();
+    let (Some(bin), Some(setpriv), Some((uid, gid))) =
+        (postgres_programs(), installed("setpriv"), postgres_user())
+    else {
+        return;
+    };
+    // SAFETY: plain system call.
+    if unsafe { libc::geteuid() } != 0 {
+        eprintln!("SKIPPED: postgres under uswap run needs root (to become postgres)");
+        return;
+    }
+    let tmp = TempDir::new().unwrap();
+    let dir = tmp.path();
+    let data = dir.join("data");
+    let port = free_port().to_string();
+    let mut server = uswap_run_in("sigbus", dir, Some(MEMORY), bin.join("postgres"));
+    for path in [dir.to_path_buf(), dir.join("swap")] {
+        std::os::unix::fs::chown(&path, Some(uid), Some(gid)).expect("chown to postgres");
+    }
+    let postgres = |program: &str| {
+        let mut cmd = Command::new(bin.join(program));
+        cmd.env("PGHOST", dir).env("PGPORT", &port);
+        cmd
+    };
+
+    let mut initdb = postgres("initdb");
+    initdb
+        .arg("-D")
+        .arg(&data)
+        .args(["-A", "trust", "--no-sync"]);
+    let out = run(as_postgres(&setpriv, &initdb), b"", "initdb");
+    assert!(out.status.success(), "initdb: {out:?}");
+
+    let log = dir.join("server.log");
+    let log_file = File::create(&log).expect("a server log");
+    server
+        .arg("-D")
+        .arg(&data)
+        .arg("-k")
+        .arg(dir)
+        .args(["-p", &port, "-c", "listen_addresses="])
+        .stdout(log_file.try_clone().unwrap())
+        .stderr(log_file);
+    let mut running = Running::start(as_postgres(&setpriv, &server), "uswap run postgres");
+    let log_text = || fs::read_to_string(&log).unwrap_or_default();
+    let start = Instant::now();
+    while !postgres("pg_isready").output().unwrap().status.success() {
+        assert!(
+            running.exited().is_none(),
+            "postgres exited:\n{}",
+            log_text()
+        );
+        assert!(start.elapsed() < PROGRAM_TIMEOUT, "postgres never ready");
+        thread::sleep(Duration::from_millis(100));
+    }
+
+    let mut psql = postgres("psql");
+    // The backend sorts the table in its own memory (work_mem), several times the limit.
+    psql.args(["-d", "postgres", "-v", "ON_ERROR_STOP=1", "-At", "-c"])
+        .arg("create table t as select g, repeat(md5(g::text), 8) m from generate_series(1, 200000) g")
+        .args(["-c", "set work_mem = '1GB'", "-c"])
+        .arg("select count(*), sum(length(m)) from (select m from t order by m) s");
+    let out = run(as_postgres(&setpriv, &psql), b"", "psql");
+    assert!(
+        out.status.success(),
+        "psql: {out:?}\nserver log:\n{}",
+        log_text()
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(stdout.lines().last(), Some("200000|51200000"), "{stdout}");
+
+    let mut stop = postgres("pg_ctl");
+    stop.arg("-D").arg(&data).args(["stop", "-m", "fast"]);
+    run(as_postgres(&setpriv, &stop), b"", "pg_ctl stop");
+    let status = running.wait(PROGRAM_TIMEOUT);
+    let text = log_text();
+    assert!(
+        status.success() && !text.contains("terminated by signal"),
+        "postgres under uswap run: {}\nserver log:\n{text}",
+        describe(status)
+    );
 }
 
 // ---- pass-through --------------------------------------------------------------------

@@ -319,11 +319,12 @@ fn our_action() -> libc::sigaction {
     // SAFETY: sigaction is plain data.
     let mut act: libc::sigaction = unsafe { std::mem::zeroed() };
     act.sa_sigaction = on_sigbus as *const () as usize;
-    // Asynchronous signals wait while the handler runs. SIGBUS itself stays open
+    // Asynchronous signals (thread cancellation included) wait while the handler runs, and
+    // act at the program's instruction when it returns. SIGBUS itself stays open
     // (SA_NODEFER): a thread inside the handler must not look like one that blocks it, and
     // a synchronous SIGBUS there would kill the process if it were blocked.
     act.sa_flags = libc::SA_SIGINFO | libc::SA_ONSTACK | libc::SA_RESTART | libc::SA_NODEFER;
-    act.sa_mask = crate::signals::asynchronous();
+    act.sa_mask = crate::signals::handler_mask();
     act
 }
 

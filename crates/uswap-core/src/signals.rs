@@ -30,6 +30,25 @@ pub(crate) fn asynchronous() -> libc::sigset_t {
     }
 }
 
+/// The C library's own signals (thread cancellation and `set*id` broadcasts, 32 and 33),
+/// which its `sigfillset` leaves out and its `pthread_sigmask` never blocks.
+const LIBC_INTERNAL: [libc::c_int; 2] = [32, 33];
+
+/// What uswap's signal handlers block while they run: every asynchronous signal, the C
+/// library's own included. A thread cancellation acting inside a handler would unwind
+/// through uswap's frames (which cannot unwind: the process aborted); blocked, it acts
+/// when the handler returns, at the program's instruction.
+pub(crate) fn handler_mask() -> libc::sigset_t {
+    let mut set = asynchronous();
+    // SAFETY: the kernel's mask is the first word of the C library's sigset_t (its
+    // sigaddset refuses these two).
+    let word = unsafe { &mut *(&mut set as *mut libc::sigset_t).cast::<u64>() };
+    for sig in LIBC_INTERNAL {
+        *word |= 1 << (sig - 1);
+    }
+    set
+}
+
 /// While alive, the calling thread has every asynchronous signal blocked; the old mask comes
 /// back on drop.
 pub(crate) struct Quiet {

@@ -14,11 +14,12 @@
 //! the kernel reads at each call, and by an address range it always lets through:
 //! - the selector says *block* while the program's code runs, and *allow* while uswap's
 //!   handlers run (they make system calls of their own through the C library);
-//! - the range holds three small routines (below): a six-argument system call, the signal
-//!   return uswap's handlers return through, and `clone` for a new thread. The program's
-//!   call runs through the first with the selector at *block* and the program's own signal
-//!   mask, so a signal that interrupts it runs the program's handler as it would have, and
-//!   that handler's own system calls are dispatched too.
+//! - the range holds four small routines (below): a six-argument system call, the
+//!   program's call, the signal return uswap's handlers return through, and `clone` for a
+//!   new thread. The program's call runs with the selector at *block*, the program's own
+//!   signal mask and on the program's own stack, so a signal that interrupts it runs the
+//!   program's handler as and where it would have, and that handler's own system calls are
+//!   dispatched too.
 //!
 //! What the handler does itself instead of passing the call on:
 //! - `rt_sigreturn` from a program's signal handler resumes at the range's signal return
@@ -78,6 +79,75 @@ global_asm!(
     "syscall",
     "ret",
     ".cfi_endproc",
+    // i64 uswap_sud_call(const u64 call[7], u64 sp, const u64 masks[2],
+    //                    const stack_t stacks[2])
+    // The program's call (nr, a0..a5) with the program's signal mask (masks[0]; masks[1]
+    // after), run on the program's stack `sp` (0: where the handler runs), so that a
+    // program handler it lets in runs where it would have. The alternate stack is first
+    // narrowed to what lies below the handler's frame (stacks[0]; stacks[1] after), so
+    // that nested handlers do not overwrite that frame; if the kernel refuses, the call
+    // runs where the handler does.
+    ".globl uswap_sud_call",
+    ".hidden uswap_sud_call",
+    "uswap_sud_call:",
+    "push rbx",
+    "push rbp",
+    "push r12",
+    "push r13",
+    "push r14",
+    "push r15",
+    "mov rbx, rdi",
+    "mov r12, rdx",
+    "mov r13, rcx",
+    "mov r14, rsp",
+    "test rsi, rsi",
+    "jz 3f",
+    "mov rsp, rsi",
+    "mov eax, 131",
+    "mov rdi, r13",
+    "xor esi, esi",
+    "syscall",
+    "test rax, rax",
+    "jz 3f",
+    "mov rsp, r14",
+    "3:",
+    "mov eax, 14",
+    "mov edi, 2",
+    "mov rsi, r12",
+    "xor edx, edx",
+    "mov r10d, 8",
+    "syscall",
+    "mov rax, [rbx]",
+    "mov rdi, [rbx + 8]",
+    "mov rsi, [rbx + 16]",
+    "mov rdx, [rbx + 24]",
+    "mov r10, [rbx + 32]",
+    "mov r8, [rbx + 40]",
+    "mov r9, [rbx + 48]",
+    "syscall",
+    "mov r15, rax",
+    "mov eax, 14",
+    "mov edi, 2",
+    "lea rsi, [r12 + 8]",
+    "xor edx, edx",
+    "mov r10d, 8",
+    "syscall",
+    "cmp rsp, r14",
+    "je 4f",
+    "mov eax, 131",
+    "lea rdi, [r13 + 24]",
+    "xor esi, esi",
+    "syscall",
+    "mov rsp, r14",
+    "4:",
+    "mov rax, r15",
+    "pop r15",
+    "pop r14",
+    "pop r13",
+    "pop r12",
+    "pop rbp",
+    "pop rbx",
+    "ret",
     // The restorer of uswap's signal handlers.
     ".globl uswap_sud_sigreturn",
     ".hidden uswap_sud_sigreturn",
@@ -152,6 +222,12 @@ extern "C-unwind" {
 extern "C" {
     fn uswap_sud_sigreturn();
     fn uswap_sud_clone(regs: *const u64) -> i64;
+    fn uswap_sud_call(
+        call: *const u64,
+        sp: u64,
+        masks: *const u64,
+        stacks: *const libc::stack_t,
+    ) -> i64;
     static uswap_sud_begin: u8;
     static uswap_sud_end: u8;
 }
@@ -222,11 +298,12 @@ fn never_blocked() -> u64 {
     bit(libc::SIGSYS) | bit(libc::SIGBUS)
 }
 
-/// The asynchronous signals, as a kernel mask word: blocked while the handler runs.
-fn asynchronous_mask() -> u64 {
-    let set = crate::signals::asynchronous();
+/// The signals blocked while uswap's SIGSYS handler runs, as a kernel mask word: every
+/// asynchronous one, the C library's own included (`signals::handler_mask`).
+fn handler_mask() -> u64 {
+    let set = crate::signals::handler_mask();
     // SAFETY: the kernel's mask is the first word of the C library's sigset_t.
-    unsafe { *(&set as *const libc::sigset_t).cast::<u64>() }
+    unsafe { *(&set as *const libc::sigset_t).cast::<u64>() & !never_blocked() }
 }
 
 static INSTALL: Once = Once::new();
@@ -240,7 +317,7 @@ fn install_handler() -> Result<()> {
             handler: on_sigsys as *const () as u64,
             flags: (libc::SA_SIGINFO | libc::SA_ONSTACK | libc::SA_NODEFER) as u64 | SA_RESTORER,
             restorer: uswap_sud_sigreturn as *const () as u64,
-            mask: asynchronous_mask() & !never_blocked(),
+            mask: handler_mask(),
         };
         let rc = raw_syscall(
             libc::SYS_rt_sigaction,
@@ -420,11 +497,15 @@ fn args_of(g: &[i64; 23]) -> [u64; 6] {
 
 fn dispatch(nr: i64, g: &[i64; 23], mask: &mut u64) -> i64 {
     let mut a = args_of(g);
+    let program = Program {
+        mask: *mask,
+        sp: g[libc::REG_RSP as usize] as u64,
+    };
     match nr {
         libc::SYS_rt_sigprocmask => return sigprocmask(a, mask),
         libc::SYS_rt_sigaction => return sigaction(a),
         libc::SYS_vfork => return vfork(g, *mask),
-        libc::SYS_clone | libc::SYS_clone3 => return clone(nr, g, a, *mask),
+        libc::SYS_clone | libc::SYS_clone3 => return clone(nr, g, a, program),
         libc::SYS_sigaltstack => return sigaltstack(a),
         _ => {}
     }
@@ -461,22 +542,29 @@ fn dispatch(nr: i64, g: &[i64; 23], mask: &mut u64) -> i64 {
         a[5] = pair.as_ptr() as u64;
     }
     if syscall_args::is_futex_wait(nr, &a) {
-        return futex_wait(a, *mask);
+        return futex_wait(a, program);
     }
     let mut pins = CallPins::new();
     syscall_args::pin_buffers(nr, &a, &mut pins);
-    run(nr, a, *mask, &mut pins)
+    run(nr, a, program, &mut pins)
+}
+
+/// The program at its system call: its signal mask and stack pointer.
+#[derive(Clone, Copy)]
+struct Program {
+    mask: u64,
+    sp: u64,
 }
 
 /// A futex wait: its word is brought in, not pinned (a wait may last for good, and a pin
 /// held that long would keep a slot of the region's table); if aging takes the page out
 /// before the kernel reads the word, the wait fails with EFAULT having done nothing, and
 /// runs again.
-fn futex_wait(a: [u64; 6], mask: u64) -> i64 {
+fn futex_wait(a: [u64; 6], program: Program) -> i64 {
     let mut result = 0;
     for _ in 0..8 {
         syscall_args::bring_in_futex_wait(&a);
-        result = run(libc::SYS_futex, a, mask, &mut CallPins::new());
+        result = run(libc::SYS_futex, a, program, &mut CallPins::new());
         let in_region = crate::sigbus::in_region(a[0] as usize, 4)
             || (a[3] != 0 && crate::sigbus::in_region(a[3] as usize, 16));
         if result != -(libc::EFAULT as i64) || !in_region {
@@ -486,15 +574,15 @@ fn futex_wait(a: [u64; 6], mask: u64) -> i64 {
     result
 }
 
-/// Runs the program's call with the program's signal mask (so a signal interrupts it as
-/// it would have) and the selector at block (so the program's handlers are dispatched),
-/// then gives the pins back.
-fn run(nr: i64, a: [u64; 6], program_mask: u64, pins: &mut CallPins) -> i64 {
+/// Runs the program's call with the program's signal mask on the program's stack (so a
+/// signal interrupts it as it would have, and its handler runs where it would have) and the
+/// selector at block (so the program's handlers are dispatched), then gives the pins back.
+fn run(nr: i64, a: [u64; 6], program: Program, pins: &mut CallPins) -> i64 {
     let result = if never_waits(nr) {
         // Nothing for a signal to interrupt: it is delivered when the handler returns.
         raw_syscall(nr, a)
     } else {
-        with_program_mask(program_mask, || raw_syscall(nr, a))
+        on_program_stack(nr, a, program)
     };
     pins.release();
     result
@@ -552,8 +640,42 @@ fn never_waits(nr: i64) -> bool {
     )
 }
 
+/// Runs the program's call through `uswap_sud_call`. A program handler it lets in runs on
+/// the program's stack, as without dispatch, not on uswap's alternate stack below this
+/// handler: there it had 64 KiB at most, and a process forked in it (PostgreSQL's
+/// postmaster forks its helpers in its handlers) lived its whole life there.
+fn on_program_stack(nr: i64, a: [u64; 6], program: Program) -> i64 {
+    let call = [nr as u64, a[0], a[1], a[2], a[3], a[4], a[5]];
+    let masks = [program.mask, program.mask | handler_mask()];
+    let here = &call as *const _ as u64;
+    let alt = ALT_RANGE.with(|r| r.get());
+    let on_alt = |sp: u64| sp > alt.base && sp <= alt.base + alt.size;
+    // Room below this frame for the routine's own, then for nested handlers.
+    let below = here.saturating_sub(1024);
+    let switch = on_alt(here) && !on_alt(program.sp) && below > alt.base;
+    let stack = |top: u64| libc::stack_t {
+        ss_sp: alt.base as *mut libc::c_void,
+        ss_flags: 0,
+        ss_size: top.saturating_sub(alt.base) as usize,
+    };
+    // Windows nest (a program handler's own calls): each gives back the one before.
+    let stacks = [stack(below), stack(alt.top)];
+    let sp = if switch { program.sp } else { 0 };
+    if switch {
+        ALT_RANGE.with(|r| r.set(AltRange { top: below, ..alt }));
+    }
+    set_selector(BLOCK);
+    // SAFETY: the routine makes the program's call on the program's stack below its stack
+    // pointer (nothing is written there but the frames of handlers the call lets in), and
+    // gives the handler's stacks back before it returns; see its comment.
+    let result = unsafe { uswap_sud_call(call.as_ptr(), sp, masks.as_ptr(), stacks.as_ptr()) };
+    set_selector(ALLOW);
+    ALT_RANGE.with(|r| r.set(alt));
+    result
+}
+
 fn with_program_mask(program_mask: u64, call: impl FnOnce() -> i64) -> i64 {
-    let handler_mask = program_mask | (asynchronous_mask() & !never_blocked());
+    let handler_mask = program_mask | handler_mask();
     let set_mask = |m: &u64| {
         raw_syscall(
             libc::SYS_rt_sigprocmask,
@@ -679,7 +801,7 @@ const CLONE_ARGS_STACK_SIZE: usize = 6;
 /// own starts at the program's next instruction with the program's registers; one that
 /// would share this handler's stack (vfork style) gets a copy of the address space
 /// instead; any other child (fork style) returns through this handler like the parent.
-fn clone(nr: i64, g: &[i64; 23], mut a: [u64; 6], mask: u64) -> i64 {
+fn clone(nr: i64, g: &[i64; 23], mut a: [u64; 6], program: Program) -> i64 {
     let mut pins = CallPins::new();
     let mut args = [0u64; 16];
     let (flags, stack) = if nr == libc::SYS_clone {
@@ -723,9 +845,9 @@ fn clone(nr: i64, g: &[i64; 23], mut a: [u64; 6], mask: u64) -> i64 {
         a[0] = args.as_ptr() as u64;
     }
     if !on_own_stack {
-        return run(nr, a, mask, &mut pins);
+        return run(nr, a, program, &mut pins);
     }
-    clone_on(nr, a, g, mask, &mut pins)
+    clone_on(nr, a, g, program.mask, &mut pins)
 }
 
 /// Writes what the clone routine's child pops below `top`, the top of its stack: the
@@ -815,6 +937,11 @@ struct OwnAltStack {
 }
 
 impl Drop for OwnAltStack {
+    /// Frees the stack unless the thread is running on it: a thread may end inside a
+    /// signal handler that runs there (`exit` in a program handler that interrupted a
+    /// dispatched call, or a fork child born in such a handler, as PostgreSQL's helper
+    /// processes are). The kernel then refuses to disable it, and the stack stays mapped
+    /// for the few instructions the thread has left.
     fn drop(&mut self) {
         // Straight to the kernel, not dispatched: the handler would run on this very stack.
         let off = libc::stack_t {
@@ -822,10 +949,13 @@ impl Drop for OwnAltStack {
             ss_flags: libc::SS_DISABLE,
             ss_size: 0,
         };
-        raw_syscall(
+        let disabled = raw_syscall(
             libc::SYS_sigaltstack,
             [&off as *const _ as u64, 0, 0, 0, 0, 0],
         );
+        if disabled != 0 {
+            return;
+        }
         raw_syscall(
             libc::SYS_munmap,
             [self.base as u64, self.len as u64, 0, 0, 0, 0],
@@ -835,6 +965,27 @@ impl Drop for OwnAltStack {
 
 thread_local! {
     static ALT_STACK: std::cell::RefCell<Option<OwnAltStack>> = const { std::cell::RefCell::new(None) };
+    static ALT_RANGE: std::cell::Cell<AltRange> =
+        const { std::cell::Cell::new(AltRange { base: 0, size: 0, top: 0 }) };
+}
+
+/// The alternate stack uswap's handlers run on (uswap's or the program's), and the top the
+/// kernel now has for it: lower while a call runs on the program's stack.
+#[derive(Clone, Copy)]
+struct AltRange {
+    base: u64,
+    size: u64,
+    top: u64,
+}
+
+impl AltRange {
+    fn whole(base: u64, size: u64) -> AltRange {
+        AltRange {
+            base,
+            size,
+            top: base + size,
+        }
+    }
 }
 
 /// Size of the alternate stack uswap gives a thread that has none.
@@ -863,6 +1014,7 @@ fn ensure_alternate_stack() -> Result<()> {
     // One the program set up (Rust's runtime gives each thread a small one) is kept when
     // it is big enough for uswap's fault path.
     if ss.ss_flags & libc::SS_DISABLE == 0 && ss.ss_size >= ALT_STACK_SIZE {
+        ALT_RANGE.with(|r| r.set(AltRange::whole(ss.ss_sp as u64, ss.ss_size as u64)));
         return Ok(());
     }
     PROGRAM_ALT_STACK.with(|p| {
@@ -906,5 +1058,6 @@ fn ensure_alternate_stack() -> Result<()> {
         "sigaltstack",
     )?;
     ALT_STACK.with(|s| *s.borrow_mut() = Some(own));
+    ALT_RANGE.with(|r| r.set(AltRange::whole(stack.ss_sp as u64, ALT_STACK_SIZE as u64)));
     Ok(())
 }
