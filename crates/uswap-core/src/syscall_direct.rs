@@ -17,13 +17,17 @@
 //! which holds nothing to drop: the call's pins live in the thread's [`HELD`] record, and
 //! a thread that is unwound gives them back at its exit.
 //!
+//! uswap's own calls of these functions inside its SIGBUS and SIGSYS handlers are made
+//! directly too, and never act on a pending cancellation: the C library's would, and the
+//! unwinding would cross the handler's frames.
+//!
 //! A signal handler that interrupts a direct call and makes one of its own (or a call
 //! left by `siglongjmp`, which never gives its pins back) finds the thread's record in
 //! use, and its calls are dispatched.
 
 use crate::sigbus::{in_region, CallPins};
 use crate::syscall_args;
-use crate::syscall_dispatch::{dispatching_program_code, raw_syscall};
+use crate::syscall_dispatch::{dispatching_program_code, in_uswap_handler, raw_syscall};
 use std::cell::{Cell, UnsafeCell};
 
 /// The pins of this thread's direct call, given back when the call returns, or at the
@@ -51,13 +55,18 @@ extern "C-unwind" {
 
 /// Runs system call `nr` with arguments `a` directly, when this thread runs the program's
 /// code with syscall dispatch on and the call's buffers in region memory are usable as they
-/// stand; `None` when the caller must make the call the ordinary (dispatched) way. A
+/// stand, or runs one of uswap's signal handlers; `None` when the caller must make the call
+/// the ordinary (dispatched) way. A
 /// `cancellation_point` call runs with asynchronous cancellation on. Returns the kernel's
 /// result (a negative errno on failure).
 ///
 /// `nr` must be a call whose buffers `syscall_args` names exactly and that the SIGSYS
 /// handler passes on unchanged (no signal masks, no `clone`, no futex wait).
 pub fn call(nr: i64, a: [u64; 6], cancellation_point: bool) -> Option<i64> {
+    if in_uswap_handler() {
+        // uswap's own call, from its fault path: never a cancellation point.
+        return Some(raw_syscall(nr, a));
+    }
     if !dispatching_program_code() || IN_CALL.get() {
         return None;
     }

@@ -262,12 +262,28 @@ pub(crate) fn dispatching_program_code() -> bool {
     SELECTOR.with(|s| unsafe { std::ptr::read_volatile(s.get()) } == BLOCK)
 }
 
+thread_local! {
+    /// uswap's signal handlers (SIGBUS, SIGSYS) running on this thread, nested.
+    static IN_HANDLER: std::cell::Cell<u32> = const { std::cell::Cell::new(0) };
+}
+
+/// Whether one of uswap's signal handlers is running on this thread: its system calls
+/// are uswap's own, and must not be cancellation points (a cancellation pending for an
+/// asynchronously cancelable thread would act inside the handler, whose frames cannot be
+/// unwound).
+pub(crate) fn in_uswap_handler() -> bool {
+    // The selector says *block* while a handler runs the program's own call, during which
+    // the program's handlers may run.
+    IN_HANDLER.get() > 0 && !dispatching_program_code()
+}
+
 /// While alive, this thread's system calls go straight to the kernel: uswap's signal
 /// handlers run inside one.
 pub(crate) struct Allowed(u8);
 
 impl Allowed {
     pub fn new() -> Allowed {
+        IN_HANDLER.set(IN_HANDLER.get() + 1);
         Allowed(set_selector(ALLOW))
     }
 }
@@ -275,6 +291,7 @@ impl Allowed {
 impl Drop for Allowed {
     fn drop(&mut self) {
         set_selector(self.0);
+        IN_HANDLER.set(IN_HANDLER.get() - 1);
     }
 }
 
