@@ -551,6 +551,13 @@ impl CallPins {
         }
     }
 
+    /// Drops the pins without giving them back (a fork child's copy of its parent's).
+    pub fn forget(&mut self) {
+        self.held[..self.len].fill_with(|| None);
+        self.len = 0;
+        self.missed = false;
+    }
+
     /// Whether every page pinned so far was usable as it stood (`usable_only` pins).
     pub fn all_usable(&self) -> bool {
         !self.missed
@@ -601,7 +608,7 @@ impl CallPins {
             };
             if self.bring_in {
                 bring_in(served, pages, write);
-            } else if !usable_as_they_stand(served, pages, write) {
+            } else if !made_usable(served, pages, write) {
                 self.missed = true;
             }
             mm.vmstat().syscall_pins.fetch_add(1, Relaxed);
@@ -685,18 +692,48 @@ fn bring_in(served: &Served, pages: std::ops::Range<usize>, write: bool) {
     }
 }
 
-/// Whether every pinned page is mapped, and writable when it is to be `write`n, by the
-/// page table alone (no system call): active, not locked (so aging, which locks a page
-/// before it reads the pins, either saw this pin or is done with the page), and without a
-/// swap copy when written (a page that keeps one is write-protected). A page whose
-/// protection a failed write fault left in place passes: the kernel's write then fails
-/// with EFAULT, having changed nothing, and the caller takes the dispatched path.
-fn usable_as_they_stand(served: &Served, pages: std::ops::Range<usize>, write: bool) -> bool {
-    let table = served.fault.mm().pages();
+/// Most pages a direct call touches: a longer buffer (or a count the kernel will refuse)
+/// is left to the dispatched path.
+const MAX_DIRECT_PAGES: usize = 16_384;
+
+/// Makes pinned pages usable for a direct call from the program's own code, without a
+/// system call: each is touched as the kernel will use it (read, or written with an atomic
+/// no-op), so that a missing, discarded or write-protected page is served by the SIGBUS
+/// handler as a program access would be. Then each must be active and unlocked (aging,
+/// which locks a page before it reads the pins, either saw this pin or is done with the
+/// page, so it stays mapped) and, when written, without a swap copy (one kept means
+/// write-protected). False when a page is not the program's (unmapped, poisoned: the
+/// dispatched path fails the call as the kernel would) or does not settle.
+fn made_usable(served: &Served, pages: std::ops::Range<usize>, write: bool) -> bool {
+    let mm = served.fault.mm();
+    let table = mm.pages();
+    if pages.len() > MAX_DIRECT_PAGES {
+        return false;
+    }
+    for page in pages.clone() {
+        if matches!(table.peek(page).0.kind(), Kind::Unmapped | Kind::Poisoned) {
+            return false;
+        }
+        touch(mm.page_addr(page), write);
+    }
     pages.into_iter().all(|page| {
         let (state, locked) = table.peek(page);
         !locked && state.kind() == Kind::Active && !(write && state.slot().is_some())
     })
+}
+
+/// One access to the byte at `addr`: a read, or an atomic write of what is there.
+fn touch(addr: usize, write: bool) {
+    // SAFETY: `addr` is a page of the program's region memory that the program hands to
+    // the kernel; the atomic OR with zero leaves its contents as they are even while
+    // other threads write it.
+    unsafe {
+        if write {
+            std::arch::asm!("lock or byte ptr [{0}], 0", in(reg) addr, options(nostack));
+        } else {
+            std::ptr::read_volatile(addr as *const u8);
+        }
+    }
 }
 
 /// One page of [`bring_in`] found missing, or not yet writable, or busy.

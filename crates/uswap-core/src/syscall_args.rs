@@ -18,31 +18,6 @@ const W: bool = true;
 /// Longest string a call takes (`MAX_ARG_STRLEN`, an execve argument).
 const MAX_STRING: usize = 32 * PAGE_SIZE;
 
-/// Whether call `nr` takes buffers through a vector in memory (iovecs, a msghdr, argv):
-/// its arguments alone do not show which memory it touches.
-pub(crate) fn takes_vector(nr: i64) -> bool {
-    matches!(
-        nr,
-        libc::SYS_readv
-            | libc::SYS_writev
-            | libc::SYS_preadv
-            | libc::SYS_pwritev
-            | libc::SYS_preadv2
-            | libc::SYS_pwritev2
-            | libc::SYS_vmsplice
-            | libc::SYS_process_vm_readv
-            | libc::SYS_process_vm_writev
-            | libc::SYS_recvmsg
-            | libc::SYS_sendmsg
-            | libc::SYS_recvmmsg
-            | libc::SYS_sendmmsg
-            | libc::SYS_execve
-            | libc::SYS_execveat
-            | libc::SYS_pselect6
-            | libc::SYS_futex
-    )
-}
-
 /// Pins the buffers of call `nr` with arguments `a`.
 pub(crate) fn pin_buffers(nr: i64, a: &[u64; 6], pins: &mut CallPins) {
     let p = |i: usize| a[i] as usize;

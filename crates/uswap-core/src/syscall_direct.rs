@@ -6,10 +6,13 @@
 //! do what the handler does without the signal: name the call's buffers
 //! (`syscall_args.rs`), pin those in region memory (`gup.rs`), and make the call from the
 //! range dispatch always lets through. [`call`] does that when the pins can be had from
-//! user space alone: every pinned page mapped and usable for the call as the page table
-//! says (no system call of uswap's own, so nothing runs with the selector at *allow* while
-//! the program's signal handlers may run). Otherwise it declines, and the wrapper takes the
-//! C library's path, whose call is dispatched and brings the buffers in.
+//! user space alone (no system call of uswap's own, so nothing runs with the selector at
+//! *allow* while the program's signal handlers may run): each pinned page is touched as
+//! the kernel will use it (read, or written with an atomic no-op), which serves any fault
+//! on it the way a program access is served, then must be active and unlocked in the page
+//! table. Otherwise it declines, and the wrapper takes the C library's path, whose call is
+//! dispatched and brings the buffers in. A call's result is the kernel's, EFAULT included:
+//! it is never made twice.
 //!
 //! Cancellation: a call that is a cancellation point in the C library runs with
 //! asynchronous cancellation on, as the C library's own wrappers do, so `pthread_cancel`
@@ -25,7 +28,7 @@
 //! left by `siglongjmp`, which never gives its pins back) finds the thread's record in
 //! use, and its calls are dispatched.
 
-use crate::sigbus::{in_region, CallPins};
+use crate::sigbus::CallPins;
 use crate::syscall_args;
 use crate::syscall_dispatch::{dispatching_program_code, in_uswap_handler, raw_syscall};
 use std::cell::{Cell, UnsafeCell};
@@ -70,16 +73,6 @@ pub fn call(nr: i64, a: [u64; 6], cancellation_point: bool) -> Option<i64> {
     if !dispatching_program_code() || IN_CALL.get() {
         return None;
     }
-    if !syscall_args::takes_vector(nr) && !a.iter().any(|&arg| in_region(arg as usize, 1)) {
-        // Nothing of the call's lies in region memory (a buffer that began outside a
-        // region and ran into one would fail with EFAULT, and be dispatched).
-        let result = if cancellation_point {
-            cancellable(nr, a)
-        } else {
-            raw_syscall(nr, a)
-        };
-        return (result != -(libc::EFAULT as i64)).then_some(result);
-    }
     IN_CALL.set(true);
     // Declined too once the thread's record is gone (calls made at thread or process exit).
     let usable = with_pins(|pins| {
@@ -96,9 +89,23 @@ pub fn call(nr: i64, a: [u64; 6], cancellation_point: bool) -> Option<i64> {
     });
     with_pins(CallPins::release);
     IN_CALL.set(false);
-    // A write into a page whose protection a failed write fault left in place fails with
-    // EFAULT having changed nothing: the dispatched path brings the page in.
-    result.filter(|&r| r != -(libc::EFAULT as i64))
+    result
+}
+
+/// Sets up this thread's record now, in the program's code: made the first time it is
+/// used, it registers its destructor with the C library, which allocates and takes the
+/// loader's lock, as a signal handler interrupting either must not. Called when a thread
+/// turns dispatch on.
+pub fn prepare_thread() {
+    let _ = HELD.try_with(|_| ());
+}
+
+/// A child of fork, whose forking thread may have been inside a direct call (a program
+/// handler that interrupted one and forked): its pins are the parent's, forgotten here
+/// without being given back (the child's regions are new).
+pub fn forget_in_child() {
+    IN_CALL.set(false);
+    with_pins(CallPins::forget);
 }
 
 /// `f` on this thread's record; `None` once the record is destroyed.

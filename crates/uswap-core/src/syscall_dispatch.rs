@@ -431,16 +431,31 @@ pub fn enable_for_this_thread() -> Result<()> {
 }
 
 /// Whether this kernel offers syscall user dispatch to this process: tried once, in a
-/// thread of its own that turns it on and ends.
+/// thread of its own that turns it on with its selector at *allow* (so nothing is
+/// dispatched, and no handler is needed) and ends. Changes nothing else in the process.
 pub fn supported() -> bool {
     static SUPPORTED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *SUPPORTED.get_or_init(|| {
         std::thread::Builder::new()
             .name("uswap-probe".into())
             .spawn(|| {
-                let works = enable_for_this_thread().is_ok();
+                let begin = std::ptr::addr_of!(uswap_sud_begin) as u64;
+                let end = std::ptr::addr_of!(uswap_sud_end) as u64;
+                let selector = SELECTOR.with(|s| s.get() as u64);
+                set_selector(ALLOW);
+                // SAFETY: this thread's selector, which outlives the prctl (dispatch is
+                // off again before the thread ends).
+                let on = unsafe {
+                    libc::prctl(
+                        PR_SET_SYSCALL_USER_DISPATCH,
+                        PR_SYS_DISPATCH_ON,
+                        begin,
+                        end - begin,
+                        selector,
+                    )
+                };
                 disable_for_this_thread();
-                works
+                on == 0
             })
             .is_ok_and(|probe| probe.join().unwrap_or(false))
     })

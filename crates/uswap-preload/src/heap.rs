@@ -181,7 +181,15 @@ unsafe fn alloc(size: usize, align: usize) -> *mut u8 {
     let align = align.max(MIN_ALIGN);
     let ptr = match serving() {
         Some(space) if is_large(size, align) => large::alloc(space, size, align),
-        Some(_) => lock(my_arena(size)).malloc(size, align),
+        // An aligned block may take up to its alignment more: it is classed by both.
+        Some(_) => {
+            let footprint = if align > MIN_ALIGN {
+                size + align
+            } else {
+                size
+            };
+            lock(my_arena(footprint)).malloc(size, align)
+        }
         None => internal::heap().malloc(size, align),
     };
     if ptr.is_null() {
@@ -264,8 +272,16 @@ pub unsafe extern "C" fn realloc(ptr: *mut c_void, size: size_t) -> *mut c_void 
     let ptr = ptr.cast::<u8>();
     let new = match owner(ptr as usize) {
         Owner::Arena(_) if is_large(size, MIN_ALIGN) => move_block(ptr, usable_size(ptr), size),
-        // A block that grows or shrinks into another size class moves to its arena.
-        Owner::Arena(a) if a % CLASSES != class_of(size) => move_block(ptr, usable_size(ptr), size),
+        // A block that grows or shrinks into another size class moves to its arena; a
+        // shrink that cannot move stays where it is, as a shrink never fails.
+        Owner::Arena(a) if a % CLASSES != class_of(size) => {
+            match move_block(ptr, usable_size(ptr), size) {
+                moved if moved.is_null() && size <= usable_size(ptr) => {
+                    lock(a).c_realloc(ptr, size)
+                }
+                moved => moved,
+            }
+        }
         Owner::Arena(a) => lock(a).c_realloc(ptr, size),
         Owner::Large if size >= large::THRESHOLD => {
             let space = space::get().expect("a large block lives in the space");

@@ -14,7 +14,7 @@ use crate::space::{self, Space, GRANULE};
 /// fifth unused).
 pub const THRESHOLD: usize = 256 * 1024;
 
-/// The granule owner of large blocks (arenas are 1 ..= 8).
+/// The granule owner of large blocks (arenas are 1 ..= 24).
 pub const OWNER: u8 = u8::MAX;
 
 /// The most alignment a large block serves (the pointer must stay in its first granule).

@@ -132,20 +132,23 @@ fn malloc_is_ours() -> bool {
 /// run with syscall dispatch, this one first (before the region, so that a kernel without
 /// it is refused, or in auto mode gets thread mode, before anything is made).
 fn fault_mode(asked: FaultMode) -> uswap_core::Result<FaultMode> {
-    use uswap_core::syscall_dispatch::enable_for_this_thread;
-    match asked {
-        FaultMode::Sigbus => enable_for_this_thread().map(|()| FaultMode::Sigbus),
-        FaultMode::Auto => Ok(match enable_for_this_thread() {
-            Ok(()) => FaultMode::Sigbus,
-            Err(e) => {
-                sys::warn(&format!(
-                    "uswap run: faults are served by handler threads (thread mode): {e}\n"
-                ));
-                FaultMode::Thread
-            }
-        }),
-        FaultMode::Thread => Ok(FaultMode::Thread),
+    use uswap_core::syscall_dispatch::{enable_for_this_thread, supported};
+    let mode = match asked {
+        FaultMode::Auto if !supported() => {
+            sys::warn(
+                "uswap run: this kernel has no syscall user dispatch (Linux 5.11+, x86-64): \
+                 faults are served by handler threads (thread mode)\n",
+            );
+            FaultMode::Thread
+        }
+        FaultMode::Auto | FaultMode::Sigbus => FaultMode::Sigbus,
+        FaultMode::Thread => FaultMode::Thread,
+    };
+    if mode == FaultMode::Sigbus {
+        enable_for_this_thread()?;
+        uswap_core::syscall_direct::prepare_thread();
     }
+    Ok(mode)
 }
 
 fn start(text: &str) -> uswap_core::Result<Arc<Region>> {

@@ -58,6 +58,7 @@ pub(crate) fn dispatch_in_new_threads() {
 
 /// A fork child's thread: dispatch is not inherited, so it is turned on again.
 pub(crate) fn dispatch_in_fork_child() {
+    uswap_core::syscall_direct::forget_in_child();
     if DISPATCH.load(Acquire) {
         if let Err(e) = uswap_core::syscall_dispatch::enable_for_this_thread() {
             sys::warn(&format!(
@@ -78,6 +79,7 @@ extern "C" fn start_dispatching_thread(start: *mut c_void) -> *mut c_void {
         // SAFETY: ending the process.
         unsafe { libc::_exit(125) };
     }
+    uswap_core::syscall_direct::prepare_thread();
     let Start { routine, arg } = {
         let _inside = Inside::enter();
         *start
