@@ -380,12 +380,9 @@ pub(crate) fn return_sigbus_through_range() {
     }
 }
 
-/// Turns syscall user dispatch on for the calling thread: from now on its system calls
-/// that touch SIGBUS-mode region memory are served as in thread mode. SIGBUS and SIGSYS are
-/// unblocked in it. Threads it creates start without dispatch.
-pub fn enable_for_this_thread() -> Result<()> {
-    install_handler()?;
-    ensure_alternate_stack()?;
+/// Turns dispatch on for the calling thread with the range of uswap's routines and the
+/// thread's selector, set to *allow* (nothing is dispatched until it says *block*).
+fn turn_on_with_selector_at_allow() -> std::result::Result<(), std::io::Error> {
     let begin = std::ptr::addr_of!(uswap_sud_begin) as u64;
     let end = std::ptr::addr_of!(uswap_sud_end) as u64;
     let selector = SELECTOR.with(|s| s.get() as u64);
@@ -401,8 +398,19 @@ pub fn enable_for_this_thread() -> Result<()> {
             selector,
         )
     };
-    if rc != 0 {
-        let source = std::io::Error::last_os_error();
+    match rc {
+        0 => Ok(()),
+        _ => Err(std::io::Error::last_os_error()),
+    }
+}
+
+/// Turns syscall user dispatch on for the calling thread: from now on its system calls
+/// that touch SIGBUS-mode region memory are served as in thread mode. SIGBUS and SIGSYS are
+/// unblocked in it. Threads it creates start without dispatch.
+pub fn enable_for_this_thread() -> Result<()> {
+    install_handler()?;
+    ensure_alternate_stack()?;
+    if let Err(source) = turn_on_with_selector_at_allow() {
         return Err(match source.raw_os_error() {
             Some(libc::EINVAL | libc::ENOSYS | libc::EPERM) => Error::invalid(
                 "syscall dispatch",
@@ -439,23 +447,9 @@ pub fn supported() -> bool {
         std::thread::Builder::new()
             .name("uswap-probe".into())
             .spawn(|| {
-                let begin = std::ptr::addr_of!(uswap_sud_begin) as u64;
-                let end = std::ptr::addr_of!(uswap_sud_end) as u64;
-                let selector = SELECTOR.with(|s| s.get() as u64);
-                set_selector(ALLOW);
-                // SAFETY: this thread's selector, which outlives the prctl (dispatch is
-                // off again before the thread ends).
-                let on = unsafe {
-                    libc::prctl(
-                        PR_SET_SYSCALL_USER_DISPATCH,
-                        PR_SYS_DISPATCH_ON,
-                        begin,
-                        end - begin,
-                        selector,
-                    )
-                };
+                let on = turn_on_with_selector_at_allow().is_ok();
                 disable_for_this_thread();
-                on == 0
+                on
             })
             .is_ok_and(|probe| probe.join().unwrap_or(false))
     })
