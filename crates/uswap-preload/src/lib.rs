@@ -59,6 +59,10 @@ extern "C" fn init() {
             sys::warn(&format!(
                 "uswap run: cannot put {program} in uswap memory: {e}\n"
             ));
+            // The tree's memory cgroup file goes with the last process, as at exit.
+            if let Some(cg) = MEMCG.get() {
+                cg.last_one_out();
+            }
             // SAFETY: ending the process before the program starts.
             unsafe { libc::_exit(125) };
         }
