@@ -7,6 +7,9 @@
 //! shows it) and passes. They run one at a time: a run reuses swap that is already on, so
 //! two at once would share one swap file that the first to finish turns off.
 
+mod common;
+
+use common::preload_library_built;
 use std::fs;
 use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
@@ -121,21 +124,6 @@ fn build_c_program(dir: &Path, name: &str) -> Option<PathBuf> {
             None
         }
     }
-}
-
-/// Builds the preload library beside the `uswap` binary (`cargo test` builds only the
-/// binary), for the `uswap run` sides of `bench run`.
-fn preload_library_built() {
-    let uswap = Path::new(BIN);
-    let profile = match uswap.parent().and_then(|d| d.file_name()) {
-        Some(dir) if dir == "release" => "release",
-        _ => "test",
-    };
-    let status = Command::new(env!("CARGO"))
-        .args(["build", "-p", "uswap-preload", "--profile", profile])
-        .status()
-        .expect("cargo runs");
-    assert!(status.success(), "building the preload library failed");
 }
 
 #[test]

@@ -17,6 +17,9 @@
 //! redis's BGSAVE) check that each child gets its parent's memory as it was, swapped pages
 //! included, and that parent and child do not see each other's writes after.
 
+mod common;
+
+use common::preload_library_built;
 use std::env;
 use std::ffi::OsStr;
 use std::fs::{self, File};
@@ -120,25 +123,6 @@ fn heavy() -> MutexGuard<'static, ()> {
     HEAVY
         .lock()
         .unwrap_or_else(|poisoned| poisoned.into_inner())
-}
-
-/// Builds the preload library beside the `uswap` binary (once per run, and every run, so a
-/// stale one is never used): `cargo test` builds the binary but not the workspace's cdylib
-/// (`cargo build` does).
-fn preload_library_built() {
-    static BUILT: std::sync::Once = std::sync::Once::new();
-    BUILT.call_once(|| {
-        let uswap = Path::new(env!("CARGO_BIN_EXE_uswap"));
-        let profile = match uswap.parent().and_then(|d| d.file_name()) {
-            Some(dir) if dir == "release" => "release",
-            _ => "test",
-        };
-        let status = Command::new(env!("CARGO"))
-            .args(["build", "-p", "uswap-preload", "--profile", profile])
-            .status()
-            .expect("cargo runs");
-        assert!(status.success(), "building the preload library failed");
-    });
 }
 
 /// `uswap run [--memory M --swap-dir TMP/swap] -- PROGRAM`, with $TMPDIR in `tmp` too.
