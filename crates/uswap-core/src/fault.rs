@@ -264,7 +264,15 @@ impl FaultPath {
         mm.vmstat()
             .pgzerofill
             .fetch_add(1 + after.len() as u64, Relaxed);
-        let filled = mm.uffd().copy(mm.page_addr(page), zeros, len, false);
+        let mut filled = mm.uffd().copy(mm.page_addr(page), zeros, len, false);
+        if !after.is_empty() && matches!(&filled, Err(p) if p.done == 0 && p.vanished()) {
+            // The window spans two mappings (see `first_touch`): the page alone.
+            mm.vmstat()
+                .pgzerofill
+                .fetch_sub(after.len() as u64, Relaxed);
+            after.clear();
+            filled = mm.uffd().copy(mm.page_addr(page), zeros, PAGE_SIZE, false);
+        }
         let done = match &filled {
             Ok(()) => 1 + after.len(),
             Err(p) => p.done / PAGE_SIZE,
@@ -382,12 +390,23 @@ impl FaultPath {
         // Counters move before the fill, which wakes the faulting thread: a caller that
         // reads them right after its access must see this fault.
         mm.vmstat().pgzerofill.fetch_add((hi - lo) as u64, Relaxed);
-        let filled = mm.uffd().copy(
-            mm.page_addr(lo),
-            mm.zeros() as *const u8,
-            (hi - lo) * PAGE_SIZE,
-            false,
-        );
+        let zeros = mm.zeros() as *const u8;
+        let mut filled = mm
+            .uffd()
+            .copy(mm.page_addr(lo), zeros, (hi - lo) * PAGE_SIZE, false);
+        if hi - lo > 1 && matches!(&filled, Err(p) if p.done == 0 && p.vanished()) {
+            // The window spans two mappings (the program changed the protection of part
+            // of the region, as runtimes commit their heaps), and a fill must stay in one:
+            // the faulting page alone.
+            for p in (lo..hi).filter(|&p| p != page) {
+                mm.pages().unclaim(p);
+            }
+            let others = (hi - lo - 1) as u64;
+            mm.budget().uncharge(others);
+            mm.vmstat().pgzerofill.fetch_sub(others, Relaxed);
+            (lo, hi) = (page, page + 1);
+            filled = mm.uffd().copy(mm.page_addr(page), zeros, PAGE_SIZE, false);
+        }
         // A partial fill maps a prefix of the window: those pages are active, the rest go
         // back to untouched. They join the active list while still claimed, so a vma event
         // waiting for one finds it on its list.

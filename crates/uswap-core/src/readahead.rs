@@ -311,11 +311,18 @@ pub(crate) unsafe fn read_around(
             end += 1;
         }
         let to = mm.page_addr(ahead[i].page());
-        let done = match mm.uffd().copy(to, buf(i), (end - i) * PAGE_SIZE, clean) {
-            Ok(()) => end - i,
-            Err(p) => p.done / PAGE_SIZE,
-        };
-        mapped[i..i + done].fill(true);
+        match mm.uffd().copy(to, buf(i), (end - i) * PAGE_SIZE, clean) {
+            Ok(()) => mapped[i..end].fill(true),
+            Err(p) if p.done == 0 && p.vanished() && end - i > 1 => {
+                // The run spans two mappings (the program changed the protection of part
+                // of the region), and a fill must stay in one: page by page.
+                for k in i..end {
+                    let at = mm.page_addr(ahead[k].page());
+                    mapped[k] = mm.uffd().copy(at, buf(k), PAGE_SIZE, clean).is_ok();
+                }
+            }
+            Err(p) => mapped[i..i + p.done / PAGE_SIZE].fill(true),
+        }
         i = end;
     }
     let mut read = 0;

@@ -375,14 +375,20 @@ impl Reclaim {
         let mm = &self.mm;
         let frames = mm.staging().alloc_many(locks.len());
         let mut start = 0;
+        // After a run that stopped at its first page, that page is tried alone: a run
+        // spanning two mappings (the program changed the protection of part of the
+        // region) fails whole, where its pages one by one may move.
+        let mut alone = false;
         while start < frames.len() {
             let mut end = start + 1;
-            while end < frames.len()
+            while !alone
+                && end < frames.len()
                 && locks[end].page() == locks[end - 1].page() + 1
                 && frames[end] == frames[end - 1] + 1
             {
                 end += 1;
             }
+            alone = false;
             let (dst, src) = (
                 mm.staging().addr(frames[start]),
                 mm.page_addr(locks[start].page()),
@@ -393,6 +399,10 @@ impl Reclaim {
                     .move_pages(dst, src, (end - start) * PAGE_SIZE, false)
                 {
                     Ok(()) => end - start,
+                    Err(partial) if partial.done == 0 && end - start > 1 => {
+                        alone = true;
+                        continue;
+                    }
                     Err(partial) => {
                         let stuck = &mut locks[start + partial.done / PAGE_SIZE];
                         match partial.error.raw_os_error() {
