@@ -24,6 +24,11 @@ use uswap_core::run::{Settings, ENV};
 /// The preload library's file name, beside the `uswap` binary.
 const PRELOAD: &str = "libuswap_preload.so";
 
+/// Address space beyond --vm-size for reservations, by default: a JVM reserves its
+/// maximum heap and a 1 GiB class space, V8 a 4 GiB pointer-compression cage. It costs
+/// page table entries only where committed.
+const RESERVATIONS: u64 = 64 << 30;
+
 #[derive(Args, Debug)]
 pub struct RunArgs {
     /// Resident memory the program may use [default: half of the machine's memory]
@@ -35,6 +40,12 @@ pub struct RunArgs {
     /// 64G and 90% of the swap directory's free space)]
     #[arg(long, value_name = "SIZE", value_parser = nonzero_size)]
     pub vm_size: Option<u64>,
+
+    /// Address space for the program's memory: --vm-size of it committed (accessible) at
+    /// most, the rest for reservations (PROT_NONE) that the JVM, V8 and Go reserve for
+    /// their heaps and commit as they grow [default: --vm-size plus 64G]
+    #[arg(long, value_name = "SIZE", value_parser = nonzero_size)]
+    pub address_space: Option<u64>,
 
     /// Whose swap: `uswap`, or `kernel` (root): the program as a child in a memory cgroup
     /// limited to --memory, with the kernel's swap (--kernel-swap) of --swap-size [default:
@@ -86,6 +97,9 @@ pub fn run(args: &RunArgs) -> Result<ExitCode> {
     let settings = Settings {
         config,
         vm_size,
+        address_space: args
+            .address_space
+            .unwrap_or(vm_size.saturating_add(RESERVATIONS)),
         memcg: Some(memcg),
     };
     let mut preloads = preload.into_os_string();
@@ -110,6 +124,9 @@ pub fn run(args: &RunArgs) -> Result<ExitCode> {
 /// returns its exit status once everything made for it is gone.
 fn run_under_kernel(args: &RunArgs, memory: u64) -> Result<ExitCode> {
     let mut uswap_only = args.core.uswap_only_options();
+    if args.address_space.is_some() {
+        uswap_only.insert(0, "--address-space");
+    }
     if args.vm_size.is_some() {
         uswap_only.insert(0, "--vm-size");
     }

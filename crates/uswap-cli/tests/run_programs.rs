@@ -368,6 +368,62 @@ fn allocation_api_under_uswap_run() {
     expect_ok(&run(cmd, b"", "uswap run alloc_api"), "alloc_api");
 }
 
+/// Memory grown the ways programs grow it stays under the limit: its resident anonymous
+/// memory (RssAnon) at 4 times the limit is the limit plus uswap's metadata, where it once
+/// grew past the limit (a `realloc` that moved a large block took it from uswap's own heap).
+fn heap_stays_under_the_limit(way: &str) {
+    let _heavy = heavy();
+    let tmp = TempDir::new().unwrap();
+    let Some(exe) = build_c_program(tmp.path(), "heap_limit") else {
+        return;
+    };
+    let mut cmd = uswap_run_in("auto", tmp.path(), Some(MEMORY), &exe);
+    cmd.args([way, "256"]);
+    let line = expect_ok(&run(cmd, b"", "uswap run heap_limit"), "heap_limit");
+    let peak: u64 = line
+        .rsplit(' ')
+        .next()
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("heap_limit printed no peak: {line}"));
+    // The page table, LRU and swap map of a 4 GiB region, touched where used, and the
+    // libraries' own memory: a few MiB.
+    let slack_mib = 16;
+    assert!(
+        peak <= (MEMORY_BYTES >> 20) + slack_mib,
+        "{way}: peak RssAnon {peak} MiB under a {MEMORY} limit ({line})"
+    );
+}
+
+#[test]
+fn realloc_growth_stays_under_the_limit() {
+    heap_stays_under_the_limit("realloc");
+}
+
+#[test]
+fn realloc_moves_stay_under_the_limit() {
+    heap_stays_under_the_limit("realloc2");
+}
+
+#[test]
+fn mremap_growth_stays_under_the_limit() {
+    heap_stays_under_the_limit("mremap");
+}
+
+/// A heap reserved `PROT_NONE` and committed by fixed mappings, as HotSpot and Go do: once
+/// the kernel's memory, outside the limit.
+#[test]
+fn heap_committed_by_fixed_mappings_stays_under_the_limit() {
+    heap_stays_under_the_limit("reserve");
+}
+
+/// A heap reserved `PROT_NONE` and committed by `mprotect`, as V8 does. Its committed part
+/// ends inside fault-around windows; a window spanning two protections once made faults
+/// retry forever.
+#[test]
+fn heap_committed_by_mprotect_stays_under_the_limit() {
+    heap_stays_under_the_limit("mprotect");
+}
+
 /// Ranges given back with munmap and mapped again by other threads read as zeros while
 /// reclaim moves pages out (a page moved out between the discard and the kernel's zap once
 /// came back with its old data).

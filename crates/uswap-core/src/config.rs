@@ -531,6 +531,13 @@ pub struct Config {
     /// a process joins its tree's group through an inherited descriptor.
     #[serde(skip)]
     pub memcg: Option<std::sync::Arc<crate::memcg::MemCgroup>>,
+    /// Bytes of the region that may hold data at once, as the kernel's `CommitLimit`:
+    /// the swap the region promises itself is this less the memory limit. For a region
+    /// larger than what its user keeps in it, the rest being address space reserved
+    /// (`PROT_NONE`) and committed later; the user keeps what is accessible within it
+    /// (`uswap run`'s preload does). `None`: the whole region.
+    #[serde(default)]
+    pub commit_limit: Option<u64>,
 }
 
 impl Config {
@@ -552,11 +559,18 @@ impl Config {
             lru_batch: DEFAULT_LRU_BATCH,
             breakdown: false,
             memcg: None,
+            commit_limit: None,
         }
     }
 
     pub fn limit_pages(&self) -> u64 {
         self.memory_limit / PAGE_SIZE as u64
+    }
+
+    /// Pages of a region of `pages` that may hold data at once ([`Config::commit_limit`]).
+    pub fn commit_pages(&self, pages: u64) -> u64 {
+        self.commit_limit
+            .map_or(pages, |bytes| bytes.div_ceil(PAGE_SIZE as u64).min(pages))
     }
 
     pub fn watermarks(&self) -> Watermarks {

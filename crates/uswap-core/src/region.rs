@@ -274,9 +274,10 @@ impl Region {
             ));
         }
         let pages = self.inner().fault.mm().pages().len() as u64;
+        let committable = self.inner().config().commit_pages(pages);
         self.inner()
             .reservation
-            .grow_to(pages.saturating_sub(limit))?;
+            .grow_to(committable.saturating_sub(limit))?;
         self.inner().fault.reclaim().set_limit(limit);
         Ok(())
     }
@@ -457,10 +458,10 @@ impl Inner {
         cfg.fault_mode = cfg.fault_mode.resolve();
         let pages = (map.len() / PAGE_SIZE) as u64;
         let limit = cfg.limit_pages();
-        let needed = pages.saturating_sub(limit);
+        let needed = cfg.commit_pages(pages).saturating_sub(limit);
         if needed > swap.capacity_pages() {
             return Err(Error::RegionTooLarge {
-                region: pages * PAGE_SIZE as u64,
+                region: cfg.commit_pages(pages) * PAGE_SIZE as u64,
                 memory: limit * PAGE_SIZE as u64,
                 swap: swap.capacity_pages() * PAGE_SIZE as u64,
             });

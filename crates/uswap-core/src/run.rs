@@ -11,9 +11,15 @@ pub const ENV: &str = "USWAP_RUN";
 #[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
 pub struct Settings {
     pub config: Config,
-    /// Bytes of address space for the program's heap and private mappings, resident and
-    /// swapped together (the region's size).
+    /// Bytes of the program's heap and private mappings, resident and swapped together,
+    /// that may be committed at once (the region's commit limit).
     pub vm_size: u64,
+    /// Bytes of address space for the program's memory, at least `vm_size`: the rest holds
+    /// reservations (`PROT_NONE`) that a program commits later, as the JVM, V8 and Go
+    /// reserve their heaps. The region is this large; at most `vm_size` of it is committed
+    /// at once. 0: `vm_size`.
+    #[serde(default)]
+    pub address_space: u64,
     /// The file of the tree's memory cgroup (`MemCgroup::create_shared`): every program of
     /// the tree charges the one limit.
     pub memcg: Option<std::path::PathBuf>,

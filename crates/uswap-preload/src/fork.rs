@@ -4,7 +4,7 @@
 //!
 //! uswap's core registers no fork handlers here (`handle_fork_manually`): these handlers
 //! call it in the order the locks need.
-//! - Before the fork: every heap arena's lock and the space's free list, so that no
+//! - Before the fork: every heap arena's lock and the space's book, so that no
 //!   allocation changes region memory or the allocators' own state from the moment the
 //!   region is copied until the fork; then the core's copy, which allocates from the
 //!   internal heap; then the internal heap's lock.
@@ -18,7 +18,7 @@ use crate::{heap, internal, space, sys};
 /// go of the internal heap before the vector of arena guards is freed into it.
 struct Held {
     _internal: std::sync::MutexGuard<'static, dlmalloc::Dlmalloc<internal::KernelPages>>,
-    _free_list: Option<space::FreeListGuard>,
+    _book: Option<space::BookGuard>,
     _arenas: Vec<std::sync::MutexGuard<'static, dlmalloc::Dlmalloc<heap::SpaceGranules>>>,
 }
 
@@ -26,16 +26,16 @@ static mut HELD: Option<Held> = None;
 
 extern "C" fn prepare() {
     let _inside = internal::Inside::enter();
-    // The order every allocation nests in: arena, free list, internal heap.
+    // The order every allocation nests in: arena, book, internal heap.
     let arenas = heap::lock_all();
-    let free_list = space::get().map(|s| s.lock_free_list());
+    let book = space::get().map(|s| s.lock_book_static());
     uswap_core::fork::prepare();
     let internal = internal::heap();
     // SAFETY: only the forking thread touches HELD, between prepare and parent/child.
     unsafe {
         HELD = Some(Held {
             _internal: internal,
-            _free_list: free_list,
+            _book: book,
             _arenas: arenas,
         })
     };

@@ -48,10 +48,7 @@ unsafe impl Allocator for SpaceGranules {
                 space.set_owner(addr, size, self.arena + 1);
                 (addr as *mut u8, size, 0)
             }
-            None => {
-                space::warn_exhausted();
-                (std::ptr::null_mut(), 0, 0)
-            }
+            None => (std::ptr::null_mut(), 0, 0),
         }
     }
 
@@ -285,8 +282,13 @@ pub unsafe extern "C" fn realloc(ptr: *mut c_void, size: size_t) -> *mut c_void 
         Owner::Arena(a) => lock(a).c_realloc(ptr, size),
         Owner::Large if size >= large::THRESHOLD => {
             let space = space::get().expect("a large block lives in the space");
-            let _inside = Inside::enter();
-            match large::resize_in_place(space, ptr, size) {
+            // The guard ends before a move: a block allocated while uswap code runs would
+            // come from uswap's own heap, outside the region and the limit.
+            let resized = {
+                let _inside = Inside::enter();
+                large::resize_in_place(space, ptr, size)
+            };
+            match resized {
                 true => ptr,
                 false => move_block(ptr, large::usable_size(ptr), size),
             }

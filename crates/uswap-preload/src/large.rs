@@ -7,7 +7,7 @@
 //! A block starts on a granule boundary with a header (its length and the offset of the
 //! pointer handed out); its granules are marked [`OWNER`] in the space's granule table.
 
-use crate::space::{self, Space, GRANULE};
+use crate::space::{Space, GRANULE};
 
 /// Requests this large or larger are large blocks (glibc's default mmap threshold is
 /// 128 KiB, and grows with use; a fixed 256 KiB keeps a block's last granule at most a
@@ -43,7 +43,6 @@ pub fn alloc(space: &Space, size: usize, align: usize) -> *mut u8 {
         return std::ptr::null_mut();
     };
     let Some(base) = space.alloc(len, GRANULE) else {
-        space::warn_exhausted();
         return std::ptr::null_mut();
     };
     space.set_owner(base, len, OWNER);

@@ -14,6 +14,7 @@
 //! in SIGBUS mode, by the faulting thread itself, every program thread running with
 //! syscall dispatch (`uswap_core::syscall_dispatch`) so that its system calls still can.
 
+mod book;
 mod calls;
 mod fork;
 mod heap;
@@ -48,9 +49,9 @@ extern "C" fn init() {
     calls::resolve_all();
     warm_up_name_services();
     match start(&text) {
-        Ok(region) => {
+        Ok((region, commit_limit)) => {
             serve_control(&region);
-            space::install(region);
+            space::install(region, commit_limit);
             // SAFETY: registering a function with C linkage.
             unsafe { libc::atexit(at_exit) };
         }
@@ -155,7 +156,8 @@ fn fault_mode(asked: FaultMode) -> uswap_core::Result<FaultMode> {
     Ok(mode)
 }
 
-fn start(text: &str) -> uswap_core::Result<Arc<Region>> {
+/// The program's region, and how much of it may be committed at once.
+fn start(text: &str) -> uswap_core::Result<(Arc<Region>, u64)> {
     if !malloc_is_ours() {
         return Err(uswap_core::Error::InvalidConfig {
             what: "program",
@@ -186,5 +188,8 @@ fn start(text: &str) -> uswap_core::Result<Arc<Region>> {
                     None
                 }
             });
-    Region::new(settings.vm_size, settings.config).map(Arc::new)
+    let mut config = settings.config;
+    config.commit_limit = Some(settings.vm_size);
+    let size = settings.address_space.max(settings.vm_size);
+    Ok((Arc::new(Region::new(size, config)?), settings.vm_size))
 }

@@ -1,12 +1,16 @@
-//! The program's private anonymous mappings, served from the space: `mmap`, `munmap` and
-//! `mremap` as exported here. File mappings, shared mappings, stacks, executable or
-//! inaccessible reservations, and every mapping made while uswap code runs go to the
-//! kernel unchanged.
+//! The program's private anonymous mappings, served from the space: `mmap`, `munmap`,
+//! `mremap` and `mprotect` as exported here. Read-write mappings are committed memory;
+//! `PROT_NONE` ones are reservations, committed later in place by `mmap(MAP_FIXED)` or
+//! `mprotect` and uncommitted the same ways, as the JVM, V8 and Go manage their heaps.
+//! File mappings, shared mappings, stacks, mappings made executable or read-only from the
+//! start, and every mapping made while uswap code runs go to the kernel unchanged.
 
+use crate::book::Use;
 use crate::internal::{self, Inside};
 use crate::space::{self, Space, NO_ARENA};
 use crate::sys;
 use libc::{c_int, c_void, off_t, size_t};
+use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use uswap_core::PAGE_SIZE;
 
 const PROT_RW: c_int = libc::PROT_READ | libc::PROT_WRITE;
@@ -41,42 +45,63 @@ pub unsafe extern "C" fn mmap(
     fd: c_int,
     off: off_t,
 ) -> *mut c_void {
-    let ours = flags & libc::MAP_ANONYMOUS != 0
+    let anon = flags & libc::MAP_ANONYMOUS != 0
         && flags & MAP_TYPE == libc::MAP_PRIVATE
         && flags & KERNEL_ONLY == 0
-        && prot == PROT_RW
         && len > 0;
     let fixed = flags & (libc::MAP_FIXED | libc::MAP_FIXED_NOREPLACE) != 0;
     let Some(space) = space() else {
         return sys::mmap(addr, len, prot, flags, fd, off);
     };
     if fixed && space.overlaps(addr as usize, len) {
-        return map_fixed_inside(space, addr, len, ours, flags);
+        return map_fixed_inside(space, addr, len, prot, anon, flags);
     }
-    if !ours || fixed {
+    if !anon || fixed || (prot != PROT_RW && prot != libc::PROT_NONE) {
         return sys::mmap(addr, len, prot, flags, fd, off);
     }
     let Some(len) = page_round(len) else {
         return fail(libc::ENOMEM, libc::MAP_FAILED);
     };
     let _inside = Inside::enter();
+    if prot == libc::PROT_NONE {
+        return match space.reserve(len) {
+            Some(at) => at as *mut c_void,
+            None => {
+                warn_reservation_outside(len);
+                sys::mmap(addr, len, prot, flags, fd, off)
+            }
+        };
+    }
     match space.alloc(len, PAGE_SIZE) {
         Some(at) => at as *mut c_void,
-        None => {
-            space::warn_exhausted();
-            fail(libc::ENOMEM, libc::MAP_FAILED)
-        }
+        None => fail(libc::ENOMEM, libc::MAP_FAILED),
     }
 }
 
-/// A fixed mapping over the space: a fresh private anonymous one over a range of it (not
-/// the malloc heap) is that memory made zero again, and the program's; anything else
-/// would tear the region apart.
+/// Says once that a reservation went to the kernel, and what that means.
+fn warn_reservation_outside(len: usize) {
+    static SAID: AtomicBool = AtomicBool::new(false);
+    if !SAID.swap(true, Relaxed) {
+        sys::warn(&format!(
+            "uswap: a reservation of {} MiB (PROT_NONE) did not fit in the address space \
+             uswap keeps for the program; what the program commits in it is the kernel's \
+             memory, outside the limit. Rerun with a larger --address-space.\n",
+            len >> 20
+        ));
+    }
+}
+
+/// A fixed mapping over the space. A private anonymous one over a range of the program's
+/// (not the malloc heap) is that memory made zero again, and the program's: committed when
+/// accessible (a runtime committing part of its reserved heap), reserved when `PROT_NONE`
+/// (uncommitting it), with the protection asked for. Anything else would tear the region
+/// apart.
 unsafe fn map_fixed_inside(
     space: &Space,
     addr: *mut c_void,
     len: size_t,
-    ours: bool,
+    prot: c_int,
+    anon: bool,
     flags: c_int,
 ) -> *mut c_void {
     let start = addr as usize;
@@ -86,14 +111,14 @@ unsafe fn map_fixed_inside(
     if flags & libc::MAP_FIXED_NOREPLACE != 0 {
         return fail(libc::EEXIST, libc::MAP_FAILED);
     }
-    if !ours
+    if !anon
         || !start.is_multiple_of(PAGE_SIZE)
         || !space.holds(start, len)
         || holds_heap(space, start, len)
     {
         sys::warn(
             "uswap: refused a fixed mapping of another kind over memory uswap manages \
-             (only private anonymous read-write memory can replace it)\n",
+             (only private anonymous memory can replace it)\n",
         );
         return fail(libc::EINVAL, libc::MAP_FAILED);
     }
@@ -102,8 +127,47 @@ unsafe fn map_fixed_inside(
         return fail(libc::ENOMEM, libc::MAP_FAILED);
     }
     // Over pages that were free too (mapped again where it unmapped before): they are its.
-    space.claim(start, len);
+    if !space.claim(start, len, use_of(prot)) {
+        return fail(libc::ENOMEM, libc::MAP_FAILED);
+    }
+    if prot != PROT_RW && sys::mprotect(addr, len, prot) != 0 {
+        return libc::MAP_FAILED;
+    }
     addr
+}
+
+/// What a protection makes of the space's pages.
+fn use_of(prot: c_int) -> Use {
+    match prot & (libc::PROT_READ | libc::PROT_WRITE | libc::PROT_EXEC) {
+        libc::PROT_NONE => Use::Reserved,
+        _ => Use::Committed,
+    }
+}
+
+/// `mprotect(2)`. Over the program's mappings in the space, making pages accessible
+/// commits them (within the commit limit, or ENOMEM as the kernel's strict overcommit
+/// says), making them inaccessible uncommits them. The heap's pages stay committed.
+/// Pages made other than read-write stay uswap memory, resident and never swapped out
+/// (reclaim cannot move them).
+#[no_mangle]
+pub unsafe extern "C" fn mprotect(addr: *mut c_void, len: size_t, prot: c_int) -> c_int {
+    let start = addr as usize;
+    let Some(space) = space().filter(|s| s.overlaps(start, len)) else {
+        return sys::mprotect(addr, len, prot);
+    };
+    let Some(len) = page_round(len).filter(|&l| l > 0) else {
+        return sys::mprotect(addr, len, prot);
+    };
+    if !start.is_multiple_of(PAGE_SIZE) {
+        return fail(libc::EINVAL, -1);
+    }
+    if space.holds(start, len) && !holds_heap(space, start, len) {
+        let _inside = Inside::enter();
+        if space.protect(start, len, use_of(prot)).is_err() {
+            return fail(libc::ENOMEM, -1);
+        }
+    }
+    sys::mprotect(addr, len, prot)
 }
 
 #[no_mangle]
@@ -176,6 +240,7 @@ pub unsafe extern "C" fn mremap(
         || new_len == 0
         || !space.holds(start, old_len)
         || holds_heap(space, start, old_len)
+        || space.any_reserved(start, old_len)
         || flags & (libc::MREMAP_FIXED | libc::MREMAP_DONTUNMAP) != 0
     {
         sys::warn("uswap: refused an mremap() of memory uswap manages that it cannot do\n");
@@ -195,7 +260,6 @@ pub unsafe extern "C" fn mremap(
         return fail(libc::ENOMEM, libc::MAP_FAILED);
     }
     let Some(to) = space.alloc(new_len, PAGE_SIZE) else {
-        space::warn_exhausted();
         return fail(libc::ENOMEM, libc::MAP_FAILED);
     };
     // Copied through memory: pages out on swap come back on the way.

@@ -1,5 +1,5 @@
-//! Free runs of pages: the space's free list, as a map from a run's first page to its
-//! length, with no two runs overlapping or touching (touching runs are merged).
+//! Runs of pages (the space's free pages, its reserved ones), as a map from a run's first
+//! page to its length, with no two runs overlapping or touching (touching runs are merged).
 //!
 //! Giving back is idempotent and may overlap runs already free, as `munmap` of a range
 //! that is partly unmapped already is; taking back removes whatever part is free.
@@ -25,6 +25,14 @@ pub fn all_free(runs: &Runs, first: usize, pages: usize) -> bool {
     runs.range(..=first)
         .next_back()
         .is_some_and(|(&run, &len)| first + pages <= run + len)
+}
+
+/// How many pages of `[first, first + pages)` are in the runs.
+pub fn count(runs: &Runs, first: usize, pages: usize) -> usize {
+    let end = first + pages;
+    overlapping(runs, first, end)
+        .map(|(run, len)| (run + len).min(end) - run.max(first))
+        .sum()
 }
 
 /// Removes from the runs whatever part of `[first, first + pages)` is free.
@@ -148,6 +156,9 @@ mod tests {
                     }
                 }
                 check(&runs, &free);
+                let (first, pages) = (first.min(PAGES - 1), pages.min(PAGES - first.min(PAGES - 1)));
+                let counted = free[first..first + pages].iter().filter(|&&f| f).count();
+                prop_assert_eq!(count(&runs, first, pages), counted);
             }
         }
     }

@@ -1,16 +1,19 @@
 //! The program's anonymous memory: one uswap region, carved into the program's private
 //! mappings and the segments of its `malloc` heap.
 //!
-//! Ranges are handed out first fit by address from a free list of page runs. A range given
-//! back is discarded first (`MADV_DONTNEED`: the kernel tells uswap, which frees its
-//! frames and swap slots), so a range handed out again reads as zeros, as a fresh mapping
-//! does. Heap segments are whole granules of 64 KiB, and the granule table says which
-//! heap arena owns each one, so `free` finds a block's arena without a lock.
+//! Ranges are handed out first fit by address from the free runs of the space's
+//! [`Book`], which also keeps what is committed (accessible) within the commit limit, and
+//! what is only reserved (`PROT_NONE`, committed later by `mmap(MAP_FIXED)` or
+//! `mprotect`, as language runtimes do with their heaps). A range given back is discarded
+//! first (`MADV_DONTNEED`: the kernel tells uswap, which frees its frames and swap slots),
+//! so a range handed out again reads as zeros, as a fresh mapping does. Heap segments are
+//! whole granules of 64 KiB, and the granule table says which heap arena owns each one, so
+//! `free` finds a block's arena without a lock.
 //!
-//! Lock order: an arena's lock (`heap`), then the free list's lock.
+//! Lock order: an arena's lock (`heap`), then the book's lock.
 
-use crate::{runs, sys};
-use std::collections::BTreeMap;
+use crate::book::{Book, Refusal, Use};
+use crate::sys;
 use std::sync::atomic::{AtomicU8, Ordering::Relaxed};
 use std::sync::{Arc, Mutex, OnceLock};
 use uswap_core::{Region, PAGE_SIZE};
@@ -23,15 +26,14 @@ const PROT_RW: libc::c_int = libc::PROT_READ | libc::PROT_WRITE;
 /// Granule owner meaning "no heap arena" (a mapping, or free).
 pub const NO_ARENA: u8 = 0;
 
-pub type FreeListGuard = std::sync::MutexGuard<'static, BTreeMap<usize, usize>>;
+pub type BookGuard = std::sync::MutexGuard<'static, Book>;
 
 pub struct Space {
     /// The region (kept here so it lives as long as the process).
     region: Arc<Region>,
     start: usize,
     end: usize,
-    /// Free runs: first page index → pages.
-    free: Mutex<BTreeMap<usize, usize>>,
+    book: Mutex<Book>,
     /// For each granule, the heap arena owning it plus one, or `NO_ARENA`.
     owner: Box<[AtomicU8]>,
 }
@@ -43,15 +45,17 @@ pub fn get() -> Option<&'static Space> {
     SPACE.get()
 }
 
-/// Makes `region` the program's memory.
-pub fn install(region: Arc<Region>) {
+/// Makes `region` the program's memory, of which at most `commit_limit` bytes may be
+/// accessible at once.
+pub fn install(region: Arc<Region>, commit_limit: u64) {
     let start = region.as_ptr() as usize;
     let pages = region.len() / PAGE_SIZE;
+    let commit_pages = commit_limit.div_ceil(PAGE_SIZE as u64).min(pages as u64) as usize;
     let granules = (start + region.len() - 1) / GRANULE - start / GRANULE + 1;
     let space = Space {
         start,
         end: start + region.len(),
-        free: Mutex::new(BTreeMap::from([(0, pages)])),
+        book: Mutex::new(Book::new(pages, commit_pages)),
         owner: (0..granules).map(|_| AtomicU8::new(NO_ARENA)).collect(),
         region,
     };
@@ -90,37 +94,82 @@ impl Space {
         addr / GRANULE - self.start / GRANULE
     }
 
-    /// A range of `len` bytes (a multiple of pages) aligned to `align` bytes, or `None`
-    /// when the space is used up.
+    /// A committed range of `len` bytes (a multiple of pages) aligned to `align` bytes,
+    /// or `None` when the space is used up (said once on stderr).
     pub fn alloc(&self, len: usize, align: usize) -> Option<usize> {
-        let align_pages = (align / PAGE_SIZE).max(1);
-        let mut free = self.lock_free();
-        let at = runs::alloc(
-            &mut free,
-            len / PAGE_SIZE,
-            align_pages,
-            self.start / PAGE_SIZE,
-        )?;
-        Some(self.start + at * PAGE_SIZE)
+        self.hand_out(len, align, Use::Committed)
     }
 
-    /// Takes `[addr, addr + len)` out of the free list if all of it is free (growing a
-    /// range in place).
+    /// A reserved range of `len` bytes: handed out, inaccessible (`PROT_NONE`), not
+    /// charged until committed. `None` when no free run is large enough.
+    pub fn reserve(&self, len: usize) -> Option<usize> {
+        let at = self.hand_out(len, PAGE_SIZE, Use::Reserved)?;
+        // SAFETY: a range of the space just handed out, not in use.
+        if unsafe { sys::mprotect(at as *mut _, len, libc::PROT_NONE) } != 0 {
+            self.lock_book()
+                .give_back(self.pages(at, len).0, len / PAGE_SIZE);
+            return None;
+        }
+        Some(at)
+    }
+
+    fn hand_out(&self, len: usize, align: usize, use_: Use) -> Option<usize> {
+        let align_pages = (align / PAGE_SIZE).max(1);
+        let got =
+            self.lock_book()
+                .alloc(len / PAGE_SIZE, align_pages, self.start / PAGE_SIZE, use_);
+        match got {
+            Ok(at) => Some(self.start + at * PAGE_SIZE),
+            Err(refusal) => {
+                if use_ == Use::Committed {
+                    warn_exhausted(refusal);
+                }
+                None
+            }
+        }
+    }
+
+    /// Commits `[addr, addr + len)` if all of it is free (growing a range in place).
+    /// False if it is not, or the commit limit is reached (said once on stderr).
     pub fn take(&self, addr: usize, len: usize) -> bool {
         let (first, pages) = self.pages(addr, len);
-        let mut free = self.lock_free();
-        let ok = runs::all_free(&free, first, pages);
-        if ok {
-            runs::claim(&mut free, first, pages);
+        match self.lock_book().take(first, pages) {
+            Ok(()) => true,
+            Err(Refusal::OverCommit) => {
+                warn_exhausted(Refusal::OverCommit);
+                false
+            }
+            Err(_) => false,
         }
-        ok
     }
 
-    /// Makes `[addr, addr + len)` the program's whatever it was (a fixed mapping over it):
-    /// what was free is taken off the free list.
-    pub fn claim(&self, addr: usize, len: usize) {
+    /// Makes `[addr, addr + len)` the program's, committed or reserved, whatever it was
+    /// (a fixed mapping over it). False when committing it would pass the commit limit
+    /// (said once on stderr).
+    pub fn claim(&self, addr: usize, len: usize, use_: Use) -> bool {
         let (first, pages) = self.pages(addr, len);
-        runs::claim(&mut self.lock_free(), first, pages);
+        let done = self.lock_book().map(first, pages, use_);
+        if let Err(refusal) = done {
+            warn_exhausted(refusal);
+        }
+        done.is_ok()
+    }
+
+    /// Makes `[addr, addr + len)`, all of it handed out, committed or reserved
+    /// (`mprotect`).
+    pub fn protect(&self, addr: usize, len: usize, use_: Use) -> Result<(), Refusal> {
+        let (first, pages) = self.pages(addr, len);
+        let done = self.lock_book().protect(first, pages, use_);
+        if done == Err(Refusal::OverCommit) {
+            warn_exhausted(Refusal::OverCommit);
+        }
+        done
+    }
+
+    /// Whether any page of `[addr, addr + len)` is reserved (inaccessible).
+    pub fn any_reserved(&self, addr: usize, len: usize) -> bool {
+        let (first, pages) = self.pages(addr, len);
+        self.lock_book().any_reserved(first, pages)
     }
 
     /// Gives `[addr, addr + len)` back: its contents are discarded and it reads as zeros
@@ -134,15 +183,15 @@ impl Space {
         }
         self.set_owner(addr, len, NO_ARENA);
         let (first, pages) = self.pages(addr, len);
-        runs::give_back(&mut self.lock_free(), first, pages);
+        self.lock_book().give_back(first, pages);
     }
 
     fn pages(&self, addr: usize, len: usize) -> (usize, usize) {
         ((addr - self.start) / PAGE_SIZE, len / PAGE_SIZE)
     }
 
-    fn lock_free(&self) -> std::sync::MutexGuard<'_, BTreeMap<usize, usize>> {
-        self.free.lock().unwrap_or_else(|e| e.into_inner())
+    fn lock_book(&self) -> std::sync::MutexGuard<'_, Book> {
+        self.book.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// Makes `[addr, addr + len)` read as zeros: discarded (the kernel tells uswap, which
@@ -169,20 +218,31 @@ impl Space {
         }
     }
 
-    /// Holds the free list (across `fork`).
-    pub fn lock_free_list(&'static self) -> FreeListGuard {
-        self.free.lock().unwrap_or_else(|e| e.into_inner())
+    /// Holds the book (across `fork`).
+    pub fn lock_book_static(&'static self) -> BookGuard {
+        self.book.lock().unwrap_or_else(|e| e.into_inner())
     }
 }
 
 /// Says once that the space is used up, and what to do.
-pub fn warn_exhausted() {
-    static SAID: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
-    if !SAID.swap(true, Relaxed) {
-        sys::warn(
+fn warn_exhausted(refusal: Refusal) {
+    static SAID: [std::sync::atomic::AtomicBool; 2] =
+        [const { std::sync::atomic::AtomicBool::new(false) }; 2];
+    let (i, message) = match refusal {
+        Refusal::OverCommit => (
+            0,
             "uswap: the program used up the memory uswap set aside for it (resident and \
              swapped together); allocations now fail with ENOMEM. Rerun with a larger \
              --vm-size (or --swap-size).\n",
-        );
+        ),
+        Refusal::NoRoom | Refusal::NotHandedOut => (
+            1,
+            "uswap: the program used up the address space uswap keeps for its memory \
+             (committed and reserved together); allocations now fail with ENOMEM. Rerun \
+             with a larger --address-space.\n",
+        ),
+    };
+    if !SAID[i].swap(true, Relaxed) {
+        sys::warn(message);
     }
 }
