@@ -274,6 +274,16 @@ fn check_preloadable_at(program: &Path, depth: u32) -> Result<()> {
             program.display()
         );
     }
+    if is_static_elf(&head) && carries_go_build_id(&head) {
+        bail!(
+            "{} is a statically linked Go program: it loads no preload library, and Go's \
+             runtime makes its own system calls for memory, so uswap cannot hold its heap. \
+             Build it linked against the C library (CGO_ENABLED=1 go build \
+             -ldflags=-linkmode=external), whose runtime then maps memory through it, or \
+             run it under the kernel's swap: uswap run --backend kernel",
+            program.display()
+        );
+    }
     if is_static_elf(&head) {
         bail!(
             "{} is statically linked: it loads no preload library, so its memory cannot be \
@@ -329,6 +339,14 @@ fn is_static_elf(head: &[u8]) -> bool {
         .collect();
     // A static PIE has no interpreter either: static for this purpose too.
     !types.is_empty() && !types.contains(&PT_INTERP)
+}
+
+/// Whether `head` holds a Go build ID note (`.note.go.buildid`: name "Go\0\0", type 4),
+/// which Go's linker puts near the start of every ELF program it makes.
+fn carries_go_build_id(head: &[u8]) -> bool {
+    head.windows(16).any(|w| {
+        w[..4] == 4u32.to_le_bytes() && w[8..12] == 4u32.to_le_bytes() && &w[12..] == b"Go\0\0"
+    })
 }
 
 #[cfg(test)]

@@ -88,6 +88,9 @@ impl Handlers {
 /// Most messages one read takes.
 const MAX_BATCH: usize = 16;
 
+/// How long a thread whose fault backed out waits for the event that held it up.
+const RETRY_PARK: Duration = Duration::from_millis(1);
+
 /// What the handler threads of one region share.
 struct Shared {
     /// Messages one read takes.
@@ -98,12 +101,14 @@ struct Shared {
     busy: AtomicUsize,
     /// How long a waiting leader polls before it sleeps.
     spin: Duration,
-    /// Pages whose fault backed out (`Outcome::Retry`), their threads not woken yet. A
-    /// fill backs out when a vma event is pending, and the kernel hands out pending faults
-    /// before events: waking the thread at once would raise the fault again ahead of the
-    /// event, forever. They are woken after the next read, which then returns the event
-    /// (or after a millisecond without one).
-    retry: Mutex<Vec<usize>>,
+    /// Pages whose fault backed out (`Outcome::Retry`), with when, their threads not woken
+    /// yet. A fill backs out when a vma event is pending, and the kernel hands out pending
+    /// faults before events: a thread woken while the event waits raises its fault again
+    /// ahead of it, and with other threads faulting too (a runtime's GC threads while
+    /// another thread discards memory), the event can wait behind them for seconds. They
+    /// are woken after a read that returns an event or nothing, or once they have waited
+    /// [`RETRY_PARK`].
+    retry: Mutex<Vec<(usize, Instant)>>,
 }
 
 /// Leader/follower: one handler at a time waits for messages (spinning briefly, then in
@@ -133,7 +138,8 @@ fn serve(fault: &FaultPath, stop: i32, shared: &Arc<Shared>) {
         // Busy before leadership passes on: the next leader must see this handler busy, or
         // it could sleep without a timeout while this one backs a fault out.
         let _busy = Busy::enter(&shared.busy);
-        let keep = fence.is_some() || fault.has_pending();
+        let event_read = fence.is_some();
+        let keep = event_read || fault.has_pending();
         LENDABLE.set(!keep);
         let is_fault = |e: &Event| matches!(e, Event::Fault { .. });
         for event in msgs[..n].iter().map(Msg::decode).filter(|e| !is_fault(e)) {
@@ -142,14 +148,19 @@ fn serve(fault: &FaultPath, stop: i32, shared: &Arc<Shared>) {
         drop(fence);
         for event in msgs[..n].iter().map(Msg::decode).filter(is_fault) {
             if let Some(page) = handle_message(fault, event) {
-                lock_std(&shared.retry).push(page);
+                lock_std(&shared.retry).push((page, Instant::now()));
             }
         }
         if fault.has_pending() {
             fault.place_pending();
         }
-        for page in retrying {
-            fault.mm().wake(page);
+        let now = Instant::now();
+        for (page, since) in retrying {
+            if event_read || n == 0 || now.duration_since(since) >= RETRY_PARK {
+                fault.mm().wake(page);
+            } else {
+                lock_std(&shared.retry).push((page, since));
+            }
         }
         // Still leading unless the batch lent leadership out while it waited for a read.
         leading = keep || LENDABLE.replace(false);

@@ -44,7 +44,7 @@ use crate::sigbus::CallPins;
 use crate::syscall_args;
 use std::arch::global_asm;
 use std::cell::UnsafeCell;
-use std::sync::atomic::{AtomicI32, Ordering::Relaxed};
+use std::sync::atomic::{AtomicI32, AtomicU64, Ordering::Relaxed};
 use std::sync::Once;
 
 const PR_SET_SYSCALL_USER_DISPATCH: libc::c_int = 59;
@@ -488,7 +488,9 @@ extern "C" fn on_sigsys(_sig: libc::c_int, info: *mut libc::siginfo_t, ctx: *mut
 }
 
 /// A SIGSYS that dispatch did not raise (a seccomp filter's): the default action, as
-/// without uswap (a program that handles SIGSYS itself cannot use dispatch).
+/// without uswap. A handler the program set for SIGSYS is only recorded
+/// ([`PROGRAM_SIGSYS`]): runtimes that install a handler for every signal, as Go's does,
+/// expect the call to succeed, and a seccomp denial ends the program either way.
 fn not_ours() {
     let dfl = KernelSigaction {
         handler: 0,
@@ -739,6 +741,10 @@ fn sigprocmask(a: [u64; 6], mask: &mut u64) -> i64 {
     0
 }
 
+/// The SIGSYS action the program set, as it reads it back (handler, flags, mask); never
+/// installed (see [`not_ours`]).
+static PROGRAM_SIGSYS: [AtomicU64; 3] = [const { AtomicU64::new(0) }; 3];
+
 /// `rt_sigaction`, with SIGSYS and SIGBUS left out of the handler's mask. SIGSYS itself
 /// stays uswap's. So does SIGBUS while uswap's handler is installed: the program's action
 /// is recorded and gets the SIGBUS signals that are not about a region (a program's crash
@@ -754,8 +760,24 @@ fn sigaction(a: [u64; 6]) -> i64 {
     }
     // SAFETY: the program's pointers; a bad one faults here as in the C library's wrapper.
     let new = (!act.is_null()).then(|| unsafe { std::ptr::read_unaligned(act) });
-    if sig == libc::SIGSYS && new.is_some() {
-        return -(libc::EINVAL as i64);
+    if sig == libc::SIGSYS {
+        let recorded = |a: &AtomicU64| a.load(Relaxed);
+        let previous = KernelSigaction {
+            handler: recorded(&PROGRAM_SIGSYS[0]),
+            flags: recorded(&PROGRAM_SIGSYS[1]),
+            restorer: 0,
+            mask: recorded(&PROGRAM_SIGSYS[2]),
+        };
+        if let Some(n) = new {
+            for (slot, value) in PROGRAM_SIGSYS.iter().zip([n.handler, n.flags, n.mask]) {
+                slot.store(value, Relaxed);
+            }
+        }
+        if !old.is_null() {
+            // SAFETY: as above.
+            unsafe { std::ptr::write_unaligned(old, previous) };
+        }
+        return 0;
     }
     if sig == libc::SIGBUS && crate::sigbus::installed() {
         let previous =

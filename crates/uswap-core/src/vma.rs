@@ -103,7 +103,9 @@ impl FaultPath {
             let mut lazy = Vec::new();
             for lock in &mut locks {
                 match lock.kind() {
-                    Kind::Unmapped => {}
+                    // Already reads as zeros, and nothing of it is mapped to zap: the bulk
+                    // of a large reservation given back, untouched.
+                    Kind::Unmapped | Kind::None | Kind::Discarded => {}
                     Kind::Lazyfree => lazy.push(lock.page()),
                     Kind::Active => {
                         self.forget_slot_locked(lock);

@@ -1,11 +1,14 @@
 //! The space's book of its pages, as the kernel's commit accounting keeps one per process:
 //! every page is free, reserved (handed out but inaccessible: a `PROT_NONE` reservation a
-//! language runtime commits later) or committed (handed out and accessible, charged
-//! against the commit limit). Only committed pages can hold data the program wrote, so
-//! keeping them within the commit limit keeps the region's data within the swap it
-//! promised itself (`Config::commit_limit`).
+//! language runtime commits later), lent (handed to the kernel: a file the program mapped
+//! over part of its reservation, as the JVM maps its class data archive) or committed
+//! (handed out and accessible, charged against the commit limit). Only committed pages
+//! can hold data the program wrote in uswap memory, so keeping them within the commit
+//! limit keeps the region's data within the swap it promised itself
+//! (`Config::commit_limit`). Lent pages are never handed out again.
 //!
-//! Free and reserved pages are kept as runs ([`runs`]); committed pages are the rest.
+//! Free, reserved and lent pages are kept as runs ([`runs`]); committed pages are the
+//! rest.
 //! Every change says what it would do first and changes nothing when it is refused.
 
 use crate::runs::{self, Runs};
@@ -17,6 +20,8 @@ pub enum Use {
     Committed,
     /// Inaccessible (`PROT_NONE`), not charged.
     Reserved,
+    /// The kernel's mapping, not uswap memory, not charged.
+    Lent,
 }
 
 /// Why a change was refused.
@@ -33,8 +38,10 @@ pub enum Refusal {
 pub struct Book {
     free: Runs,
     reserved: Runs,
+    lent: Runs,
     free_pages: usize,
     reserved_pages: usize,
+    lent_pages: usize,
     pages: usize,
     commit_limit: usize,
 }
@@ -45,15 +52,17 @@ impl Book {
         Book {
             free: Runs::from([(0, pages)]),
             reserved: Runs::new(),
+            lent: Runs::new(),
             free_pages: pages,
             reserved_pages: 0,
+            lent_pages: 0,
             pages,
             commit_limit,
         }
     }
 
     pub fn committed(&self) -> usize {
-        self.pages - self.free_pages - self.reserved_pages
+        self.pages - self.free_pages - self.reserved_pages - self.lent_pages
     }
 
     #[cfg(test)]
@@ -75,9 +84,7 @@ impl Book {
         }
         let at = runs::alloc(&mut self.free, pages, align, base).ok_or(Refusal::NoRoom)?;
         self.free_pages -= pages;
-        if use_ == Use::Reserved {
-            self.add_reserved(at, pages);
-        }
+        self.set_use(at, pages, use_);
         Ok(at)
     }
 
@@ -97,7 +104,7 @@ impl Book {
     pub fn map(&mut self, first: usize, pages: usize, use_: Use) -> Result<(), Refusal> {
         let free = runs::count(&self.free, first, pages);
         if use_ == Use::Committed {
-            self.check_commit(free + runs::count(&self.reserved, first, pages))?;
+            self.check_commit(free + self.uncharged(first, pages))?;
         }
         runs::claim(&mut self.free, first, pages);
         self.free_pages -= free;
@@ -111,17 +118,31 @@ impl Book {
             return Err(Refusal::NotHandedOut);
         }
         if use_ == Use::Committed {
-            self.check_commit(runs::count(&self.reserved, first, pages))?;
+            self.check_commit(self.uncharged(first, pages))?;
         }
         self.set_use(first, pages, use_);
         Ok(())
     }
 
-    /// Frees `[first, first + pages)`; parts already free stay free.
+    /// Frees `[first, first + pages)`; parts already free stay free, and lent parts stay
+    /// lent (the address space is the kernel's for good).
     pub fn give_back(&mut self, first: usize, pages: usize) {
-        self.set_use(first, pages, Use::Committed);
-        self.free_pages += pages - runs::count(&self.free, first, pages);
-        runs::give_back(&mut self.free, first, pages);
+        let lent = runs::pieces(&self.lent, first, pages);
+        let mut at = first;
+        for (start, len) in lent.into_iter().chain([(first + pages, 0)]) {
+            if start > at {
+                let n = start - at;
+                self.set_use(at, n, Use::Committed);
+                self.free_pages += n - runs::count(&self.free, at, n);
+                runs::give_back(&mut self.free, at, n);
+            }
+            at = start + len;
+        }
+    }
+
+    /// The lent runs within `[first, first + pages)`.
+    pub fn lent_in(&self, first: usize, pages: usize) -> Vec<(usize, usize)> {
+        runs::pieces(&self.lent, first, pages)
     }
 
     #[cfg(test)]
@@ -141,20 +162,24 @@ impl Book {
         }
     }
 
-    fn add_reserved(&mut self, first: usize, pages: usize) {
-        self.reserved_pages += pages - runs::count(&self.reserved, first, pages);
-        runs::give_back(&mut self.reserved, first, pages);
+    /// Handed-out pages of `[first, first + pages)` not charged now.
+    fn uncharged(&self, first: usize, pages: usize) -> usize {
+        runs::count(&self.reserved, first, pages) + runs::count(&self.lent, first, pages)
     }
 
     /// Makes handed-out pages of `[first, first + pages)` `use_` (counts kept right).
     fn set_use(&mut self, first: usize, pages: usize, use_: Use) {
-        match use_ {
-            Use::Reserved => self.add_reserved(first, pages),
-            Use::Committed => {
-                self.reserved_pages -= runs::count(&self.reserved, first, pages);
-                runs::claim(&mut self.reserved, first, pages);
-            }
-        }
+        self.reserved_pages -= runs::count(&self.reserved, first, pages);
+        runs::claim(&mut self.reserved, first, pages);
+        self.lent_pages -= runs::count(&self.lent, first, pages);
+        runs::claim(&mut self.lent, first, pages);
+        let (set, count) = match use_ {
+            Use::Committed => return,
+            Use::Reserved => (&mut self.reserved, &mut self.reserved_pages),
+            Use::Lent => (&mut self.lent, &mut self.lent_pages),
+        };
+        runs::give_back(set, first, pages);
+        *count += pages;
     }
 }
 
@@ -188,6 +213,17 @@ mod tests {
     }
 
     #[test]
+    fn lent_pages_are_never_handed_out_again() {
+        let mut book = Book::new(10, 10);
+        let at = book.alloc(10, 1, 0, Use::Reserved).unwrap();
+        book.map(at + 2, 3, Use::Lent).unwrap();
+        book.give_back(at, 10);
+        assert_eq!(book.lent_in(0, 10), vec![(2, 3)]);
+        assert_eq!(book.alloc(6, 1, 0, Use::Committed), Err(Refusal::NoRoom));
+        assert_eq!(book.alloc(5, 1, 0, Use::Committed), Ok(5));
+    }
+
+    #[test]
     fn only_handed_out_pages_can_be_protected() {
         let mut book = Book::new(20, 20);
         let at = book.alloc(4, 1, 0, Use::Committed).unwrap();
@@ -209,6 +245,7 @@ mod tests {
         let count = |p: Page| model.iter().filter(|&&m| m == p).count();
         assert_eq!(book.free_pages, count(Page::Free));
         assert_eq!(book.reserved(), count(Page::Handed(Use::Reserved)));
+        assert_eq!(book.lent_pages, count(Page::Handed(Use::Lent)));
         assert_eq!(book.committed(), count(Page::Handed(Use::Committed)));
         for (i, &p) in model.iter().enumerate() {
             assert_eq!(book.all_free(i, 1), p == Page::Free, "page {i}");
@@ -225,14 +262,14 @@ mod tests {
         /// runs agree with the model, and the commit limit holds.
         #[test]
         fn the_book_matches_a_page_model(
-            ops in proptest::collection::vec((0u8..5, any::<bool>(), 0usize..56, 1usize..9), 1..80)
+            ops in proptest::collection::vec((0u8..5, 0u8..3, 0usize..56, 1usize..9), 1..80)
         ) {
             const PAGES: usize = 64;
             const LIMIT: usize = 24;
             let mut book = Book::new(PAGES, LIMIT);
             let mut model = [Page::Free; PAGES];
-            for (op, reserve, first, pages) in ops {
-                let use_ = if reserve { Use::Reserved } else { Use::Committed };
+            for (op, kind, first, pages) in ops {
+                let use_ = [Use::Committed, Use::Reserved, Use::Lent][kind as usize];
                 let range = first..first + pages;
                 let committed_after = |m: &[Page; PAGES], f: &dyn Fn(usize, Page) -> Page| {
                     (0..PAGES).filter(|&i| f(i, m[i]) == Page::Handed(Use::Committed)).count()
@@ -293,7 +330,11 @@ mod tests {
                     }
                     _ => {
                         book.give_back(first, pages);
-                        model[range].fill(Page::Free);
+                        for p in &mut model[range] {
+                            if *p != Page::Handed(Use::Lent) {
+                                *p = Page::Free;
+                            }
+                        }
                     }
                 }
                 check(&book, &model);

@@ -21,6 +21,7 @@ mod heap;
 mod internal;
 mod large;
 mod mmap;
+mod program;
 mod runs;
 mod space;
 mod stdio;
@@ -145,6 +146,22 @@ fn fault_mode(asked: FaultMode) -> uswap_core::Result<FaultMode> {
                  faults are served by handler threads (thread mode)\n",
             );
             FaultMode::Thread
+        }
+        FaultMode::Auto if program::is_go() => {
+            sys::warn(
+                "uswap run: a Go program: its signal handlers need the signal stacks Go sets \
+                 up, which SIGBUS mode cannot give them; faults are served by handler \
+                 threads (thread mode)\n",
+            );
+            FaultMode::Thread
+        }
+        FaultMode::Sigbus if program::is_go() => {
+            return Err(uswap_core::Error::InvalidConfig {
+                what: "fault mode",
+                why: "sigbus cannot serve a Go program (Go's signal handlers need the signal \
+                      stacks Go sets up); use --fault-mode auto or thread"
+                    .into(),
+            })
         }
         FaultMode::Auto | FaultMode::Sigbus => FaultMode::Sigbus,
         FaultMode::Thread => FaultMode::Thread,

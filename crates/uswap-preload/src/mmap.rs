@@ -54,7 +54,7 @@ pub unsafe extern "C" fn mmap(
         return sys::mmap(addr, len, prot, flags, fd, off);
     };
     if fixed && space.overlaps(addr as usize, len) {
-        return map_fixed_inside(space, addr, len, prot, anon, flags);
+        return map_fixed_inside(space, (addr, len, prot, flags, fd, off), anon);
     }
     if !anon || fixed || (prot != PROT_RW && prot != libc::PROT_NONE) {
         return sys::mmap(addr, len, prot, flags, fd, off);
@@ -91,18 +91,15 @@ fn warn_reservation_outside(len: usize) {
     }
 }
 
-/// A fixed mapping over the space. A private anonymous one over a range of the program's
-/// (not the malloc heap) is that memory made zero again, and the program's: committed when
-/// accessible (a runtime committing part of its reserved heap), reserved when `PROT_NONE`
-/// (uncommitting it), with the protection asked for. Anything else would tear the region
-/// apart.
+/// A fixed mapping over the space, on a range of the program's (not the malloc heap). A
+/// private anonymous one is that memory made zero again, and the program's: committed
+/// when accessible (a runtime committing part of its reserved heap), reserved when
+/// `PROT_NONE` (uncommitting it), with the protection asked for. Any other kind is lent
+/// to the kernel.
 unsafe fn map_fixed_inside(
     space: &Space,
-    addr: *mut c_void,
-    len: size_t,
-    prot: c_int,
+    (addr, len, prot, flags, fd, off): (*mut c_void, size_t, c_int, c_int, c_int, off_t),
     anon: bool,
-    flags: c_int,
 ) -> *mut c_void {
     let start = addr as usize;
     let Some(len) = page_round(len) else {
@@ -111,18 +108,25 @@ unsafe fn map_fixed_inside(
     if flags & libc::MAP_FIXED_NOREPLACE != 0 {
         return fail(libc::EEXIST, libc::MAP_FAILED);
     }
-    if !anon
-        || !start.is_multiple_of(PAGE_SIZE)
-        || !space.holds(start, len)
-        || holds_heap(space, start, len)
+    if !start.is_multiple_of(PAGE_SIZE) || !space.holds(start, len) || holds_heap(space, start, len)
     {
         sys::warn(
-            "uswap: refused a fixed mapping of another kind over memory uswap manages \
-             (only private anonymous memory can replace it)\n",
+            "uswap: refused a fixed mapping over memory uswap manages that mmap did not \
+             return (the malloc heap, or a range not page aligned)\n",
         );
         return fail(libc::EINVAL, libc::MAP_FAILED);
     }
     let _inside = Inside::enter();
+    if !anon || !space.lent_in(start, len).is_empty() {
+        // A file or shared mapping over the program's own range (the JVM maps its class
+        // data archive into its reservation): the kernel's from now on. uswap hears of
+        // the pages it replaces as unmapped (userfaultfd) and lets them go.
+        let got = sys::mmap(addr, len, prot, flags, fd, off);
+        if got != libc::MAP_FAILED {
+            space.lend(start, len);
+        }
+        return got;
+    }
     if !space.zero(start, len) {
         return fail(libc::ENOMEM, libc::MAP_FAILED);
     }
@@ -161,8 +165,12 @@ pub unsafe extern "C" fn mprotect(addr: *mut c_void, len: size_t, prot: c_int) -
     if !start.is_multiple_of(PAGE_SIZE) {
         return fail(libc::EINVAL, -1);
     }
-    if space.holds(start, len) && !holds_heap(space, start, len) {
-        let _inside = Inside::enter();
+    // The book allocates under its lock: from uswap's own heap.
+    let _inside = Inside::enter();
+    if space.holds(start, len)
+        && !holds_heap(space, start, len)
+        && space.lent_in(start, len).is_empty()
+    {
         if space.protect(start, len, use_of(prot)).is_err() {
             return fail(libc::ENOMEM, -1);
         }
@@ -197,8 +205,29 @@ pub unsafe extern "C" fn munmap(addr: *mut c_void, len: size_t) -> c_int {
         return fail(libc::EINVAL, -1);
     }
     let _inside = Inside::enter();
-    space.release(start, len);
+    let mut at = start;
+    for (lent, n) in space
+        .lent_in(start, len)
+        .into_iter()
+        .chain([(start + len, 0)])
+    {
+        if lent > at {
+            space.release(at, lent - at);
+        }
+        if n > 0 && !hold_lent(lent, n) {
+            return -1;
+        }
+        at = lent + n;
+    }
     0
+}
+
+/// Unmaps a range lent to the kernel, keeping its addresses with an inaccessible
+/// placeholder: they are inside uswap's range, where the kernel must not put the
+/// program's next mapping.
+unsafe fn hold_lent(addr: usize, len: usize) -> bool {
+    let flags = libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_FIXED | libc::MAP_NORESERVE;
+    sys::mmap(addr as *mut c_void, len, libc::PROT_NONE, flags, -1, 0) != libc::MAP_FAILED
 }
 
 /// Whether any granule of `[start, start + len)` belongs to the malloc heap.
@@ -235,18 +264,20 @@ pub unsafe extern "C" fn mremap(
     let (Some(old_len), Some(new_len)) = (page_round(old_len), page_round(new_len)) else {
         return fail(libc::EINVAL, libc::MAP_FAILED);
     };
+    // The book allocates under its lock: from uswap's own heap.
+    let _inside = Inside::enter();
     if !start.is_multiple_of(PAGE_SIZE)
         || old_len == 0
         || new_len == 0
         || !space.holds(start, old_len)
         || holds_heap(space, start, old_len)
         || space.any_reserved(start, old_len)
+        || !space.lent_in(start, old_len).is_empty()
         || flags & (libc::MREMAP_FIXED | libc::MREMAP_DONTUNMAP) != 0
     {
         sys::warn("uswap: refused an mremap() of memory uswap manages that it cannot do\n");
         return fail(libc::EINVAL, libc::MAP_FAILED);
     }
-    let _inside = Inside::enter();
     if new_len <= old_len {
         if new_len < old_len {
             space.release(start + new_len, old_len - new_len);

@@ -35,6 +35,16 @@ pub fn count(runs: &Runs, first: usize, pages: usize) -> usize {
         .sum()
 }
 
+/// The parts of `[first, first + pages)` in the runs, as (first page, pages), in order.
+pub fn pieces(runs: &Runs, first: usize, pages: usize) -> Vec<(usize, usize)> {
+    let end = first + pages;
+    let mut found: Vec<(usize, usize)> = overlapping(runs, first, end)
+        .map(|(run, len)| (run.max(first), (run + len).min(end) - run.max(first)))
+        .collect();
+    found.reverse();
+    found
+}
+
 /// Removes from the runs whatever part of `[first, first + pages)` is free.
 pub fn claim(runs: &mut Runs, first: usize, pages: usize) {
     let end = first + pages;
@@ -159,6 +169,12 @@ mod tests {
                 let (first, pages) = (first.min(PAGES - 1), pages.min(PAGES - first.min(PAGES - 1)));
                 let counted = free[first..first + pages].iter().filter(|&&f| f).count();
                 prop_assert_eq!(count(&runs, first, pages), counted);
+                let listed: Vec<usize> = pieces(&runs, first, pages)
+                    .into_iter()
+                    .flat_map(|(at, n)| at..at + n)
+                    .collect();
+                let expected: Vec<usize> = (first..first + pages).filter(|&p| free[p]).collect();
+                prop_assert_eq!(listed, expected);
             }
         }
     }

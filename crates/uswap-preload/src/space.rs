@@ -172,6 +172,23 @@ impl Space {
         self.lock_book().any_reserved(first, pages)
     }
 
+    /// Records that the kernel mapped `[addr, addr + len)` for the program (a file over
+    /// part of its reservation): not uswap memory from now on, and never handed out again.
+    pub fn lend(&self, addr: usize, len: usize) {
+        let (first, pages) = self.pages(addr, len);
+        // Lent pages are not charged: this cannot be refused.
+        let _ = self.lock_book().map(first, pages, crate::book::Use::Lent);
+    }
+
+    /// The ranges of `[addr, addr + len)` lent to the kernel, as (address, bytes).
+    pub fn lent_in(&self, addr: usize, len: usize) -> Vec<(usize, usize)> {
+        let (first, pages) = self.pages(addr, len);
+        let lent = self.lock_book().lent_in(first, pages);
+        lent.into_iter()
+            .map(|(p, n)| (self.start + p * PAGE_SIZE, n * PAGE_SIZE))
+            .collect()
+    }
+
     /// Gives `[addr, addr + len)` back: its contents are discarded and it reads as zeros
     /// when handed out again. Parts already free stay free (munmap of a range partly
     /// unmapped already).
