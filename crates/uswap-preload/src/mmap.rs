@@ -167,13 +167,11 @@ pub unsafe extern "C" fn mprotect(addr: *mut c_void, len: size_t, prot: c_int) -
     }
     // The book allocates under its lock: from uswap's own heap.
     let _inside = Inside::enter();
-    if space.holds(start, len)
+    let accounted = space.holds(start, len)
         && !holds_heap(space, start, len)
-        && space.lent_in(start, len).is_empty()
-    {
-        if space.protect(start, len, use_of(prot)).is_err() {
-            return fail(libc::ENOMEM, -1);
-        }
+        && space.lent_in(start, len).is_empty();
+    if accounted && space.protect(start, len, use_of(prot)).is_err() {
+        return fail(libc::ENOMEM, -1);
     }
     sys::mprotect(addr, len, prot)
 }
