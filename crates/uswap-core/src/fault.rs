@@ -265,8 +265,8 @@ impl FaultPath {
             .pgzerofill
             .fetch_add(1 + after.len() as u64, Relaxed);
         let mut filled = mm.uffd().copy(mm.page_addr(page), zeros, len, false);
-        if !after.is_empty() && matches!(&filled, Err(p) if p.done == 0 && p.vanished()) {
-            // The window spans two mappings (see `first_touch`): the page alone.
+        if !after.is_empty() && matches!(&filled, Err(p) if p.failed_whole()) {
+            // The window may span two mappings: the page alone.
             mm.vmstat()
                 .pgzerofill
                 .fetch_sub(after.len() as u64, Relaxed);
@@ -394,10 +394,9 @@ impl FaultPath {
         let mut filled = mm
             .uffd()
             .copy(mm.page_addr(lo), zeros, (hi - lo) * PAGE_SIZE, false);
-        if hi - lo > 1 && matches!(&filled, Err(p) if p.done == 0 && p.vanished()) {
-            // The window spans two mappings (the program changed the protection of part
-            // of the region, as runtimes commit their heaps), and a fill must stay in one:
-            // the faulting page alone.
+        if hi - lo > 1 && matches!(&filled, Err(p) if p.failed_whole()) {
+            // The window may span two mappings: the faulting page alone, not zero pages
+            // mapped into a neighbouring reservation.
             for p in (lo..hi).filter(|&p| p != page) {
                 mm.pages().unclaim(p);
             }

@@ -313,9 +313,8 @@ pub(crate) unsafe fn read_around(
         let to = mm.page_addr(ahead[i].page());
         match mm.uffd().copy(to, buf(i), (end - i) * PAGE_SIZE, clean) {
             Ok(()) => mapped[i..end].fill(true),
-            Err(p) if p.done == 0 && p.vanished() && end - i > 1 => {
-                // The run spans two mappings (the program changed the protection of part
-                // of the region), and a fill must stay in one: page by page.
+            Err(p) if p.failed_whole() && end - i > 1 => {
+                // The run may span two mappings: page by page.
                 for k in i..end {
                     let at = mm.page_addr(ahead[k].page());
                     mapped[k] = mm.uffd().copy(at, buf(k), PAGE_SIZE, clean).is_ok();

@@ -302,6 +302,14 @@ impl Partial {
         matches!(self.error.raw_os_error(), Some(libc::ENOENT | libc::ESRCH))
     }
 
+    /// Nothing was filled and the range is not (all) registered: the range vanished, or,
+    /// when it was more than a page, it spans two mappings of the region (the program
+    /// changed the protection of part of it, as runtimes commit their heaps), which a
+    /// fill cannot cross. Callers then fill what they must one page at a time.
+    pub fn failed_whole(&self) -> bool {
+        self.done == 0 && self.vanished()
+    }
+
     /// A non-cooperative event is pending: back out and retry after it is handled.
     pub fn busy(&self) -> bool {
         self.error.raw_os_error() == Some(libc::EAGAIN)

@@ -28,7 +28,7 @@ extern "C" fn prepare() {
     let _inside = internal::Inside::enter();
     // The order every allocation nests in: arena, book, internal heap.
     let arenas = heap::lock_all();
-    let book = space::get().map(|s| s.lock_book_static());
+    let book = space::get().map(|s| s.lock_book());
     uswap_core::fork::prepare();
     let internal = internal::heap();
     // SAFETY: only the forking thread touches HELD, between prepare and parent/child.

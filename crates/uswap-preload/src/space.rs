@@ -177,7 +177,7 @@ impl Space {
     pub fn lend(&self, addr: usize, len: usize) {
         let (first, pages) = self.pages(addr, len);
         // Lent pages are not charged: this cannot be refused.
-        let _ = self.lock_book().map(first, pages, crate::book::Use::Lent);
+        let _ = self.lock_book().map(first, pages, Use::Lent);
     }
 
     /// The ranges of `[addr, addr + len)` lent to the kernel, as (address, bytes).
@@ -207,7 +207,8 @@ impl Space {
         ((addr - self.start) / PAGE_SIZE, len / PAGE_SIZE)
     }
 
-    fn lock_book(&self) -> std::sync::MutexGuard<'_, Book> {
+    /// The book, locked (held across `fork` too).
+    pub fn lock_book(&self) -> std::sync::MutexGuard<'_, Book> {
         self.book.lock().unwrap_or_else(|e| e.into_inner())
     }
 
@@ -233,11 +234,6 @@ impl Space {
         for g in first..end {
             self.owner[g].store(owner, Relaxed);
         }
-    }
-
-    /// Holds the book (across `fork`).
-    pub fn lock_book_static(&'static self) -> BookGuard {
-        self.book.lock().unwrap_or_else(|e| e.into_inner())
     }
 }
 
