@@ -103,9 +103,12 @@ impl FaultPath {
             let mut lazy = Vec::new();
             for lock in &mut locks {
                 match lock.kind() {
-                    // Already reads as zeros, and nothing of it is mapped to zap: the bulk
-                    // of a large reservation given back, untouched.
-                    Kind::Unmapped | Kind::None | Kind::Discarded => {}
+                    Kind::Unmapped | Kind::Discarded => {}
+                    // Holds nothing, but the zap may still follow: a touch before it must
+                    // fill this page alone and keep it lazily freed, as for a discarded one.
+                    Kind::None => {
+                        lock.discard();
+                    }
                     Kind::Lazyfree => lazy.push(lock.page()),
                     Kind::Active => {
                         self.forget_slot_locked(lock);

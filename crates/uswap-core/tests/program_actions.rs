@@ -463,6 +463,25 @@ fn writes_racing_dontneed_never_fail() {
     r.check_invariants().unwrap();
 }
 
+/// The window `writes_racing_dontneed_never_fail` hits by chance, made certain: a page
+/// still untouched when the program discards it may be touched before the kernel's zap
+/// runs, so its first touch must fill it alone (a fault-around fill would map neighbours
+/// the zap then takes, and their next fault would be "unexplained").
+#[test]
+fn the_first_touch_after_a_discard_of_untouched_pages_fills_one_page() {
+    let r = region(8 * MIB, 4 * MIB, FaultMode::Thread);
+    let rc = unsafe { libc::madvise(r.as_ptr().cast(), 64 * PAGE_SIZE, libc::MADV_DONTNEED) };
+    assert_eq!(rc, 0);
+    eventually("64 pages discarded", || r.stats().vmstat.pgdiscard == 64);
+    let before = r.stats().vmstat.pgzerofill;
+    unsafe { page_ptr(&r, 0).write_volatile(7) };
+    assert_eq!(r.stats().vmstat.pgzerofill - before, 1);
+    // Past the discarded range, fault-around maps the whole window again.
+    unsafe { page_ptr(&r, 64).write_volatile(7) };
+    assert!(r.stats().vmstat.pgzerofill - before > 2);
+    r.check_invariants().unwrap();
+}
+
 /// A fault a handler backs out of because another handler holds the fence for an event is
 /// queued to be woken after the next read; the thread must be woken even when no other
 /// message comes (found in review: it could sleep until one did).
