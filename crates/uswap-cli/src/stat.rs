@@ -98,6 +98,16 @@ fn print_block(pid: u32, s: &Snapshot) {
         mib(k.memory / PAGE_SIZE as u64),
         mib(c.swap_used_pages)
     );
+    if let Some(anon) = uswap_core::stats::rss_anon_bytes(pid) {
+        let held = c.resident_pages * PAGE_SIZE as u64;
+        println!(
+            "  process    RssAnon {} MiB: uswap holds {} MiB, outside {} MiB (stacks, code, \
+             the kernel's mappings, uswap's metadata)",
+            mib(anon / PAGE_SIZE as u64),
+            mib(c.resident_pages),
+            mib(anon.saturating_sub(held) / PAGE_SIZE as u64)
+        );
+    }
     println!(
         "  faults     {} in all: first-touch {}  minor {}  major {}",
         n(v.pgfault),

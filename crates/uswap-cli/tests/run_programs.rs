@@ -485,6 +485,70 @@ print(rss)
     );
 }
 
+/// Memory the limit does not hold is shown and said: a program whose memory is in uswap
+/// hears nothing; one that then holds 160 MiB in a private executable mapping (the
+/// kernel's, as a JIT's code is) sees it as `outside` in `uswap stat` and is told once.
+#[test]
+fn memory_outside_the_limit_is_shown_and_said_once() {
+    let _heavy = heavy();
+    let Some(python) = python3() else {
+        return;
+    };
+    let tmp = TempDir::new().unwrap();
+    let runtime = tmp.path().join("run");
+    let script = r#"
+import mmap, sys, time
+held = [bytes([i % 251]) * 4096 for i in range(40 * 256)]
+time.sleep(11)
+print("outside now", file=sys.stderr, flush=True)
+m = mmap.mmap(-1, 160 << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS,
+              prot=mmap.PROT_READ | mmap.PROT_WRITE | mmap.PROT_EXEC)
+for i in range(0, 160 << 20, 4096):
+    m[i] = 1
+time.sleep(12)
+assert all(x[0] == i % 251 for i, x in enumerate(held))
+print("ok held and outside")
+"#;
+    let mut cmd = uswap_run_in("auto", tmp.path(), Some(MEMORY), &python);
+    cmd.args(["-c", script]).env("USWAP_RUNTIME_DIR", &runtime);
+    cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
+    let mut running = Running::start(cmd, "uswap run python (memory outside)");
+    let stdout = read_in_thread(running.child.stdout.take().unwrap());
+    let stderr = read_in_thread(running.child.stderr.take().unwrap());
+    thread::sleep(Duration::from_secs(16));
+    let pid = running.pid().to_string();
+    let stat = Command::new(env!("CARGO_BIN_EXE_uswap"))
+        .args(["stat", &pid])
+        .env("USWAP_RUNTIME_DIR", &runtime)
+        .output()
+        .unwrap();
+    let block = String::from_utf8_lossy(&stat.stdout);
+    let outside_mib: f64 = block
+        .split("outside ")
+        .nth(1)
+        .and_then(|rest| rest.split(' ').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("uswap stat shows no outside figure:\n{block}{stat:?}"));
+    assert!(
+        (150.0..200.0).contains(&outside_mib),
+        "160 MiB outside shown as {outside_mib}:\n{block}"
+    );
+    let status = running.wait(PROGRAM_TIMEOUT);
+    let out = Output {
+        status,
+        stdout: stdout.join().unwrap(),
+        stderr: stderr.join().unwrap(),
+    };
+    expect_ok(&out, "python (memory outside)");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let said = stderr.match_indices("outside uswap and its limit").count();
+    let after = stderr.split("outside now").nth(1).unwrap_or("");
+    assert!(
+        said == 1 && after.contains("outside uswap and its limit"),
+        "said {said} times, and only after the memory went outside:\n{stderr}"
+    );
+}
+
 #[test]
 fn python_alloc_under_uswap_run() {
     let _heavy = heavy();

@@ -222,9 +222,31 @@ pub struct Stats {
     pub lockstat: Vec<crate::lockstat::LockClass>,
 }
 
+/// A process's resident anonymous memory (`RssAnon` in /proc/PID/status): the kernel's
+/// count, whoever holds it (uswap's resident pages, its metadata and staging frames, and
+/// what stays outside its limit). None when it cannot be read.
+pub fn rss_anon_bytes(pid: u32) -> Option<u64> {
+    rss_anon_of(&std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?)
+}
+
+fn rss_anon_of(status: &str) -> Option<u64> {
+    let line = status.lines().find(|l| l.starts_with("RssAnon:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib << 10)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn rss_anon_is_read_from_the_status_file() {
+        let status = "VmRSS:\t  10240 kB\nRssAnon:\t    4096 kB\nRssFile:\t 6144 kB\n";
+        assert_eq!(rss_anon_of(status), Some(4 << 20));
+        assert_eq!(rss_anon_of("VmRSS: 1 kB\n"), None);
+        assert!(rss_anon_bytes(std::process::id()).is_some_and(|b| b > 0));
+        assert_eq!(rss_anon_bytes(u32::MAX), None);
+    }
 
     #[test]
     fn snapshot_difference_and_fields() {

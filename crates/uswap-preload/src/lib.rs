@@ -21,6 +21,7 @@ mod heap;
 mod internal;
 mod large;
 mod mmap;
+mod outside;
 mod program;
 mod runs;
 mod space;
@@ -52,6 +53,7 @@ extern "C" fn init() {
     match start(&text) {
         Ok((region, commit_limit)) => {
             serve_control(&region);
+            outside::watch(region.clone(), program);
             space::install(region, commit_limit);
             // SAFETY: registering a function with C linkage.
             unsafe { libc::atexit(at_exit) };
