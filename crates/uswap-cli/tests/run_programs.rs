@@ -154,6 +154,8 @@ fn uswap_run_in(
 struct Running {
     child: Child,
     what: String,
+    /// The highest RssAnon seen while waiting for it, in bytes.
+    peak_anon: u64,
 }
 
 impl Running {
@@ -165,6 +167,7 @@ impl Running {
         Running {
             child,
             what: what.to_string(),
+            peak_anon: 0,
         }
     }
 
@@ -177,12 +180,16 @@ impl Running {
         self.child.try_wait().expect("waitpid")
     }
 
-    /// Waits for it to exit; kills it and fails the test after `timeout`.
+    /// Waits for it to exit, sampling its RssAnon; kills it and fails the test after
+    /// `timeout`.
     fn wait(&mut self, timeout: Duration) -> ExitStatus {
         let start = Instant::now();
         loop {
             if let Some(status) = self.exited() {
                 return status;
+            }
+            if let Some(anon) = uswap_core::stats::rss_anon_bytes(self.child.id()) {
+                self.peak_anon = self.peak_anon.max(anon);
             }
             if start.elapsed() > timeout {
                 self.kill_group();
@@ -207,7 +214,12 @@ impl Drop for Running {
 }
 
 /// Runs `cmd` to the end with `stdin` as its input and returns what it printed.
-fn run(mut cmd: Command, stdin: &[u8], what: &str) -> Output {
+fn run(cmd: Command, stdin: &[u8], what: &str) -> Output {
+    run_sampled(cmd, stdin, what).0
+}
+
+/// [`run`], and the highest RssAnon of the process (sampled every 20 ms) in MiB.
+fn run_sampled(mut cmd: Command, stdin: &[u8], what: &str) -> (Output, u64) {
     cmd.stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
@@ -222,11 +234,12 @@ fn run(mut cmd: Command, stdin: &[u8], what: &str) -> Output {
     let stderr = read_in_thread(running.child.stderr.take().unwrap());
     let status = running.wait(PROGRAM_TIMEOUT);
     let _ = writer.join();
-    Output {
+    let out = Output {
         status,
         stdout: stdout.join().unwrap(),
         stderr: stderr.join().unwrap(),
-    }
+    };
+    (out, running.peak_anon >> 20)
 }
 
 fn read_in_thread(mut from: impl Read + Send + 'static) -> thread::JoinHandle<Vec<u8>> {
@@ -422,6 +435,131 @@ fn heap_committed_by_fixed_mappings_stays_under_the_limit() {
 #[test]
 fn heap_committed_by_mprotect_stays_under_the_limit() {
     heap_stays_under_the_limit("mprotect");
+}
+
+// ---- runtimes' heaps: the JVM, Go, V8 --------------------------------------------------
+
+/// A runtime's heap-churning program (tests/programs/HeapChurn.java, heap_churn_go,
+/// heap_churn.js: an object graph 3-4 times the limit, churned, collected and checked)
+/// printed `ok` and kept its resident anonymous memory at the limit plus `own_mib`: the
+/// runtime's memory outside its heap and uswap's metadata. Unlimited, each holds more
+/// than its graph (345 MiB for the JVM's 192 MiB).
+fn runtime_heap_stays_under_the_limit(cmd: Command, what: &str, own_mib: u64) {
+    let (out, peak) = run_sampled(cmd, b"", what);
+    let line = expect_ok(&out, what);
+    assert!(
+        peak <= (MEMORY_BYTES >> 20) + own_mib,
+        "{what}: peak RssAnon {peak} MiB under a {MEMORY} limit ({line})"
+    );
+}
+
+/// HotSpot reserves its heap `PROT_NONE` and commits in it by fixed mappings, GC threads
+/// touch it in parallel, and its null checks and safepoints are SIGSEGVs its own handler
+/// must get. Its memory beside the heap (metaspace, code cache, GC data, stacks) measured
+/// about 22 MiB.
+fn java_heap_stays_under_the_limit(gc: &str) {
+    let _heavy = heavy();
+    let (Some(java), Some(javac)) = (installed("java"), installed("javac")) else {
+        return;
+    };
+    let tmp = TempDir::new().unwrap();
+    let classes = tmp.path().join("classes");
+    let out = Command::new(javac)
+        .arg("-d")
+        .arg(&classes)
+        .arg(program_source("HeapChurn.java"))
+        .output()
+        .expect("javac runs");
+    assert!(out.status.success(), "javac: {out:?}");
+    let mut cmd = uswap_run_in("auto", tmp.path(), Some(MEMORY), &java);
+    // No hsperfdata file in /tmp.
+    cmd.args([
+        &format!("-XX:+Use{gc}GC"),
+        "-XX:-UsePerfData",
+        "-Xmx512m",
+        "-cp",
+    ]);
+    cmd.arg(&classes).args(["HeapChurn", "192"]);
+    runtime_heap_stays_under_the_limit(cmd, &format!("java {gc}"), 40);
+}
+
+#[test]
+fn java_g1_heap_stays_under_the_limit() {
+    java_heap_stays_under_the_limit("G1");
+}
+
+#[test]
+fn java_parallel_gc_heap_stays_under_the_limit() {
+    java_heap_stays_under_the_limit("Parallel");
+}
+
+/// tests/programs/heap_churn_go built with cgo (`cgo`) or static, into `dir`, with Go's
+/// caches there too; None after a SKIPPED line without Go.
+fn build_go_program(dir: &Path, cgo: bool) -> Option<PathBuf> {
+    let go = installed("go")?;
+    let exe = dir.join(if cgo {
+        "heap_churn_cgo"
+    } else {
+        "heap_churn_static"
+    });
+    let out = Command::new(go)
+        .args(["build", "-o"])
+        .arg(&exe)
+        .arg(".")
+        .current_dir(program_source("heap_churn_go"))
+        .env("CGO_ENABLED", if cgo { "1" } else { "0" })
+        .env("GOCACHE", dir.join("gocache"))
+        .env("GOPATH", dir.join("gopath"))
+        .env("GOTOOLCHAIN", "local")
+        .output()
+        .expect("go build runs");
+    assert!(out.status.success(), "go build: {out:?}");
+    Some(exe)
+}
+
+/// Go's runtime reserves arenas and commits them by fixed mappings; built with cgo it maps
+/// them through the C library and runs under the limit (in thread mode: its signal
+/// handlers need its own signal stacks). A static build cannot be preloaded: the refusal
+/// says why and what to do.
+#[test]
+fn go_heap_stays_under_the_limit_and_a_static_build_is_refused_with_the_fix() {
+    let _heavy = heavy();
+    let tmp = TempDir::new().unwrap();
+    let Some(cgo) = build_go_program(tmp.path(), true) else {
+        return;
+    };
+    let mut cmd = uswap_run_in("auto", tmp.path(), Some(MEMORY), &cgo);
+    cmd.arg("192");
+    runtime_heap_stays_under_the_limit(cmd, "go (cgo)", 24);
+
+    let static_exe = build_go_program(tmp.path(), false).unwrap();
+    let mut cmd = uswap_run_in("auto", tmp.path(), Some(MEMORY), &static_exe);
+    cmd.arg("192");
+    let out = run(cmd, b"", "go (static)");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success()
+            && stderr.contains("statically linked Go program")
+            && stderr.contains("CGO_ENABLED=1")
+            && stderr.contains("--backend kernel"),
+        "{out:?}"
+    );
+}
+
+/// V8 reserves a pointer-compression cage and commits pages in it with `mprotect`; node's
+/// Buffers come from `malloc`. Half Buffers, half objects, at 4 times the limit.
+#[test]
+fn node_heap_stays_under_the_limit() {
+    let _heavy = heavy();
+    let Some(node) = installed("node") else {
+        return;
+    };
+    let tmp = TempDir::new().unwrap();
+    let mut cmd = uswap_run_in("auto", tmp.path(), Some(MEMORY), &node);
+    cmd.arg("--max-old-space-size=2048")
+        .arg(program_source("heap_churn.js"))
+        .arg("256");
+    runtime_heap_stays_under_the_limit(cmd, "node", 24);
 }
 
 /// Ranges given back with munmap and mapped again by other threads read as zeros while

@@ -1,0 +1,3 @@
+module heapchurn
+
+go 1.19
