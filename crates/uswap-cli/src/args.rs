@@ -4,9 +4,10 @@ use crate::kernel::KernelSwap;
 use anyhow::{Context, Result};
 use clap::Args;
 use std::path::PathBuf;
+use uswap_core::swapfile::Backing;
 use uswap_core::{
     parse_size, Config, FaultMode, IoMode, LruLockMode, Readahead, ReadaheadPolicy, SlotAlloc,
-    SwapCacheMode, SwapLocation, Watermarks,
+    SwapCacheMode, SwapEncryption, SwapLocation, Watermarks,
 };
 
 /// A byte size such as `4096`, `64K`, `512M`, `2G`; zero is refused.
@@ -95,6 +96,12 @@ pub struct CoreArgs {
     #[arg(long, value_name = "MODE", value_parser = |s: &str| s.parse::<SlotAlloc>())]
     pub slot_alloc: Option<SlotAlloc>,
 
+    /// Swap encryption: `on` (each page encrypted and authenticated on its way out, with
+    /// AES-256-GCM, or ChaCha20-Poly1305 without AES instructions, under a random key held
+    /// only in memory) or `off` (plain pages with a CRC32C) [default: on]
+    #[arg(long, value_name = "ON|OFF", value_parser = |s: &str| s.parse::<SwapEncryption>())]
+    pub swap_encryption: Option<SwapEncryption>,
+
     /// Swap cache locking: `trunks` (a lock per 64 MiB of swap) or `single` [default: trunks]
     #[arg(long, value_name = "MODE", value_parser = |s: &str| s.parse::<SwapCacheMode>())]
     pub swap_cache: Option<SwapCacheMode>,
@@ -152,6 +159,7 @@ impl CoreArgs {
             ("--io", self.io.is_some()),
             ("--slot-alloc", self.slot_alloc.is_some()),
             ("--swap-cache", self.swap_cache.is_some()),
+            ("--swap-encryption", self.swap_encryption.is_some()),
             ("--lru-lock", self.lru_lock.is_some()),
             ("--lru-batch", self.lru_batch.is_some()),
             ("--pcp", self.pcp.is_some()),
@@ -176,10 +184,19 @@ impl CoreArgs {
         }
     }
 
-    /// A validated configuration for a region with this memory limit.
+    /// A validated configuration for a region with this memory limit. A swap directory
+    /// in RAM (tmpfs) is said on stderr: swapping there saves no memory.
     pub fn config(&self, memory_limit: u64) -> Result<Config> {
         let mut cfg = Config::new(memory_limit);
-        cfg.swap.location = SwapLocation::TempIn(self.swap_dir());
+        let dir = self.swap_dir();
+        if let Some(backing) = Backing::of_path(&dir).ok().filter(|b| b.in_memory()) {
+            eprintln!(
+                "uswap: warning: the swap directory {} is on {backing}: swapped pages stay in \
+                 RAM, so swapping there saves no memory; point --swap-dir (or TMPDIR) at a disk",
+                dir.display()
+            );
+        }
+        cfg.swap.location = SwapLocation::TempIn(dir);
         cfg.swap.size = self.swap_size;
         if let Some(mode) = self.fault_mode {
             cfg.fault_mode = mode;
@@ -208,6 +225,9 @@ impl CoreArgs {
         }
         if let Some(mode) = self.swap_cache {
             cfg.swap.swap_cache = mode;
+        }
+        if let Some(mode) = self.swap_encryption {
+            cfg.swap.encryption = mode;
         }
         cfg.readahead = self.readahead();
         if let Some(pcp) = self.pcp {

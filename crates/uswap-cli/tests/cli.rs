@@ -255,6 +255,71 @@ fn in_runtime(runtime: &Path, args: &[&str]) -> Output {
         .expect("the uswap binary runs")
 }
 
+/// Whoever answers at a process's socket path must be that process: a socket another
+/// process serves there (a user who made the directory first) gets nothing sent to it, and
+/// the error says whose it is and what to do.
+#[test]
+fn a_control_socket_served_by_another_process_is_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let runtime = tmp.path().join("run");
+    std::fs::create_dir(&runtime).unwrap();
+    let mut target = Command::new("sleep").arg("30").spawn().unwrap();
+    let pid = target.id().to_string();
+    let listener =
+        std::os::unix::net::UnixListener::bind(runtime.join(format!("{pid}.sock"))).unwrap();
+    let impostor = std::thread::spawn(move || {
+        let (mut conn, _) = listener.accept().unwrap();
+        conn.set_read_timeout(Some(Duration::from_millis(500)))
+            .unwrap();
+        let mut got = Vec::new();
+        let _ = std::io::Read::read_to_end(&mut conn, &mut got);
+        let _ = std::io::Write::write_all(&mut conn, b"{\"knobs\":{}}\n");
+        got
+    });
+    let args = ["ctl", &pid, "memory=1G"];
+    let err = refusal_of(&args, in_runtime(&runtime, &args));
+    let me = std::process::id().to_string();
+    assert!(
+        err.contains(&format!("is not process {pid}'s")) && err.contains(&me),
+        "{err}"
+    );
+    assert!(impostor.join().unwrap().is_empty(), "nothing was sent");
+    target.kill().unwrap();
+    target.wait().unwrap();
+}
+
+/// A swap directory in RAM saves no memory: the benchmark says so before it runs.
+#[test]
+fn a_swap_dir_in_ram_is_warned_about() {
+    let shm = Path::new("/dev/shm");
+    if !uswap_core::Backing::of_path(shm).is_ok_and(|b| b.in_memory()) {
+        eprintln!("skipped: /dev/shm is not in memory here");
+        return;
+    }
+    let dir = tempfile::tempdir_in(shm).unwrap();
+    let args = [
+        "bench",
+        "random",
+        "--size",
+        "8M",
+        "--memory",
+        "4M",
+        "--seconds",
+        "1",
+    ];
+    let out = Command::new(BIN)
+        .args(args)
+        .arg("--swap-dir")
+        .arg(dir.path())
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success() && stderr.contains("saves no memory"),
+        "{stderr}"
+    );
+}
+
 /// Waits for `socket` to appear while `bench` runs.
 fn wait_for_socket(socket: &Path, bench: &mut Child) {
     let start = Instant::now();

@@ -223,6 +223,25 @@ named_modes! {
 }
 
 named_modes! {
+    /// How pages are kept on the swap device (`swapfile/seal.rs`).
+    SwapEncryption, "swap encryption" {
+        /// Encrypted and authenticated (AES-256-GCM, or ChaCha20-Poly1305 without AES
+        /// instructions) under a random key held only in memory: the default.
+        On = "on",
+        /// Plain, with a CRC32C of each page kept in memory.
+        Off = "off",
+    }
+}
+
+// `named_modes!` makes the enum, so its default cannot be derived there.
+#[allow(clippy::derivable_impls)]
+impl Default for SwapEncryption {
+    fn default() -> Self {
+        SwapEncryption::On
+    }
+}
+
+named_modes! {
     /// Which swap slots a swap-in reads beside the faulting one (seed 002).
     ReadaheadPolicy, "readahead policy" {
         /// Only the faulting slot.
@@ -314,6 +333,9 @@ pub struct SwapConfig {
     /// µs (0 = sleep at once, and the SIGBUS handler reads with `pread`); see `swap_io.rs`.
     #[serde(default = "default_read_poll_us")]
     pub read_poll_us: u64,
+    /// Whether slots are sealed (encrypted and authenticated) or plain with a checksum.
+    #[serde(default)]
+    pub encryption: SwapEncryption,
     /// Faults to inject into the device's I/O, for tests. `None` (the default) costs
     /// nothing.
     pub faults: Option<FaultPlan>,
@@ -328,6 +350,7 @@ impl Default for SwapConfig {
             slot_alloc: SlotAlloc::Percpu,
             swap_cache: SwapCacheMode::Trunks,
             read_poll_us: default_read_poll_us(),
+            encryption: SwapEncryption::On,
             faults: None,
         }
     }

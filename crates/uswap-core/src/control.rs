@@ -484,7 +484,8 @@ fn set_memory(region: &Region, text: &str) -> Result<()> {
 /// reply is an error ([`Error::ControlRefused`]), as are a missing process, a process
 /// without a control socket and a socket of another user, each its own [`Error`].
 pub fn request(pid: u32, request: &Value) -> Result<Value> {
-    let path = socket_path(pid, process_owner(pid)?);
+    let owner = process_owner(pid)?;
+    let path = socket_path(pid, owner);
     let stream = UnixStream::connect(&path).map_err(|e| match e.kind() {
         // No socket, or one nobody accepts on (its process is gone and the pid reused).
         ErrorKind::NotFound | ErrorKind::ConnectionRefused => Error::NotUnderUswap {
@@ -500,6 +501,19 @@ pub fn request(pid: u32, request: &Value) -> Result<Value> {
             source: e,
         },
     })?;
+    // Whoever made the directory first could answer at the path: the server must be the
+    // process itself, running as its owner, before anything is sent or believed.
+    let (server_pid, server_uid) = peer_credentials(&stream)?;
+    // A server in another PID namespace shows as pid 0: then its user must do.
+    let pid_differs = server_pid != 0 && server_pid != pid as i32;
+    if pid_differs || server_uid != owner {
+        return Err(Error::ControlImpostor {
+            pid,
+            path,
+            server_pid,
+            server_uid,
+        });
+    }
     let reply = exchange(&stream, request).map_err(|source| Error::Os {
         op: "talking to the control socket",
         source,
@@ -511,6 +525,27 @@ pub fn request(pid: u32, request: &Value) -> Result<Value> {
         }),
         None => Ok(reply),
     }
+}
+
+/// The process and user at the other end of a connected socket (`SO_PEERCRED`: the
+/// server's, as of its `listen`).
+fn peer_credentials(stream: &UnixStream) -> Result<(i32, u32)> {
+    let mut cred: libc::ucred = unsafe { std::mem::zeroed() };
+    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: a valid socket and an out-buffer of `len` bytes.
+    let rc = unsafe {
+        libc::getsockopt(
+            stream.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_PEERCRED,
+            (&mut cred as *mut libc::ucred).cast(),
+            &mut len,
+        )
+    };
+    if rc != 0 {
+        return Err(Error::os("reading the control socket's peer credentials"));
+    }
+    Ok((cred.pid, cred.uid))
 }
 
 /// The effective uid of process `pid`: the owner of its `/proc` directory.

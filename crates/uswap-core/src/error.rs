@@ -90,6 +90,19 @@ pub enum Error {
     #[error("process {pid} refused the request: {message}")]
     ControlRefused { pid: u32, message: String },
 
+    #[error(
+        "the control socket {path} is not process {pid}'s: it is served by process {server_pid} \
+         of uid {server_uid}; nothing was sent. Another user may have made the directory \
+         first: remove it, or set USWAP_RUNTIME_DIR (or XDG_RUNTIME_DIR) to a directory of \
+         your own, for both uswap run and uswap stat/ctl"
+    )]
+    ControlImpostor {
+        pid: u32,
+        path: PathBuf,
+        server_pid: i32,
+        server_uid: u32,
+    },
+
     #[error("{op} failed: {source}")]
     Os {
         op: &'static str,

@@ -599,7 +599,8 @@ impl FaultPath {
         if let Err(e) = read {
             drop(buf);
             let counter = match e {
-                crate::swapfile::ReadError::Checksum { .. } => &mm.vmstat().verify_errors,
+                crate::swapfile::ReadError::Checksum { .. }
+                | crate::swapfile::ReadError::Tag { .. } => &mm.vmstat().verify_errors,
                 _ => &mm.vmstat().io_errors,
             };
             counter.fetch_add(1, Relaxed);

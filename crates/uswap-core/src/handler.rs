@@ -338,10 +338,8 @@ fn next_messages<'a>(
             Readiness::Readable => match mm.uffd().read_messages(msgs) {
                 Ok((0, _)) => {}
                 Ok(read) => return Some(read),
-                Err(e) => {
-                    eprintln!("uswap: reading userfaultfd events failed: {e}; fault handler stops");
-                    return None;
-                }
+                Err(e) if crate::uffd::transient(&e) => {}
+                Err(e) => crate::uffd::unreadable(mm.start(), &e),
             },
             Readiness::TimedOut
                 if timeout > 0 && (retrying || !lock_std(&shared.retry).is_empty()) =>

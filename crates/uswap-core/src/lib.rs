@@ -42,11 +42,12 @@ pub use breakdown::{PhaseSummary, PhaseTimes};
 pub use budget::StockStats;
 pub use config::{
     parse_size, Config, FaultMode, FaultPlan, IoMode, LruLockMode, Readahead, ReadaheadPolicy,
-    SlotAlloc, SwapCacheMode, SwapConfig, SwapLocation, Watermarks,
+    SlotAlloc, SwapCacheMode, SwapConfig, SwapEncryption, SwapLocation, Watermarks,
 };
 pub use error::{Error, Result};
 pub use lockstat::{LockClass, LockStat};
 pub use region::{metadata_bytes, Advice, Region, SwapoffReport};
+pub use signals::spawn_quiet;
 pub use stats::{Latency, Stats, VmStatSnapshot};
 pub use swap_state::SwapCacheStats;
 pub use swapfile::{Backing, IoStats};

@@ -200,6 +200,7 @@ mod shared {
     use crate::error::{Error, Result};
     use std::ffi::CString;
     use std::os::unix::ffi::OsStrExt;
+    use std::os::unix::fs::MetadataExt;
     use std::path::{Path, PathBuf};
 
     const SIZE: usize = std::mem::size_of::<Group>();
@@ -228,13 +229,18 @@ mod shared {
         /// survive the programs that close every descriptor before they exec. The file
         /// goes when the last member leaves (see [`MemCgroup::last_one_out`]).
         pub fn create_shared(limit: u64, dir: &Path) -> Result<(MemCgroup, PathBuf)> {
-            let path = dir.join(format!("uswap-memcg-{}", std::process::id()));
+            reap_leftovers(dir);
+            let path = dir.join(format!("{FILE_PREFIX}{}", std::process::id()));
             let flags =
                 libc::O_RDWR | libc::O_CREAT | libc::O_EXCL | libc::O_NOFOLLOW | libc::O_CLOEXEC;
             // SAFETY: a NUL-terminated path; a new file only (O_EXCL).
             let fd = unsafe { libc::open(c_path(&path)?.as_ptr(), flags, 0o600) };
             if fd < 0 {
-                return Err(Error::os("creating the tree's memory cgroup file"));
+                let e = std::io::Error::last_os_error();
+                return Err(Error::Os {
+                    op: "creating the tree's memory cgroup file",
+                    source: std::io::Error::new(e.kind(), format!("{}: {e}", path.display())),
+                });
             }
             // SAFETY: sizing our own new file.
             if unsafe { libc::ftruncate(fd, SIZE as libc::off_t) } != 0 {
@@ -255,7 +261,8 @@ mod shared {
 
         /// The group in the file at `path`, which must be this user's own.
         pub fn open_shared(path: &Path) -> Result<MemCgroup> {
-            let flags = libc::O_RDWR | libc::O_NOFOLLOW | libc::O_CLOEXEC;
+            // Non-blocking: a lease another user holds on the file fails the open at once.
+            let flags = libc::O_RDWR | libc::O_NOFOLLOW | libc::O_CLOEXEC | libc::O_NONBLOCK;
             // SAFETY: a NUL-terminated path.
             let fd = unsafe { libc::open(c_path(path)?.as_ptr(), flags) };
             if fd < 0 {
@@ -296,6 +303,58 @@ mod shared {
             });
             if !others {
                 let _ = std::fs::remove_file(path);
+            }
+        }
+    }
+
+    /// Group files are named this and the PID of the `uswap run` that made them.
+    const FILE_PREFIX: &str = "uswap-memcg-";
+
+    /// Removes this user's group files in `dir` that no live process uses: a tree whose
+    /// last process was killed, or left without running its exit handlers (Go's and node's
+    /// `exit` end the process directly), leaves its file behind. A file is kept while the
+    /// process that made it lives (its members may not have joined yet) or any member does;
+    /// one named after this process is a dead process's whose PID came round again.
+    fn reap_leftovers(dir: &Path) {
+        let Ok(entries) = std::fs::read_dir(dir) else {
+            return;
+        };
+        let me = std::process::id();
+        for entry in entries.flatten() {
+            let name = entry.file_name();
+            let Some(maker) = name
+                .to_str()
+                .and_then(|n| n.strip_prefix(FILE_PREFIX))
+                .and_then(|pid| pid.parse::<u32>().ok())
+            else {
+                continue;
+            };
+            if maker != me && process_alive(maker) {
+                continue;
+            }
+            // Only this user's group files, looked at before they are opened (another
+            // user's file could hold an open up with a lease).
+            let path = entry.path();
+            let Ok(seen) = std::fs::symlink_metadata(&path) else {
+                continue;
+            };
+            // SAFETY: geteuid has no preconditions.
+            let mine = seen.uid() == unsafe { libc::geteuid() };
+            if !(seen.is_file() && mine && seen.len() == SIZE as u64) {
+                continue;
+            }
+            let Ok(cg) = MemCgroup::open_shared(&path) else {
+                continue;
+            };
+            let alive = cg.group().members.iter().any(|m| {
+                let pid = m.pid.load(Acquire);
+                pid != 0 && pid != me && process_alive(pid)
+            });
+            // A new tree may have made the file again meanwhile (its maker got the PID).
+            let same = std::fs::symlink_metadata(&path).is_ok_and(|now| now.ino() == seen.ino());
+            let maker_back = maker != me && process_alive(maker);
+            if !alive && same && !maker_back {
+                let _ = std::fs::remove_file(&path);
             }
         }
     }
@@ -381,6 +440,27 @@ mod tests {
         cg.last_one_out();
         assert!(!path.exists(), "the last one out removes the file");
         cg.leave(slot);
+    }
+
+    /// A group file left by a tree that died without its exit handlers is removed by the
+    /// next tree made in the directory; one whose maker lives stays.
+    #[test]
+    fn a_dead_trees_file_is_removed_by_the_next_one() {
+        let dir = tempfile::tempdir().unwrap();
+        let name = |pid: u32| dir.path().join(format!("uswap-memcg-{pid}"));
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let dead = child.id();
+        child.wait().unwrap();
+        let (cg, path) = MemCgroup::create_shared(100, dir.path()).unwrap();
+        drop(cg);
+        std::fs::rename(&path, name(dead)).unwrap();
+        let (cg, path) = MemCgroup::create_shared(100, dir.path()).unwrap();
+        drop(cg);
+        // Made by a live process (init): kept.
+        std::fs::rename(&path, name(1)).unwrap();
+        let _ours = MemCgroup::create_shared(100, dir.path()).unwrap();
+        assert!(!name(dead).exists(), "the dead tree's file is gone");
+        assert!(name(1).exists() && path.exists());
     }
 
     #[test]

@@ -207,6 +207,13 @@ impl Region {
         self.inner().fault.inject_panic();
     }
 
+    /// Test hook: the next read of the region's userfaultfd fails with EIO. The process
+    /// must stop loudly (SIGABRT, with a message), never leave faults asleep for ever.
+    #[doc(hidden)]
+    pub fn inject_uffd_read_error(&self) {
+        self.inner().fault.mm().uffd().fail_next_read();
+    }
+
     /// Test hook: takes the page at `offset` out of the region's page tables without telling
     /// uswap, as a hardware error or a bug would. The next access must fail loudly (counted
     /// in `unexplained_faults`), never loop.

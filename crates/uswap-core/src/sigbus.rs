@@ -222,7 +222,8 @@ fn serve(s: &Served) {
                         }
                     }
                 }
-                Err(e) => eprintln!("uswap: reading userfaultfd events failed: {e}"),
+                Err(e) if crate::uffd::transient(&e) => {}
+                Err(e) => crate::uffd::unreadable(mm.start(), &e),
             }
         }
         if s.fault.has_pending() {

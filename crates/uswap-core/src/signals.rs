@@ -75,8 +75,11 @@ impl Drop for Quiet {
 }
 
 /// Spawns a uswap thread with every asynchronous signal blocked from its first instruction
-/// (it inherits the mask, so no signal can slip in before it sets one).
-pub(crate) fn spawn_quiet<F>(name: &str, f: F) -> std::io::Result<std::thread::JoinHandle<()>>
+/// (it inherits the mask, so no signal can slip in before it sets one). Every uswap thread
+/// starts this way: a program's process-directed signal must never run the program's
+/// handler on a uswap thread (PostgreSQL forks its helpers in such handlers; a child forked
+/// from a uswap thread is a copy of that thread).
+pub fn spawn_quiet<F>(name: &str, f: F) -> std::io::Result<std::thread::JoinHandle<()>>
 where
     F: FnOnce() + Send + 'static,
 {

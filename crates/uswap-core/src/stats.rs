@@ -70,7 +70,7 @@ vmstat! {
     kswapd_wake,
     /// Reclaim passes run by a faulting thread because the budget was exhausted.
     direct_reclaim,
-    /// Swap-ins whose checksum did not match what was written.
+    /// Swap-ins that failed their check (tag or checksum) against what was written.
     verify_errors,
     /// Failed swap reads or writes.
     io_errors,

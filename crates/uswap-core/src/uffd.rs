@@ -316,11 +316,31 @@ impl Partial {
     }
 }
 
+/// A read of a userfaultfd that failed but may succeed again: interrupted, or the kernel
+/// was short of memory for an event.
+pub(crate) fn transient(e: &io::Error) -> bool {
+    matches!(e.raw_os_error(), Some(libc::EINTR | libc::ENOMEM))
+}
+
+/// The region's userfaultfd cannot be read: no fault or event in it can be served from now
+/// on, and the threads waiting on them would sleep in the kernel for ever. The process
+/// stops, loudly.
+pub(crate) fn unreadable(region: usize, e: &io::Error) -> ! {
+    eprintln!(
+        "uswap: fatal: reading the userfaultfd of the region at {region:#x} failed: {e}; no \
+         fault in it can be served any more, so the process stops here (SIGABRT) rather than \
+         hang"
+    );
+    std::process::abort()
+}
+
 /// An open userfaultfd with its API handshake done. Its fills pass the region's
 /// [`MmapChanging`] gate, and it reads messages only with that fence raised.
 pub struct Uffd {
     fd: OwnedFd,
     gate: Arc<MmapChanging>,
+    /// Test hook: the next read of messages fails with EIO.
+    fail_next_read: std::sync::atomic::AtomicBool,
 }
 
 /// Whether a move left the page at `src` and landed at `dst` without the kernel counting
@@ -366,7 +386,11 @@ impl Uffd {
         if unsafe { libc::ioctl(fd.as_raw_fd(), UFFDIO_API as _, &mut arg) } != 0 {
             return Err(Error::os("UFFDIO_API"));
         }
-        Ok(Uffd { fd, gate })
+        Ok(Uffd {
+            fd,
+            gate,
+            fail_next_read: Default::default(),
+        })
     }
 
     pub fn raw(&self) -> RawFd {
@@ -562,7 +586,19 @@ impl Uffd {
         })
     }
 
+    /// Test hook: the next [`Uffd::read_messages`] fails with EIO, as a kernel error would.
+    pub(crate) fn fail_next_read(&self) {
+        self.fail_next_read
+            .store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+
     fn read_raw(&self, out: &mut [Msg]) -> io::Result<usize> {
+        if self
+            .fail_next_read
+            .swap(false, std::sync::atomic::Ordering::Relaxed)
+        {
+            return Err(io::Error::from_raw_os_error(libc::EIO));
+        }
         let size = std::mem::size_of::<Msg>();
         // SAFETY: `out` is valid for its length in bytes; Msg is plain data.
         let n = unsafe {

@@ -155,6 +155,26 @@ fn unmovable() {
     println!("read {} pages ({sum})", region.len() / PAGE_SIZE);
 }
 
+/// The region's userfaultfd cannot be read (an injected EIO): the process stops with a
+/// message (SIGABRT) instead of leaving the fault, or the `madvise` whose event it is,
+/// asleep in the kernel for ever (before: the handler thread stopped without a word).
+fn uffd_read_error(mode: FaultMode) {
+    let mut cfg = Config::new(1 << 20);
+    cfg.fault_mode = mode;
+    let region = Region::new(2 << 20, cfg).unwrap();
+    for p in 0..region.len() / PAGE_SIZE {
+        unsafe { common::fill(region.as_ptr(), p, 1) };
+    }
+    region.advise(0, region.len(), Advice::PageOut).unwrap();
+    region.inject_uffd_read_error();
+    println!("armed");
+    std::io::stdout().flush().unwrap();
+    // Thread mode reads the fault; SIGBUS mode's service thread reads the discard's event.
+    let word = unsafe { (region.as_ptr().add(3 * PAGE_SIZE) as *const u64).read_volatile() };
+    let rc = unsafe { libc::madvise(region.as_ptr().cast(), PAGE_SIZE, libc::MADV_DONTNEED) };
+    println!("read {word:#x} and discarded ({rc}) past an unreadable userfaultfd");
+}
+
 /// A mapped page vanishes without uswap being told: the access fails loudly.
 fn lost_page(mode: FaultMode) {
     let mut cfg = Config::new(1 << 20);
@@ -201,11 +221,24 @@ fn child(name: &str, arg: Option<&String>) {
         "lost-thread" => lost_page(FaultMode::Thread),
         "lost-sigbus" => lost_page(FaultMode::Sigbus),
         "sigbus-replaced" => sigbus_replaced(),
+        "uffd-read-thread" => uffd_read_error(FaultMode::Thread),
+        "uffd-read-sigbus" => uffd_read_error(FaultMode::Sigbus),
         _ => panic!("unknown scenario {name}"),
     }
 }
 
 fn expect_sigbus(name: &str, stdout_has: &str, stderr_has: &[&str]) -> Result<(), String> {
+    expect_death(name, libc::SIGBUS, stdout_has, stderr_has)
+}
+
+/// The child scenario `name` dies of `signal` after printing `stdout_has`, never having
+/// read or written the memory, with every one of `stderr_has` on stderr.
+fn expect_death(
+    name: &str,
+    signal: i32,
+    stdout_has: &str,
+    stderr_has: &[&str],
+) -> Result<(), String> {
     let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
     let out = Command::new(std::env::current_exe().unwrap())
         .args(["child", name, dir.path().to_str().unwrap()])
@@ -215,9 +248,10 @@ fn expect_sigbus(name: &str, stdout_has: &str, stderr_has: &[&str]) -> Result<()
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr),
     );
-    if out.status.signal() != Some(libc::SIGBUS) {
+    if out.status.signal() != Some(signal) {
         return Err(format!(
-            "{name}: expected death by SIGBUS, got {:?}\nstdout: {stdout}\nstderr: {stderr}",
+            "{name}: expected death by signal {signal}, got {:?}\nstdout: {stdout}\nstderr: \
+             {stderr}",
             out.status
         ));
     }
@@ -283,7 +317,7 @@ fn main() {
         return child(&args[2], args.get(3));
     }
     let filter = args.iter().skip(1).find(|a| !a.starts_with('-'));
-    let corrupt: &[&str] = &["fails with SIGBUS", "checksum"];
+    let corrupt: &[&str] = &["fails with SIGBUS", "failed authentication"];
     let full: &[&str] = &["fails with SIGBUS", "out of memory", "swap"];
     let panicked: &[&str] = &["panicked", "injected fault-handler panic"];
     let lost: &[&str] = &["fails with SIGBUS", "is gone"];
@@ -352,6 +386,28 @@ fn main() {
     let test = "a_replaced_sigbus_handler_is_reported_and_taken_back";
     if filter.is_none_or(|f| test.contains(f.as_str())) {
         match expect_success("sigbus-replaced", "verified", "replaced uswap's") {
+            Ok(()) => println!("test {test} ... ok"),
+            Err(e) => {
+                println!("test {test} ... FAILED\n{e}");
+                failed += 1;
+            }
+        }
+    }
+    let unreadable: &[&str] = &["fatal: reading the userfaultfd", "rather than hang"];
+    for (test, name) in [
+        (
+            "an_unreadable_userfaultfd_stops_the_process_loudly_thread_mode",
+            "uffd-read-thread",
+        ),
+        (
+            "an_unreadable_userfaultfd_stops_the_process_loudly_sigbus_mode",
+            "uffd-read-sigbus",
+        ),
+    ] {
+        if filter.is_some_and(|f| !test.contains(f.as_str())) {
+            continue;
+        }
+        match expect_death(name, libc::SIGABRT, "armed", unreadable) {
             Ok(()) => println!("test {test} ... ok"),
             Err(e) => {
                 println!("test {test} ... FAILED\n{e}");

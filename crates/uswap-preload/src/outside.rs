@@ -24,9 +24,7 @@ pub fn watch(region: Arc<Region>, program: String) {
         }
     };
     // Without the thread the program runs as it would; only the warning is lost.
-    let _ = std::thread::Builder::new()
-        .name("uswap-outside".into())
-        .spawn(looker);
+    let _ = uswap_core::spawn_quiet("uswap-outside", looker);
 }
 
 fn verdict(region: &Region, program: &str) -> Option<String> {

@@ -340,8 +340,17 @@ impl ClusterAllocator {
 
     /// Gives `slot` back. Panics if it is not in use: a double free would hand the slot to
     /// two owners later.
+    #[cfg(test)]
     pub(crate) fn free(&self, slot: SlotId) {
-        let freed = u64::from(slot) < self.slots() && self.release(slot);
+        self.free_with(slot, |_, _| {});
+    }
+
+    /// Frees `slot`. When that empties its cluster (one no base is filling), `emptied`
+    /// runs with the cluster's first slot and size under the cluster's lock, before any
+    /// base can take the cluster again: the device discards the cluster's file range there
+    /// (the kernel's cluster discard).
+    pub(crate) fn free_with(&self, slot: SlotId, emptied: impl FnOnce(SlotId, u32)) {
+        let freed = u64::from(slot) < self.slots() && self.release(slot, emptied);
         assert!(
             freed,
             "swap slot {slot} freed while not in use (double free?)"
@@ -350,17 +359,19 @@ impl ClusterAllocator {
 
     /// Marks `slot` free and moves its cluster to the list it now belongs on; false (and
     /// nothing changed) if the slot was not in use.
-    fn release(&self, slot: SlotId) -> bool {
+    fn release(&self, slot: SlotId, emptied: impl FnOnce(SlotId, u32)) -> bool {
         let c = slot / self.cluster_size;
         let mut cluster = self.clusters.get(c).lock();
         if !cluster.release(slot % self.cluster_size) {
             return false;
         }
+        let first = c * self.cluster_size;
         match (cluster.state, cluster.used) {
             // A current cluster stays current, even when empty: allocation goes on there.
             (ClusterState::Current(_), _) | (ClusterState::Nonfull, 1..) => {}
             (ClusterState::Full, used) => {
                 let list = if used == 0 {
+                    emptied(first, self.cluster_size);
                     ListKind::Free
                 } else {
                     ListKind::Nonfull
@@ -369,10 +380,12 @@ impl ClusterAllocator {
                 cluster.state = list.into();
             }
             (ClusterState::Nonfull, 0) => {
-                let mut lists = self.lists.lock();
-                // Not on the list: a base is taking it and will make it current.
-                if lists.unlink(c) {
-                    lists.push(ListKind::Free, c);
+                // Not on the list: a base is taking it and will make it current. Unlinked,
+                // it is on no list while `emptied` runs (without the list lock), so no
+                // base can take it.
+                if self.lists.lock().unlink(c) {
+                    emptied(first, self.cluster_size);
+                    self.lists.lock().push(ListKind::Free, c);
                     cluster.state = ClusterState::Free;
                 }
             }

@@ -1,20 +1,25 @@
-//! The swap device: a file of page-sized slots, the slot allocator, and a checksum per
-//! written slot (mm/swapfile.c).
+//! The swap device: a file of page-sized slots, the slot allocator, and the guard of each
+//! written slot (mm/swapfile.c): its seal (encryption on, the default: `seal.rs`) or a
+//! CRC32C of the page (encryption off).
 //!
-//! Checksums are kept in memory only, so a page read back is verified against what was
-//! written in this process: bad data never reaches the region silently. A page whose
-//! checksum does not match is read again a few times before it is given up: the first read
-//! may have gone bad in transit.
+//! Guards are kept in memory only, so a page read back is verified against what was
+//! written in this process: bad data never reaches the region silently. A page that fails
+//! its check is read again a few times before it is given up: the first read may have
+//! gone bad in transit.
 
 mod backing;
 mod cluster;
+mod seal;
 
 pub use backing::Backing;
+pub use seal::speed as sealing_speed;
 
+use crate::swap_io::PageBuf;
 use crate::swap_io::{IoEngine, PageOp};
 use crate::swap_state::SwapCache;
-use crate::{Error, IoMode, SlotAlloc, SwapConfig, SwapLocation, PAGE_SIZE};
+use crate::{Error, IoMode, SlotAlloc, SwapConfig, SwapEncryption, SwapLocation, PAGE_SIZE};
 use cluster::ClusterAllocator;
+use seal::{Seal, Sealed};
 use std::fs::File;
 use std::io;
 use std::os::fd::AsRawFd;
@@ -51,6 +56,11 @@ pub enum ReadError {
         expected: u32,
         found: u32,
     },
+    #[error(
+        "swap slot {slot} failed authentication: it does not hold what uswap wrote there \
+         (the swap file was modified, or the storage returned bad data)"
+    )]
+    Tag { slot: SlotId },
     #[error("swap slot {slot} was never written (or was freed since)")]
     NeverWritten { slot: SlotId },
 }
@@ -65,18 +75,20 @@ pub struct IoStats {
     /// Transfers tried again after a transient error (EAGAIN, EINTR, ENOMEM, EBUSY, EIO on
     /// a read) or a short transfer.
     pub io_retries: u64,
-    /// Pages read again because their checksum did not match.
+    /// Pages read again because they failed their check (checksum or tag).
     pub rereads: u64,
-    /// Reads whose checksum mismatch a re-read cured.
+    /// Reads whose failed check a re-read cured.
     pub reread_healed: u64,
     /// Faults injected by the configured [`crate::config::FaultPlan`].
     pub injected_faults: u64,
     /// Page reads that failed with an I/O error after every retry.
     pub read_errors: u64,
-    /// Page reads whose checksum still did not match after every re-read.
+    /// Page reads that still failed their check (checksum or tag) after every re-read.
     pub checksum_errors: u64,
     /// Page writes that failed after every retry.
     pub write_errors: u64,
+    /// Emptied clusters punched out of the swap file.
+    pub discarded_clusters: u64,
 }
 
 /// The device's own counters (the I/O engine keeps the rest).
@@ -87,6 +99,7 @@ struct Counters {
     read_errors: AtomicU64,
     checksum_errors: AtomicU64,
     write_errors: AtomicU64,
+    discarded_clusters: AtomicU64,
 }
 
 /// A swap file and its slots. Shared through `Arc` by every thread of a region.
@@ -99,7 +112,7 @@ pub struct SwapDevice {
     slots: ClusterAllocator,
     /// Slots the device may ever have (a growing file is not that long yet).
     capacity: u64,
-    checksums: ChecksumTable,
+    guard: Guard,
     owners: OwnerTable,
     cache: SwapCache,
     /// For a growing file: bytes allocated to it so far and when growing last failed.
@@ -107,6 +120,8 @@ pub struct SwapDevice {
     grown: Option<Mutex<Growth>>,
     /// Set while the file system refuses to let a growing file grow (ENOSPC).
     growth_failed: AtomicBool,
+    /// Set once the file system said it cannot punch holes: freed clusters stay in the file.
+    punch_unsupported: AtomicBool,
     /// Slots promised to regions (their size beyond their memory limit), so regions that
     /// share the device cannot together need more than it has.
     reserved: AtomicU64,
@@ -164,11 +179,12 @@ impl SwapDevice {
             counters: Counters::default(),
             slots: ClusterAllocator::new(SWAPFILE_CLUSTER, initial, cfg.slot_alloc),
             capacity,
-            checksums: ChecksumTable::new(capacity),
+            guard: Guard::new(cfg.encryption, capacity).map_err(create_error)?,
             owners: OwnerTable(SlotTable::new(capacity)),
             cache: SwapCache::new(cfg.swap_cache, capacity),
             grown,
             growth_failed: AtomicBool::new(false),
+            punch_unsupported: AtomicBool::new(false),
             reserved: AtomicU64::new(0),
             cfg: cfg.clone(),
             align,
@@ -253,14 +269,41 @@ impl SwapDevice {
         }
     }
 
-    /// Gives a slot back and forgets its checksum and owner. Panics if the slot is not in
+    /// Gives a slot back and forgets its guard and owner. Panics if the slot is not in
     /// use. The slot must not be in the swap cache.
     pub fn free_slot(&self, slot: SlotId) {
         self.check_slot(slot);
         // Forget first: once freed, the slot may be reallocated and written by another thread.
-        self.checksums.forget(slot);
+        self.guard.forget(slot);
         self.owners.0.clear(slot);
-        self.slots.free(slot);
+        self.slots
+            .free_with(slot, |first, n| self.discard(first, n));
+    }
+
+    /// Punches the file range of `n` freed slots from `first` out of a swap file in memory
+    /// (tmpfs): the file no longer keeps what they held, and their memory is freed. On a
+    /// disk the range stays allocated: a punch there takes the file's lock against every
+    /// read in flight, and the slots' next writes would have to allocate blocks again
+    /// (failing when the file system is full, which a fixed-size device promised they
+    /// would not); what they hold there is sealed, with encryption on. Discarding on disks
+    /// needs the kernel's design: a background worker, and clusters kept off the free list
+    /// until their discard is done.
+    fn discard(&self, first: SlotId, n: u32) {
+        if !self.backing.in_memory() || self.punch_unsupported.load(Relaxed) {
+            return;
+        }
+        let mode = libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE;
+        let len = i64::from(n) * PAGE_SIZE as i64;
+        let at = slot_offset(first) as i64;
+        // SAFETY: plain system call on the device's own file.
+        if unsafe { libc::fallocate(self.file.as_raw_fd(), mode, at, len) } == 0 {
+            self.counters.discarded_clusters.fetch_add(1, Relaxed);
+        } else if matches!(
+            io::Error::last_os_error().raw_os_error(),
+            Some(libc::EOPNOTSUPP | libc::ENOSYS | libc::EINVAL)
+        ) {
+            self.punch_unsupported.store(true, Relaxed);
+        }
     }
 
     /// Records that page `page` of region `region` holds `slot` (a hint: see [`OwnerTable`]).
@@ -281,9 +324,9 @@ impl SwapDevice {
         &self.cache
     }
 
-    /// Writes each page to its slot as one batch and records the checksum of every page
-    /// written. Returns one result per entry, in order; a failed write leaves its slot
-    /// reading as never written.
+    /// Writes each page to its slot as one batch and records the guard of every page
+    /// written (sealed pages go out from copies, encrypted). Returns one result per
+    /// entry, in order; a failed write leaves its slot reading as never written.
     ///
     /// # Safety
     /// Each pointer must be valid for reading 4096 bytes until this returns, and page-aligned.
@@ -291,20 +334,34 @@ impl SwapDevice {
         for &(slot, _) in batch {
             self.check_slot(slot);
             // Whatever the slot held is about to be overwritten.
-            self.checksums.forget(slot);
+            self.guard.forget(slot);
         }
+        let sealed: Vec<(PageBuf, Sealed)> = match &self.guard {
+            Guard::Checksum(_) => Vec::new(),
+            Guard::Sealed(seal, _) => batch
+                .iter()
+                .map(|&(slot, src)| {
+                    let mut copy = PageBuf::new();
+                    std::ptr::copy_nonoverlapping(src, copy.as_mut_ptr(), PAGE_SIZE);
+                    let s = seal.seal(slot, copy.as_mut_slice());
+                    (copy, s)
+                })
+                .collect(),
+        };
         let ops: Vec<PageOp> = batch
             .iter()
-            .map(|&(slot, src)| PageOp::Write {
+            .enumerate()
+            .map(|(i, &(slot, src))| PageOp::Write {
                 offset: slot_offset(slot),
-                src,
+                src: sealed.get(i).map_or(src, |(copy, _)| copy.as_ptr()),
             })
             .collect();
         let results = self.io.run(&self.file, &ops);
-        for (&(slot, src), result) in batch.iter().zip(&results) {
-            match result {
-                Ok(()) => self.checksums.record(slot, page_checksum(src)),
-                Err(_) => {
+        for (i, (&(slot, src), result)) in batch.iter().zip(&results).enumerate() {
+            match (result, &self.guard) {
+                (Ok(()), Guard::Checksum(sums)) => sums.record(slot, page_checksum(src)),
+                (Ok(()), Guard::Sealed(_, seals)) => seals.record(slot, sealed[i].1),
+                (Err(_), _) => {
                     self.counters.write_errors.fetch_add(1, Relaxed);
                 }
             }
@@ -312,20 +369,20 @@ impl SwapDevice {
         results
     }
 
-    /// Reads a slot into `dst` and verifies it against the checksum recorded when it was
-    /// written; a mismatch is read again, up to [`READ_TRIES`] reads in all. On an error
-    /// `dst` holds no usable data.
+    /// Reads a slot into `dst` and checks it against the guard recorded when it was
+    /// written (decrypting it when sealed); a mismatch is read again, up to
+    /// [`READ_TRIES`] reads in all. On an error `dst` holds no usable data.
     ///
     /// # Safety
     /// `dst` must be valid for writing 4096 bytes until this returns, and page-aligned.
     pub unsafe fn read_page(&self, slot: SlotId, dst: *mut u8) -> Result<(), ReadError> {
         self.check_slot(slot);
         let expected = self
-            .checksums
+            .guard
             .get(slot)
             .ok_or(ReadError::NeverWritten { slot })?;
-        let mut found = expected;
-        for read in 0..READ_TRIES {
+        let mut read = 0;
+        loop {
             let reread_follows = read + 1 < READ_TRIES;
             if let Err(e) = self
                 .io
@@ -334,23 +391,23 @@ impl SwapDevice {
                 self.counters.read_errors.fetch_add(1, Relaxed);
                 return Err(ReadError::Io(e));
             }
-            found = page_checksum(dst);
-            if found == expected {
-                if read > 0 {
-                    self.counters.reread_healed.fetch_add(1, Relaxed);
+            match self.guard.check(slot, expected, dst) {
+                Ok(()) => {
+                    if read > 0 {
+                        self.counters.reread_healed.fetch_add(1, Relaxed);
+                    }
+                    return Ok(());
                 }
-                return Ok(());
-            }
-            if reread_follows {
-                self.counters.rereads.fetch_add(1, Relaxed);
+                Err(e) if !reread_follows => {
+                    self.counters.checksum_errors.fetch_add(1, Relaxed);
+                    return Err(e);
+                }
+                Err(_) => {
+                    self.counters.rereads.fetch_add(1, Relaxed);
+                    read += 1;
+                }
             }
         }
-        self.counters.checksum_errors.fetch_add(1, Relaxed);
-        Err(ReadError::Checksum {
-            slot,
-            expected,
-            found,
-        })
     }
 
     /// Reads a batch of slots with one submission (readahead's window) and verifies each
@@ -362,11 +419,11 @@ impl SwapDevice {
     /// Each pointer must be valid for writing 4096 bytes until this returns, and
     /// page-aligned.
     pub unsafe fn read_pages(&self, batch: &[(SlotId, *mut u8)]) -> Vec<Result<(), ReadError>> {
-        let expected: Vec<Option<u32>> = batch
+        let expected: Vec<Option<Expected>> = batch
             .iter()
             .map(|&(slot, _)| {
                 self.check_slot(slot);
-                self.checksums.get(slot)
+                self.guard.get(slot)
             })
             .collect();
         let ops: Vec<PageOp> = batch
@@ -388,15 +445,7 @@ impl SwapDevice {
                     self.counters.read_errors.fetch_add(1, Relaxed);
                     ReadError::Io(e)
                 })?;
-                let found = page_checksum(dst);
-                if found != expected {
-                    return Err(ReadError::Checksum {
-                        slot,
-                        expected,
-                        found,
-                    });
-                }
-                Ok(())
+                self.guard.check(slot, expected, dst)
             })
             .collect()
     }
@@ -404,19 +453,27 @@ impl SwapDevice {
     /// [`SwapDevice::read_page`] for the SIGBUS handler: one read, allocating nothing
     /// (on a signal ring, polled, when the engine polls its reads; else `pread`).
     /// True when the page was read and verified; false when it was not (an error, a
-    /// checksum mismatch, or a fault plan in force): then `read_page` reads it again and
+    /// failed check, or a fault plan in force): then `read_page` reads it again and
     /// reports what goes wrong.
     ///
     /// # Safety
     /// As [`SwapDevice::read_page`].
     pub unsafe fn read_page_in_place(&self, slot: SlotId, dst: *mut u8) -> bool {
-        let Some(expected) = self.checksums.get(slot) else {
+        let Some(expected) = self.guard.get(slot) else {
             return false;
         };
         matches!(
             self.io.read_in_place(&self.file, slot_offset(slot), dst),
             Some(Ok(()))
-        ) && page_checksum(dst) == expected
+        ) && self.guard.passes(slot, expected, dst)
+    }
+
+    /// The cipher sealing the device's slots; None with encryption off.
+    pub fn cipher(&self) -> Option<&'static str> {
+        match &self.guard {
+            Guard::Sealed(seal, _) => Some(seal.cipher()),
+            Guard::Checksum(_) => None,
+        }
     }
 
     /// The I/O counters: retries, re-reads, injected faults, errors.
@@ -430,6 +487,7 @@ impl SwapDevice {
             read_errors: c.read_errors.load(Relaxed),
             checksum_errors: c.checksum_errors.load(Relaxed),
             write_errors: c.write_errors.load(Relaxed),
+            discarded_clusters: c.discarded_clusters.load(Relaxed),
         }
     }
 
@@ -707,6 +765,147 @@ impl SlotTable {
 /// slot never written.
 const WRITTEN: u64 = 1 << 32;
 
+/// Memory kept outside the limit for each slot written, to check it when it is read: its
+/// seal (generation and tag) with encryption on, its checksum word with it off.
+pub fn guard_bytes_per_slot(encryption: SwapEncryption) -> u64 {
+    match encryption {
+        SwapEncryption::On => 24,
+        SwapEncryption::Off => 8,
+    }
+}
+
+/// What a written slot must read as.
+#[derive(Clone, Copy)]
+enum Expected {
+    Checksum(u32),
+    Sealed(Sealed),
+}
+
+/// How a slot's contents are kept and checked: sealed (encrypted and authenticated), or
+/// plain with a CRC32C.
+enum Guard {
+    Checksum(ChecksumTable),
+    Sealed(Seal, SealTable),
+}
+
+impl Guard {
+    fn new(encryption: SwapEncryption, slots: u64) -> io::Result<Guard> {
+        Ok(match encryption {
+            SwapEncryption::On => Guard::Sealed(Seal::new()?, SealTable::new(slots)),
+            SwapEncryption::Off => Guard::Checksum(ChecksumTable::new(slots)),
+        })
+    }
+
+    fn forget(&self, slot: SlotId) {
+        match self {
+            Guard::Checksum(sums) => sums.forget(slot),
+            Guard::Sealed(_, seals) => seals.forget(slot),
+        }
+    }
+
+    /// None for a slot not written (or freed since).
+    fn get(&self, slot: SlotId) -> Option<Expected> {
+        match self {
+            Guard::Checksum(sums) => sums.get(slot).map(Expected::Checksum),
+            Guard::Sealed(_, seals) => seals.get(slot).map(Expected::Sealed),
+        }
+    }
+
+    /// Checks a page just read from `slot`, decrypting it in place when sealed.
+    ///
+    /// # Safety
+    /// `page` must be valid for reading and writing 4096 bytes.
+    unsafe fn check(
+        &self,
+        slot: SlotId,
+        expected: Expected,
+        page: *mut u8,
+    ) -> Result<(), ReadError> {
+        match (self, expected) {
+            (Guard::Checksum(_), Expected::Checksum(expected)) => {
+                let found = page_checksum(page);
+                match found == expected {
+                    true => Ok(()),
+                    false => Err(ReadError::Checksum {
+                        slot,
+                        expected,
+                        found,
+                    }),
+                }
+            }
+            (Guard::Sealed(seal, _), Expected::Sealed(sealed)) => {
+                let page = std::slice::from_raw_parts_mut(page, PAGE_SIZE);
+                match seal.open(slot, sealed, page) {
+                    true => Ok(()),
+                    false => Err(ReadError::Tag { slot }),
+                }
+            }
+            _ => unreachable!("a guard expects only its own kind"),
+        }
+    }
+
+    /// [`Guard::check`] without building an error (the SIGBUS handler allocates nothing).
+    ///
+    /// # Safety
+    /// As [`Guard::check`].
+    unsafe fn passes(&self, slot: SlotId, expected: Expected, page: *mut u8) -> bool {
+        match (self, expected) {
+            (Guard::Checksum(_), Expected::Checksum(expected)) => page_checksum(page) == expected,
+            (Guard::Sealed(seal, _), Expected::Sealed(sealed)) => seal.open(
+                slot,
+                sealed,
+                std::slice::from_raw_parts_mut(page, PAGE_SIZE),
+            ),
+            _ => false,
+        }
+    }
+}
+
+/// The seal of every written slot: its generation (0 for a slot not written) and tag.
+struct SealTable {
+    generation: SlotTable,
+    tag: [SlotTable; 2],
+}
+
+impl SealTable {
+    fn new(slots: u64) -> SealTable {
+        SealTable {
+            generation: SlotTable::new(slots),
+            tag: [SlotTable::new(slots), SlotTable::new(slots)],
+        }
+    }
+
+    fn record(&self, slot: SlotId, sealed: Sealed) {
+        let (lo, hi) = sealed.tag.split_at(8);
+        self.tag[0].set(slot, u64::from_le_bytes(lo.try_into().expect("8 bytes")));
+        self.tag[1].set(slot, u64::from_le_bytes(hi.try_into().expect("8 bytes")));
+        // Last, with release: a reader that sees the generation sees the tag.
+        self.generation.set(slot, sealed.generation);
+    }
+
+    fn forget(&self, slot: SlotId) {
+        self.generation.clear(slot);
+    }
+
+    /// The slot's seal. Readers hold the lock of the page owning the slot, so it is not
+    /// rewritten meanwhile; should it be, the generation read again after the tag tells,
+    /// and the words are read again (a torn seal would only fail its tag, loudly).
+    fn get(&self, slot: SlotId) -> Option<Sealed> {
+        loop {
+            let generation = self.generation.get(slot);
+            if generation == 0 {
+                return None;
+            }
+            let mut tag = [0u8; 16];
+            tag[..8].copy_from_slice(&self.tag[0].get(slot).to_le_bytes());
+            tag[8..].copy_from_slice(&self.tag[1].get(slot).to_le_bytes());
+            if self.generation.get(slot) == generation {
+                return Some(Sealed { generation, tag });
+            }
+        }
+    }
+}
+
 /// The checksum of every written slot.
 struct ChecksumTable(SlotTable);
 
@@ -752,6 +951,7 @@ mod tests {
     use crate::config::FaultPlan;
     use crate::swap_io::tests::uring_allowed;
     use crate::swap_io::PageBuf;
+    use std::io::Read;
     use std::os::unix::fs::{FileExt, MetadataExt, PermissionsExt};
 
     fn config(location: SwapLocation, size: Option<u64>, io: IoMode) -> SwapConfig {
@@ -867,11 +1067,14 @@ mod tests {
     fn a_slot_corrupted_on_disk_fails_its_checksum() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("swap");
-        let dev = SwapDevice::open(&config(
-            SwapLocation::File(path.clone()),
-            Some(1 << 20),
-            IoMode::Uring,
-        ))
+        let dev = SwapDevice::open(&SwapConfig {
+            encryption: SwapEncryption::Off,
+            ..config(
+                SwapLocation::File(path.clone()),
+                Some(1 << 20),
+                IoMode::Uring,
+            )
+        })
         .unwrap();
         let slots: Vec<SlotId> = (0..4).map(|_| dev.alloc_slot().unwrap()).collect();
         let pages: Vec<PageBuf> = (0..4).map(page).collect();
@@ -900,6 +1103,139 @@ mod tests {
             read(&dev, slots[3]).unwrap().as_slice(),
             pages[3].as_slice()
         );
+    }
+
+    /// A 1 MiB device made with `encryption`, on an unlinked file in a fresh temp dir.
+    fn device_with(encryption: SwapEncryption) -> (tempfile::TempDir, Arc<SwapDevice>) {
+        let dir = tempfile::tempdir().unwrap();
+        let dev = SwapDevice::open(&SwapConfig {
+            encryption,
+            ..config(
+                SwapLocation::TempIn(dir.path().into()),
+                Some(1 << 20),
+                IoMode::Pread,
+            )
+        })
+        .unwrap();
+        (dir, dev)
+    }
+
+    const MARKER: &[u8; 16] = b"uswap-secret-42!";
+
+    fn marker_page() -> PageBuf {
+        let mut p = PageBuf::new();
+        for chunk in p.as_mut_slice().chunks_mut(MARKER.len()) {
+            chunk.copy_from_slice(MARKER);
+        }
+        p
+    }
+
+    /// With encryption on, the swap file holds no page as the program wrote it; off, the
+    /// marker is there (so the search can find it).
+    #[test]
+    fn a_sealed_device_leaves_nothing_readable_in_its_file() {
+        for encryption in [SwapEncryption::On, SwapEncryption::Off] {
+            let (_dir, dev) = device_with(encryption);
+            let page = marker_page();
+            let slots: Vec<SlotId> = (0..16).map(|_| dev.alloc_slot().unwrap()).collect();
+            let batch: Vec<(SlotId, &PageBuf)> = slots.iter().map(|&s| (s, &page)).collect();
+            write(&dev, &batch);
+            let mut raw = Vec::new();
+            reopen(&dev).read_to_end(&mut raw).unwrap();
+            let found = raw.windows(MARKER.len()).filter(|w| w == MARKER).count();
+            match encryption {
+                SwapEncryption::On => assert_eq!(found, 0, "{} sealed", dev.cipher().unwrap()),
+                SwapEncryption::Off => assert_eq!(found, 16 * PAGE_SIZE / MARKER.len()),
+            }
+            for &slot in &slots {
+                assert_eq!(read(&dev, slot).unwrap().as_slice(), page.as_slice());
+            }
+        }
+    }
+
+    /// A slot's ciphertext copied over another slot's, or one bit of a slot flipped, fails
+    /// its tag after every re-read; the slot it came from still reads.
+    #[test]
+    fn a_sealed_slot_replayed_or_flipped_fails_its_tag() {
+        let (_dir, dev) = device_with(SwapEncryption::On);
+        let slots: Vec<SlotId> = (0..3).map(|_| dev.alloc_slot().unwrap()).collect();
+        let pages: Vec<PageBuf> = (0..3).map(page).collect();
+        let batch: Vec<(SlotId, &PageBuf)> = slots.iter().copied().zip(&pages).collect();
+        write(&dev, &batch);
+        let file = reopen(&dev);
+        let mut sealed = vec![0u8; PAGE_SIZE];
+        file.read_exact_at(&mut sealed, slot_offset(slots[0]))
+            .unwrap();
+        file.write_all_at(&sealed, slot_offset(slots[1])).unwrap();
+        let mut byte = [0u8];
+        file.read_exact_at(&mut byte, slot_offset(slots[2]) + 999)
+            .unwrap();
+        file.write_all_at(&[byte[0] ^ 0x04], slot_offset(slots[2]) + 999)
+            .unwrap();
+        for &bad in &slots[1..] {
+            assert!(
+                matches!(read(&dev, bad), Err(ReadError::Tag { slot }) if slot == bad),
+                "slot {bad}"
+            );
+        }
+        assert_eq!(
+            read(&dev, slots[0]).unwrap().as_slice(),
+            pages[0].as_slice()
+        );
+        let stats = dev.io_stats();
+        assert_eq!(stats.checksum_errors, 2);
+        assert_eq!(stats.rereads, 2 * u64::from(READ_TRIES - 1));
+    }
+
+    /// A cluster whose every slot is freed is punched out of a swap file in memory (the
+    /// kernel's cluster discard): tmpfs frees its memory, and its slots serve again.
+    #[test]
+    fn an_emptied_cluster_is_punched_out_of_a_file_in_memory() {
+        let shm = Path::new("/dev/shm");
+        if !Backing::of_path(shm).is_ok_and(|b| b.in_memory()) {
+            eprintln!("skipped: /dev/shm is not in memory here");
+            return;
+        }
+        let dir = tempfile::tempdir_in(shm).unwrap();
+        let dev = SwapDevice::open(&SwapConfig {
+            slot_alloc: SlotAlloc::Shared,
+            ..config(
+                SwapLocation::TempIn(dir.path().into()),
+                Some(4 << 20),
+                IoMode::Pread,
+            )
+        })
+        .unwrap();
+        let per_cluster = SWAPFILE_CLUSTER as usize;
+        let slots: Vec<SlotId> = (0..=per_cluster)
+            .map(|_| dev.alloc_slot().unwrap())
+            .collect();
+        let data = page(9);
+        let batch: Vec<(SlotId, &PageBuf)> = slots.iter().map(|&s| (s, &data)).collect();
+        write(&dev, &batch);
+        let blocks = || reopen(&dev).metadata().unwrap().blocks();
+        let before = blocks();
+        for &slot in &slots[..per_cluster] {
+            dev.free_slot(slot);
+        }
+        if dev.punch_unsupported.load(Relaxed) {
+            eprintln!("skipped: this file system cannot punch holes");
+            return;
+        }
+        assert_eq!(dev.io_stats().discarded_clusters, 1);
+        let cluster_blocks = CLUSTER_BYTES / 512;
+        assert!(
+            blocks() + cluster_blocks <= before,
+            "{before} blocks before, {} after",
+            blocks()
+        );
+        assert_eq!(
+            read(&dev, slots[per_cluster]).unwrap().as_slice(),
+            data.as_slice()
+        );
+        let again = dev.alloc_slot().unwrap();
+        write(&dev, &[(again, &data)]);
+        assert_eq!(read(&dev, again).unwrap().as_slice(), data.as_slice());
     }
 
     #[test]
@@ -1104,7 +1440,7 @@ mod tests {
             let slot = dev.alloc_slot().unwrap();
             write(&dev, &[(slot, &page(22))]);
             assert!(
-                matches!(read(&dev, slot), Err(ReadError::Checksum { .. })),
+                matches!(read(&dev, slot), Err(ReadError::Tag { .. })),
                 "{io:?}"
             );
             let stats = dev.io_stats();
