@@ -346,9 +346,9 @@ impl ClusterAllocator {
     }
 
     /// Frees `slot`. When that empties its cluster (one no base is filling), `emptied`
-    /// runs with the cluster's first slot and size under the cluster's lock, before any
-    /// base can take the cluster again: the device discards the cluster's file range there
-    /// (the kernel's cluster discard).
+    /// runs with the cluster's first slot and size under the cluster's lock (and the list
+    /// lock, for a cluster on the nonfull list), before any base can take it again: the
+    /// device discards the cluster's file range there (the kernel's cluster discard).
     pub(crate) fn free_with(&self, slot: SlotId, emptied: impl FnOnce(SlotId, u32)) {
         let freed = u64::from(slot) < self.slots() && self.release(slot, emptied);
         assert!(
@@ -380,12 +380,14 @@ impl ClusterAllocator {
                 cluster.state = list.into();
             }
             (ClusterState::Nonfull, 0) => {
-                // Not on the list: a base is taking it and will make it current. Unlinked,
-                // it is on no list while `emptied` runs (without the list lock), so no
-                // base can take it.
-                if self.lists.lock().unlink(c) {
+                // Not on the list: a base is taking it and will make it current. `emptied`
+                // runs under the list lock: a cluster on no list for a moment would have
+                // an allocator that finds the device not full, and no list to take from,
+                // spin until it is back.
+                let mut lists = self.lists.lock();
+                if lists.unlink(c) {
                     emptied(first, self.cluster_size);
-                    self.lists.lock().push(ListKind::Free, c);
+                    lists.push(ListKind::Free, c);
                     cluster.state = ClusterState::Free;
                 }
             }
