@@ -15,27 +15,43 @@
 //! brings it back after aging is done with it, after which aging will see the pin.
 //!
 //! A pin is one word in a fixed table (no allocation: pins are taken in a signal handler).
-//! `used` counts the words in use, so that aging, which asks for every page it moves,
-//! pays one load when nothing is pinned.
+//! `used` counts the pins held, so that aging, which asks for every page it moves, pays
+//! one load when nothing is pinned. When every word is taken (more calls blocked on region
+//! memory at once than the table has words), a pin overflows: while any overflowed pin is
+//! held, every page of the region counts as pinned. Aging then moves nothing out, but no
+//! call ever waits for another's pin, which could wait for ever (300 threads blocked in
+//! `read` into region memory once left the 257th spinning). The overflow counter is
+//! published and read with the same fences as a word, so the race argument is the same.
 
 use crate::sync::{fence, AtomicU64, AtomicUsize};
 use std::ops::Range;
 use std::sync::atomic::Ordering::{Relaxed, Release, SeqCst};
 
 /// Ranges pinned at once per region: one per system call in progress (a vectored call
-/// takes one per buffer, up to its share).
+/// takes one per buffer, up to its share). More overflow (see the module documentation).
+#[cfg(not(loom))]
 pub(crate) const PIN_SLOTS: usize = 256;
+/// One word, so that a model reaches the overflow in a few steps.
+#[cfg(loom)]
+pub(crate) const PIN_SLOTS: usize = 1;
 
 /// The pinned ranges of one region.
 pub(crate) struct Pins {
     /// `start | end << 32` in pages, `end > start`; 0 when free.
     slots: [AtomicU64; PIN_SLOTS],
+    /// Pins held, in words and overflowed.
     used: AtomicUsize,
+    /// Overflowed pins held: while any is, every page is pinned.
+    overflow: AtomicUsize,
 }
 
-/// A pinned range; give it back with [`Pins::unpin`].
+/// A pinned range (a word of the table, or [`OVERFLOWED`]); give it back with
+/// [`Pins::unpin`].
 #[must_use]
 pub(crate) struct Pin(usize);
+
+/// The word index of a pin that found every word taken.
+const OVERFLOWED: usize = usize::MAX;
 
 fn pack(pages: &Range<usize>) -> u64 {
     debug_assert!(pages.start < pages.end && pages.end <= u32::MAX as usize);
@@ -47,12 +63,14 @@ impl Pins {
         Pins {
             slots: std::array::from_fn(|_| AtomicU64::new(0)),
             used: AtomicUsize::new(0),
+            overflow: AtomicUsize::new(0),
         }
     }
 
-    /// Publishes `pages` as pinned, or `None` when every slot is taken. The caller then
-    /// checks each page's state (after this call's fence) and brings in what is not there.
-    pub fn pin(&self, pages: Range<usize>) -> Option<Pin> {
+    /// Publishes `pages` as pinned: in a free word, or, when every word is taken, as an
+    /// overflow that pins the whole region. The caller then checks each page's state
+    /// (after this call's fence) and brings in what is not there.
+    pub fn pin(&self, pages: Range<usize>) -> Pin {
         let word = pack(&pages);
         self.used.fetch_add(1, SeqCst);
         let found = self
@@ -60,14 +78,18 @@ impl Pins {
             .iter()
             .position(|s| s.compare_exchange(0, word, SeqCst, Relaxed).is_ok());
         if found.is_none() {
-            self.used.fetch_sub(1, Release);
+            self.overflow.fetch_add(1, SeqCst);
         }
         fence(SeqCst);
-        found.map(Pin)
+        Pin(found.unwrap_or(OVERFLOWED))
     }
 
     pub fn unpin(&self, pin: Pin) {
-        self.slots[pin.0].store(0, Release);
+        if pin.0 == OVERFLOWED {
+            self.overflow.fetch_sub(1, Release);
+        } else {
+            self.slots[pin.0].store(0, Release);
+        }
         self.used.fetch_sub(1, Release);
     }
 
@@ -77,6 +99,9 @@ impl Pins {
         fence(SeqCst);
         if self.used.load(SeqCst) == 0 {
             return Vec::new();
+        }
+        if self.overflow.load(SeqCst) > 0 {
+            return pages.collect();
         }
         let ranges: Vec<Range<usize>> = self
             .slots
@@ -104,26 +129,32 @@ mod tests {
     fn a_pin_covers_its_pages_until_it_is_given_back() {
         let pins = Pins::new();
         assert!(!pins.covers(5));
-        let pin = pins.pin(4..7).expect("a free slot");
+        let pin = pins.pin(4..7);
         assert!(pins.covers(4) && pins.covers(6));
         assert!(!pins.covers(3) && !pins.covers(7));
         pins.unpin(pin);
         assert!(!pins.covers(5));
     }
 
+    /// A pin that finds every word taken still pins (everything, while it is held), and
+    /// the table works as before once it and the others are given back.
     #[test]
-    fn a_full_table_refuses_and_frees_again() {
+    fn a_full_table_overflows_into_pinning_everything() {
         let pins = Pins::new();
-        let held: Vec<Pin> = (0..PIN_SLOTS)
-            .map(|i| pins.pin(i..i + 1).unwrap())
-            .collect();
-        assert!(pins.pin(100..101).is_none());
-        assert_eq!(pins.used.load(SeqCst), PIN_SLOTS);
+        let held: Vec<Pin> = (0..PIN_SLOTS).map(|i| pins.pin(i..i + 1)).collect();
+        assert!(!pins.covers(100_000));
+        let over = pins.pin(100_000..100_001);
+        assert!(pins.covers(100_000) && pins.covers(7_777_777));
+        assert_eq!(pins.used.load(SeqCst), PIN_SLOTS + 1);
+        pins.unpin(over);
+        assert!(!pins.covers(100_000) && pins.covers(3));
         for p in held {
             pins.unpin(p);
         }
         assert_eq!(pins.used.load(SeqCst), 0);
-        assert!(pins.pin(100..101).is_some());
+        let again = pins.pin(100..101);
+        assert!(pins.covers(100) && !pins.covers(99));
+        pins.unpin(again);
     }
 
     #[test]
@@ -135,10 +166,9 @@ mod tests {
                 s.spawn(move || {
                     for i in 0..20_000usize {
                         let page = t * 1_000 + i % 500;
-                        if let Some(pin) = pins.pin(page..page + 2) {
-                            assert!(pins.covers(page) && pins.covers(page + 1));
-                            pins.unpin(pin);
-                        }
+                        let pin = pins.pin(page..page + 2);
+                        assert!(pins.covers(page) && pins.covers(page + 1));
+                        pins.unpin(pin);
                     }
                 });
             }
@@ -180,12 +210,48 @@ mod loom_tests {
                 })
             };
             let (pages, pins) = (&table.0, &table.1);
-            let pin = pins.pin(0..1).unwrap();
+            let pin = pins.pin(0..1);
             let (state, locked) = pages.peek(0);
             let taken_for_mapped = !locked && state.kind() == Kind::Active;
             let moved_out = aging.join().unwrap();
             assert!(!(moved_out && taken_for_mapped));
             pins.unpin(pin);
+        });
+    }
+
+    /// The same race when the pinner's pin overflows (the model's table has one word,
+    /// taken by another call first).
+    #[test]
+    fn loom_an_overflowed_pin_is_never_moved_out_behind_the_pinners_back() {
+        loom::model(|| {
+            let table = Arc::new((PageTable::new(2), Pins::new()));
+            {
+                let mut lock = table.0.lock(0);
+                lock.map_new();
+            }
+            let other = table.1.pin(1..2);
+            let aging = {
+                let table = table.clone();
+                loom::thread::spawn(move || {
+                    let (pages, pins) = (&table.0, &table.1);
+                    let Some(mut lock) = pages.try_lock(0) else {
+                        return false;
+                    };
+                    if pins.covers(0) {
+                        return false;
+                    }
+                    lock.deactivate(1);
+                    true
+                })
+            };
+            let (pages, pins) = (&table.0, &table.1);
+            let pin = pins.pin(0..1);
+            let (state, locked) = pages.peek(0);
+            let taken_for_mapped = !locked && state.kind() == Kind::Active;
+            let moved_out = aging.join().unwrap();
+            assert!(!(moved_out && taken_for_mapped));
+            pins.unpin(pin);
+            pins.unpin(other);
         });
     }
 }

@@ -594,19 +594,7 @@ impl CallPins {
                 IN_FLIGHT[i].fetch_sub(1, SeqCst);
                 continue;
             }
-            let pin = loop {
-                match mm.pins().pin(pages.clone()) {
-                    Some(pin) => break pin,
-                    None if !self.bring_in => {
-                        // Every slot is taken: the dispatched path waits for one.
-                        self.missed = true;
-                        IN_FLIGHT[i].fetch_sub(1, SeqCst);
-                        return true;
-                    }
-                    // SAFETY: async-signal-safe; another call gives its pin back.
-                    None => unsafe { libc::sched_yield() },
-                };
-            };
+            let pin = mm.pins().pin(pages.clone());
             if self.bring_in {
                 bring_in(served, pages, write);
             } else if !made_usable(served, pages, write) {
@@ -629,9 +617,7 @@ impl CallPins {
             // SAFETY: as in `pin`.
             let pin = unsafe { REGIONS[i].load(SeqCst).as_ref() }.and_then(|served| {
                 let pages = served.fault.mm().pages().len();
-                (pages > 0)
-                    .then(|| served.fault.mm().pins().pin(0..pages))
-                    .flatten()
+                (pages > 0).then(|| served.fault.mm().pins().pin(0..pages))
             });
             match pin {
                 Some(pin) => self.hold(i, pin),

@@ -344,6 +344,58 @@ fn a_page_pinned_by_a_blocked_read_stays_mapped_while_aging_cycles_the_rest() {
     );
 }
 
+/// More calls blocked on region memory at once than the pin table has words (256), and the
+/// calls that would wake them need pins too (the writes come from swapped-out region
+/// memory): every one goes through, with its data. The 257th pinner once spun in
+/// `sched_yield` for ever, here the writer, so no reader was ever woken.
+#[test]
+fn more_blocked_calls_than_pin_words_all_complete() {
+    use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
+    const CALLS: usize = 300;
+    let mut cfg = Config::new(4 * MIB as u64);
+    cfg.fault_mode = FaultMode::Sigbus;
+    let region = Region::new(8 * MIB as u64, cfg).unwrap();
+    for p in 0..region.len() / PAGE_SIZE {
+        unsafe { fill(region.as_ptr(), p, 1) };
+    }
+    let base = region.as_ptr() as usize;
+    let at = |i: usize| base + (i * 4 + 3) * PAGE_SIZE;
+    let from = |i: usize| base + (i * 4 + 1) * PAGE_SIZE;
+    for i in 0..CALLS {
+        unsafe { (from(i) as *mut u64).write_volatile(i as u64 + 1_000) };
+    }
+    region.advise(0, region.len(), Advice::PageOut).unwrap();
+    let pipes: Vec<Pipe> = (0..CALLS).map(|_| pipe()).collect();
+    let started = AtomicUsize::new(0);
+    std::thread::scope(|s| {
+        for (i, p) in pipes.iter().enumerate() {
+            let (r, started) = (p.r, &started);
+            s.spawn(move || {
+                syscall_dispatch::enable_for_this_thread().unwrap();
+                started.fetch_add(1, SeqCst);
+                let n = unsafe { libc::read(r, at(i) as *mut libc::c_void, 8) };
+                syscall_dispatch::disable_for_this_thread();
+                assert_eq!(n, 8, "read(2) {i}: {}", errno());
+            });
+        }
+        while started.load(SeqCst) < CALLS {
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        // Let them all block in their reads, holding their pins.
+        std::thread::sleep(std::time::Duration::from_millis(300));
+        syscall_dispatch::enable_for_this_thread().unwrap();
+        for (i, p) in pipes.iter().enumerate() {
+            let n = unsafe { libc::write(p.w, from(i) as *const libc::c_void, 8) };
+            assert_eq!(n, 8, "write(2) {i}: {}", errno());
+        }
+        syscall_dispatch::disable_for_this_thread();
+    });
+    for i in 0..CALLS {
+        let got = unsafe { (at(i) as *const u64).read_volatile() };
+        assert_eq!(got, i as u64 + 1_000, "call {i}");
+    }
+}
+
 static PROGRAM_SIGBUS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
 
 extern "C" fn program_sigbus(_: libc::c_int) {
