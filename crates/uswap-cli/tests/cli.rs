@@ -136,19 +136,21 @@ fn bad_choices_are_refused() {
     assert!(err.contains("--write-pct"), "{err}");
 }
 
+/// A second of `bench random` over 8 MiB in 4 MiB.
+const SMALL_RANDOM_RUN: [&str; 8] = [
+    "bench",
+    "random",
+    "--size",
+    "8M",
+    "--memory",
+    "4M",
+    "--seconds",
+    "1",
+];
+
 #[test]
 fn a_small_random_run_is_verified_clean() {
-    let r = json_report(&[
-        "bench",
-        "random",
-        "--size",
-        "8M",
-        "--memory",
-        "4M",
-        "--seconds",
-        "1",
-        "--json",
-    ]);
+    let r = json_report(&[&SMALL_RANDOM_RUN[..], &["--json"]].concat());
     assert_eq!(r["verify_errors"], 0, "{r}");
     assert!(r["accesses"].as_u64().unwrap() > 0, "{r}");
     assert_eq!(r["backend"], "uswap");
@@ -297,18 +299,8 @@ fn a_swap_dir_in_ram_is_warned_about() {
         return;
     }
     let dir = tempfile::tempdir_in(shm).unwrap();
-    let args = [
-        "bench",
-        "random",
-        "--size",
-        "8M",
-        "--memory",
-        "4M",
-        "--seconds",
-        "1",
-    ];
     let out = Command::new(BIN)
-        .args(args)
+        .args(SMALL_RANDOM_RUN)
         .arg("--swap-dir")
         .arg(dir.path())
         .output()

@@ -219,7 +219,18 @@ fn run(cmd: Command, stdin: &[u8], what: &str) -> Output {
 }
 
 /// [`run`], and the highest RssAnon of the process (sampled every 20 ms) in MiB.
-fn run_sampled(mut cmd: Command, stdin: &[u8], what: &str) -> (Output, u64) {
+fn run_sampled(cmd: Command, stdin: &[u8], what: &str) -> (Output, u64) {
+    run_watched(cmd, stdin, what, |_| {})
+}
+
+/// [`run_sampled`], calling `during` with the process's pid once it has started (while
+/// its output is being read), before waiting for it.
+fn run_watched(
+    mut cmd: Command,
+    stdin: &[u8],
+    what: &str,
+    during: impl FnOnce(libc::pid_t),
+) -> (Output, u64) {
     cmd.stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
@@ -232,6 +243,7 @@ fn run_sampled(mut cmd: Command, stdin: &[u8], what: &str) -> (Output, u64) {
     });
     let stdout = read_in_thread(running.child.stdout.take().unwrap());
     let stderr = read_in_thread(running.child.stderr.take().unwrap());
+    during(running.pid());
     let status = running.wait(PROGRAM_TIMEOUT);
     let _ = writer.join();
     let out = Output {
@@ -649,34 +661,27 @@ print("ok held and outside")
 "#;
     let mut cmd = uswap_run_in("auto", tmp.path(), Some(MEMORY), &python);
     cmd.args(["-c", script]).env("USWAP_RUNTIME_DIR", &runtime);
-    cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
-    let mut running = Running::start(cmd, "uswap run python (memory outside)");
-    let stdout = read_in_thread(running.child.stdout.take().unwrap());
-    let stderr = read_in_thread(running.child.stderr.take().unwrap());
-    thread::sleep(Duration::from_secs(16));
-    let pid = running.pid().to_string();
-    let stat = Command::new(env!("CARGO_BIN_EXE_uswap"))
-        .args(["stat", &pid])
-        .env("USWAP_RUNTIME_DIR", &runtime)
-        .output()
-        .unwrap();
-    let block = String::from_utf8_lossy(&stat.stdout);
-    let outside_mib: f64 = block
-        .split("outside ")
-        .nth(1)
-        .and_then(|rest| rest.split(' ').next())
-        .and_then(|n| n.parse().ok())
-        .unwrap_or_else(|| panic!("uswap stat shows no outside figure:\n{block}{stat:?}"));
-    assert!(
-        (150.0..200.0).contains(&outside_mib),
-        "160 MiB outside shown as {outside_mib}:\n{block}"
-    );
-    let status = running.wait(PROGRAM_TIMEOUT);
-    let out = Output {
-        status,
-        stdout: stdout.join().unwrap(),
-        stderr: stderr.join().unwrap(),
+    let stat_outside = |pid: libc::pid_t| {
+        thread::sleep(Duration::from_secs(16));
+        let stat = Command::new(env!("CARGO_BIN_EXE_uswap"))
+            .args(["stat", &pid.to_string()])
+            .env("USWAP_RUNTIME_DIR", &runtime)
+            .output()
+            .unwrap();
+        let block = String::from_utf8_lossy(&stat.stdout);
+        let outside_mib: f64 = block
+            .split("outside ")
+            .nth(1)
+            .and_then(|rest| rest.split(' ').next())
+            .and_then(|n| n.parse().ok())
+            .unwrap_or_else(|| panic!("uswap stat shows no outside figure:\n{block}{stat:?}"));
+        assert!(
+            (150.0..200.0).contains(&outside_mib),
+            "160 MiB outside shown as {outside_mib}:\n{block}"
+        );
     };
+    let what = "uswap run python (memory outside)";
+    let (out, _) = run_watched(cmd, b"", what, stat_outside);
     expect_ok(&out, "python (memory outside)");
     let stderr = String::from_utf8_lossy(&out.stderr);
     let said = stderr.match_indices("outside uswap and its limit").count();

@@ -293,7 +293,7 @@ impl Server {
     }
 
     fn serve(&self, stream: &UnixStream) {
-        let reply = match peer_uid(stream) {
+        let reply = match peer_cred(stream).map(|c| c.uid) {
             Ok(uid) if uid == self.euid || uid == 0 => self.answer(stream),
             Ok(uid) => {
                 // The request is taken and dropped unread before the refusal, so the
@@ -322,8 +322,9 @@ impl Server {
     }
 }
 
-/// The uid of the process at the other end, as it was when it connected.
-fn peer_uid(stream: &UnixStream) -> io::Result<u32> {
+/// The process at the other end of a connected socket, as it was when it connected (a
+/// server: when it listened): `SO_PEERCRED`.
+fn peer_cred(stream: &UnixStream) -> io::Result<libc::ucred> {
     let mut cred = libc::ucred {
         pid: 0,
         uid: 0,
@@ -343,7 +344,7 @@ fn peer_uid(stream: &UnixStream) -> io::Result<u32> {
     if r != 0 {
         return Err(io::Error::last_os_error());
     }
-    Ok(cred.uid)
+    Ok(cred)
 }
 
 /// Reads one line of JSON (at most [`MAX_REQUEST`] bytes for a request).
@@ -503,7 +504,14 @@ pub fn request(pid: u32, request: &Value) -> Result<Value> {
     })?;
     // Whoever made the directory first could answer at the path: the server must be the
     // process itself, running as its owner, before anything is sent or believed.
-    let (server_pid, server_uid) = peer_credentials(&stream)?;
+    let libc::ucred {
+        pid: server_pid,
+        uid: server_uid,
+        ..
+    } = peer_cred(&stream).map_err(|source| Error::Os {
+        op: "reading the control socket's peer credentials",
+        source,
+    })?;
     // A server in another PID namespace shows as pid 0: then its user must do.
     let pid_differs = server_pid != 0 && server_pid != pid as i32;
     if pid_differs || server_uid != owner {
@@ -525,27 +533,6 @@ pub fn request(pid: u32, request: &Value) -> Result<Value> {
         }),
         None => Ok(reply),
     }
-}
-
-/// The process and user at the other end of a connected socket (`SO_PEERCRED`: the
-/// server's, as of its `listen`).
-fn peer_credentials(stream: &UnixStream) -> Result<(i32, u32)> {
-    let mut cred: libc::ucred = unsafe { std::mem::zeroed() };
-    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
-    // SAFETY: a valid socket and an out-buffer of `len` bytes.
-    let rc = unsafe {
-        libc::getsockopt(
-            stream.as_raw_fd(),
-            libc::SOL_SOCKET,
-            libc::SO_PEERCRED,
-            (&mut cred as *mut libc::ucred).cast(),
-            &mut len,
-        )
-    };
-    if rc != 0 {
-        return Err(Error::os("reading the control socket's peer credentials"));
-    }
-    Ok((cred.pid, cred.uid))
 }
 
 /// The effective uid of process `pid`: the owner of its `/proc` directory.

@@ -332,17 +332,12 @@ mod shared {
             if maker != me && process_alive(maker) {
                 continue;
             }
-            // Only this user's group files, looked at before they are opened (another
-            // user's file could hold an open up with a lease).
+            // Only this user's group files (open_shared checks owner and size, and does
+            // not wait on a lease another user holds).
             let path = entry.path();
             let Ok(seen) = std::fs::symlink_metadata(&path) else {
                 continue;
             };
-            // SAFETY: geteuid has no preconditions.
-            let mine = seen.uid() == unsafe { libc::geteuid() };
-            if !(seen.is_file() && mine && seen.len() == SIZE as u64) {
-                continue;
-            }
             let Ok(cg) = MemCgroup::open_shared(&path) else {
                 continue;
             };

@@ -66,6 +66,17 @@ impl PageBuf {
         PageBuf(Box::new(AlignedPage([0; PAGE_SIZE])))
     }
 
+    /// A buffer holding a copy of the page at `src`, not cleared first.
+    ///
+    /// # Safety
+    /// `src` must be valid for reading 4096 bytes.
+    pub unsafe fn copy_of(src: *const u8) -> PageBuf {
+        let mut page = Box::<AlignedPage>::new_uninit();
+        std::ptr::copy_nonoverlapping(src, page.as_mut_ptr().cast::<u8>(), PAGE_SIZE);
+        // SAFETY: every byte was just written.
+        PageBuf(page.assume_init())
+    }
+
     pub fn as_ptr(&self) -> *const u8 {
         self.0 .0.as_ptr()
     }

@@ -119,8 +119,9 @@ fn unprivileged() {
     }
 }
 
-/// A bug inside uswap (a panic while resolving a fault) fails that access loudly.
-fn handler_panics(mode: FaultMode) {
+/// A 2 MiB region in `mode`, every page written and paged out, with `arm` done to it
+/// (a fault injected) and "armed" printed: what follows must fail loudly.
+fn armed_paged_out(mode: FaultMode, arm: impl FnOnce(&Region)) -> Region {
     let mut cfg = Config::new(1 << 20);
     cfg.fault_mode = mode;
     let region = Region::new(2 << 20, cfg).unwrap();
@@ -128,9 +129,15 @@ fn handler_panics(mode: FaultMode) {
         unsafe { common::fill(region.as_ptr(), p, 1) };
     }
     region.advise(0, region.len(), Advice::PageOut).unwrap();
-    region.inject_handler_panic();
+    arm(&region);
     println!("armed");
     std::io::stdout().flush().unwrap();
+    region
+}
+
+/// A bug inside uswap (a panic while resolving a fault) fails that access loudly.
+fn handler_panics(mode: FaultMode) {
+    let region = armed_paged_out(mode, Region::inject_handler_panic);
     let word = unsafe { (region.as_ptr().add(3 * PAGE_SIZE) as *const u64).read_volatile() };
     println!("read {word:#x} through a panicking handler");
 }
@@ -159,16 +166,7 @@ fn unmovable() {
 /// message (SIGABRT) instead of leaving the fault, or the `madvise` whose event it is,
 /// asleep in the kernel for ever (before: the handler thread stopped without a word).
 fn uffd_read_error(mode: FaultMode) {
-    let mut cfg = Config::new(1 << 20);
-    cfg.fault_mode = mode;
-    let region = Region::new(2 << 20, cfg).unwrap();
-    for p in 0..region.len() / PAGE_SIZE {
-        unsafe { common::fill(region.as_ptr(), p, 1) };
-    }
-    region.advise(0, region.len(), Advice::PageOut).unwrap();
-    region.inject_uffd_read_error();
-    println!("armed");
-    std::io::stdout().flush().unwrap();
+    let region = armed_paged_out(mode, Region::inject_uffd_read_error);
     // Thread mode reads the fault; SIGBUS mode's service thread reads the discard's event.
     let word = unsafe { (region.as_ptr().add(3 * PAGE_SIZE) as *const u64).read_volatile() };
     let rc = unsafe { libc::madvise(region.as_ptr().cast(), PAGE_SIZE, libc::MADV_DONTNEED) };

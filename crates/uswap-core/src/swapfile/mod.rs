@@ -341,8 +341,7 @@ impl SwapDevice {
             Guard::Sealed(seal, _) => batch
                 .iter()
                 .map(|&(slot, src)| {
-                    let mut copy = PageBuf::new();
-                    std::ptr::copy_nonoverlapping(src, copy.as_mut_ptr(), PAGE_SIZE);
+                    let mut copy = PageBuf::copy_of(src);
                     let s = seal.seal(slot, copy.as_mut_slice());
                     (copy, s)
                 })
