@@ -338,6 +338,13 @@ impl FaultPath {
         // page dirty by then. A page whose protection then stays is made writable by its
         // next write fault.
         if let Some(slot) = lock.dirty() {
+            // The first use of a page readahead mapped, when it is a write: credited here,
+            // since its slot (and marker) go now and the next window's inference cannot
+            // see it (a sequential rewrite's windows stayed at two pages without this).
+            if mm.swap().cache().mark_used(slot, mm.region_id()) {
+                self.readahead.cache_hit(lock.page(), true);
+                mm.vmstat().swap_ra_hit.fetch_add(1, Relaxed);
+            }
             mm.release_slot(slot);
         }
         let addr = mm.page_addr(lock.page());

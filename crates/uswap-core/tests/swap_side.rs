@@ -71,6 +71,40 @@ fn a_sequential_swap_back_reads_ahead_by_each_policy_and_loses_nothing() {
     }
 }
 
+/// A walk that checks each page and then rewrites it (a usemem-like program) uses every
+/// page readahead mapped with a write: those uses count as hits, so the windows grow to
+/// page-cluster's size as for a read-only walk. (They were credited only when the next
+/// window's inference found the pages still clean, and stayed at two pages.)
+#[test]
+fn a_sequential_rewrite_is_credited_to_readahead_and_its_windows_grow() {
+    for mode in [FaultMode::Thread, FaultMode::Sigbus] {
+        for policy in [ReadaheadPolicy::Vma, ReadaheadPolicy::Scaling] {
+            let mut cfg = config(4 * MIB, policy, 3);
+            cfg.fault_mode = mode;
+            let region = swapped_out(cfg, 512);
+            for p in 0..pages_of(&region) {
+                unsafe { common::check(region.as_ptr(), p, 1) }.unwrap();
+                unsafe { common::fill(region.as_ptr(), p, 2) };
+            }
+            let s = region.stats();
+            let v = s.vmstat;
+            let what = format!("{mode:?} {policy}: {v:?}");
+            assert_eq!(v.failed_faults, 0, "{what}");
+            assert_eq!(v.pswpin, 512, "every page read once: {what}");
+            assert!(
+                v.swap_ra_hit * 10 >= v.swap_ra * 9,
+                "the writes are uses: {what}"
+            );
+            // Eight-page windows once grown: well under one major fault per four pages.
+            assert!(v.pgmajfault * 4 <= 512, "windows grew: {what}");
+            for p in 0..pages_of(&region) {
+                unsafe { common::check(region.as_ptr(), p, 2) }.unwrap();
+            }
+            region.check_invariants().unwrap();
+        }
+    }
+}
+
 #[test]
 fn the_swap_cache_holds_pages_in_memory_with_a_slot_in_both_modes() {
     for mode in SwapCacheMode::ALL {
