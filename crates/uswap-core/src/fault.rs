@@ -13,7 +13,7 @@ use crate::config::Readahead;
 use crate::lru::LruList;
 use crate::mm::Mm;
 use crate::page::{Kind, PageLock};
-use crate::readahead::{read_around, Destination, ReadaheadState, Window};
+use crate::readahead::{read_around, read_around_in_signal, Destination, ReadaheadState, Window};
 use crate::stats::FaultKind;
 use crate::vmscan::{ChargeFailure, Reclaim};
 use crate::PAGE_SIZE;
@@ -167,10 +167,15 @@ impl FaultPath {
     }
 
     /// The part of fault resolution a signal handler may run: it allocates nothing, takes
-    /// no lock a program thread could hold, and never reclaims; its only I/O is one page
-    /// read for a swap-in (on a signal ring, polled, or with `pread`). `None` means the
-    /// fault needs the full path (on a thread that may block).
-    pub fn resolve_in_signal(&self, page: usize) -> Option<Outcome> {
+    /// no lock a program thread could hold, and never reclaims; its only I/O is a swap-in's
+    /// read, with its readahead window when `room_to_read_ahead` says the handler's stack
+    /// allows (on a signal ring, polled, or with `pread`). `None` means the fault needs
+    /// the full path (on a thread that may block).
+    pub fn resolve_in_signal(
+        &self,
+        page: usize,
+        room_to_read_ahead: fn() -> bool,
+    ) -> Option<Outcome> {
         if self.inject_panic.load(Relaxed) {
             return None; // the test hook panics on the full path
         }
@@ -183,7 +188,7 @@ impl FaultPath {
         let outcome = match lock.kind() {
             Kind::None | Kind::Discarded => self.first_touch(lock, start, false)?,
             Kind::Inactive => self.activate(lock, start, Laps::new(None, start), false, false)?,
-            Kind::Swapped => self.swap_in_in_signal(lock, start)?,
+            Kind::Swapped => self.swap_in_in_signal(lock, start, room_to_read_ahead())?,
             // Only what can be told and done without a report: a missing page needs the
             // full path's loud failure.
             Kind::Active => match mm.pagemap_entry(page) {
@@ -679,35 +684,63 @@ impl FaultPath {
         Outcome::Resolved
     }
 
-    /// The common case of [`FaultPath::swap_in`], allocating nothing: read into a pooled
-    /// buffer (`SwapDevice::read_page_in_place`), verified, charged without reclaim,
-    /// mapped. `None` for anything else (no buffer free, an I/O error, a bad checksum,
-    /// direct reclaim needed): the full path then does it and reports what goes wrong.
-    fn swap_in_in_signal(&self, mut lock: PageLock<'_>, start: Instant) -> Option<Outcome> {
+    /// The common case of [`FaultPath::swap_in`], allocating nothing: the page (and its
+    /// readahead window, on buffers of the swap device's, when the stack has `room`) read
+    /// in place, verified, charged
+    /// without reclaim, mapped. `None` for anything else (no buffer free, an I/O error, a
+    /// bad checksum, direct reclaim needed): the full path then does it and reports what
+    /// goes wrong. (The window is then sized twice for one fault; the second sees no walk
+    /// and reads nothing ahead.)
+    fn swap_in_in_signal(
+        &self,
+        mut lock: PageLock<'_>,
+        start: Instant,
+        room: bool,
+    ) -> Option<Outcome> {
         let mm = self.mm();
-        let slot = lock.state().slot().expect("a swapped page has a slot");
-        // Readahead allocates: a swap-in whose window holds more than this page takes the
-        // full path. (If a later step sends it there after all, the window is sized twice
-        // for one fault; the second sees no walk and reads nothing ahead.)
-        if !self
-            .readahead
-            .window_if_alone(slot, lock.page(), mm.pages().len())
-        {
-            return None;
-        }
+        let (page, slot) = (lock.page(), lock.state().slot().expect("swapped"));
+        let window =
+            self.readahead
+                .window_in_signal(slot, page, mm.pages().len(), room, |last| {
+                    self.mark_readahead_used(last)
+                })?;
         let cached = self.cache_lookup(slot);
-        debug_assert_eq!(
-            cached,
-            None,
-            "swapped page {}'s slot is cached",
-            lock.page()
-        );
-        let mut buf = mm.take_bounce(false)?;
-        // SAFETY: the buffer is one aligned page we own.
-        let read = unsafe { mm.swap().read_page_in_place(slot, buf.as_mut_ptr()) };
-        if !read || self.reclaim.charge_without_reclaim(1).is_none() {
-            return None;
+        debug_assert_eq!(cached, None, "swapped page {page}'s slot is cached");
+        let outcome = if window == Window::None {
+            let mut buf = mm.take_bounce(false)?;
+            // SAFETY: the buffer is one aligned page we own.
+            let read = unsafe { mm.swap().read_page_in_place(slot, buf.as_mut_ptr()) };
+            read.then(|| self.map_in_signal(&mut lock, slot, buf.as_ptr()))?
+        } else {
+            // SAFETY: the page is locked and holds the slot.
+            unsafe {
+                read_around_in_signal(
+                    &self.reclaim,
+                    &self.readahead,
+                    (page, slot),
+                    window,
+                    |data| self.map_in_signal(&mut lock, slot, data),
+                )
+            }
+        }?;
+        if outcome == Outcome::Resolved {
+            drop(lock);
+            mm.record(FaultKind::Major, start);
         }
+        Some(outcome)
+    }
+
+    /// Charges (without reclaim) and maps the swapped-in copy of `lock`'s page at `data`,
+    /// clean and cached while the slot is kept. `None` when it cannot be charged or mapped
+    /// for a reason the full path reports.
+    fn map_in_signal(
+        &self,
+        lock: &mut PageLock<'_>,
+        slot: u32,
+        data: *const u8,
+    ) -> Option<Outcome> {
+        let mm = self.mm();
+        self.reclaim.charge_without_reclaim(1)?;
         let keep = mm.caps().write_protect && !mm.swap().nearly_full();
         if keep {
             mm.swap()
@@ -718,8 +751,7 @@ impl FaultPath {
         mm.vmstat().pgmajfault.fetch_add(1, Relaxed);
         let mapped = mm
             .uffd()
-            .copy(mm.page_addr(lock.page()), buf.as_ptr(), PAGE_SIZE, keep);
-        drop(buf);
+            .copy(mm.page_addr(lock.page()), data, PAGE_SIZE, keep);
         if let Err(p) = mapped {
             mm.vmstat().pswpin.fetch_sub(1, Relaxed);
             mm.vmstat().pgmajfault.fetch_sub(1, Relaxed);
@@ -734,8 +766,6 @@ impl FaultPath {
         }
         mm.lru().cache_add(LruList::Active, lock.page(), false);
         lock.swap_in(keep.then_some(slot));
-        drop(lock);
-        mm.record(FaultKind::Major, start);
         Some(Outcome::Resolved)
     }
 

@@ -23,9 +23,11 @@
 use crate::config::{Readahead, ReadaheadPolicy};
 use crate::lru::LruList;
 use crate::page::{Kind, PageLock};
+use crate::swap_io::SIGNAL_BATCH;
 use crate::swapfile::ReadError;
 use crate::vmscan::Reclaim;
 use crate::PAGE_SIZE;
+use arrayvec::ArrayVec;
 use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering::Relaxed};
 
 /// The largest vma window: 2^5 pages.
@@ -129,38 +131,39 @@ impl ReadaheadState {
     ) -> Window {
         // Held throughout, so two swap-ins cannot both take credit for one window.
         let mut last = crate::sync::lock_std(&self.last);
-        if last.is_followed_by(slot, page) {
-            self.hits.fetch_add(used(*last), Relaxed);
-            // The last page the walk used, as a swap cache hit there would have recorded.
-            if let Window::Pages { start, end } = *last {
-                let prev = if page == end { end - 1 } else { start };
-                self.prev_page.store(prev, Relaxed);
-            }
-        }
-        *last = self.size_window(slot, page, pages);
-        *last
+        self.next(&mut last, slot, page, pages, used)
     }
 
-    /// [`ReadaheadState::window`] for a caller that can read only the faulting page (the
-    /// SIGBUS handler, which allocates nothing and takes no lock it would wait for): sizes
-    /// the window and returns true when it is that page alone, as a random walk's are;
-    /// false, with nothing changed, when it would read ahead, when the last window's use
-    /// is still to be inferred, or while another swap-in is sizing one.
-    pub fn window_if_alone(&self, slot: u32, page: usize, pages: usize) -> bool {
+    /// [`ReadaheadState::window`] for the SIGBUS handler, which waits for no lock and reads
+    /// at most [`SIGNAL_BATCH`] pages, and only when `room` (its stack has room for it):
+    /// `None`, with nothing changed, while another swap-in sizes a window, or when the
+    /// window would read ahead and the handler cannot (the policy's windows may be larger,
+    /// or no room), or the last window's use is still to be inferred then.
+    pub fn window_in_signal(
+        &self,
+        slot: u32,
+        page: usize,
+        pages: usize,
+        room: bool,
+        used: impl FnOnce(Window) -> u32,
+    ) -> Option<Window> {
         let mut last = match self.last.try_lock() {
             Ok(last) => last,
             // As `lock_std` does: a panic elsewhere leaves a window, still a window.
             Err(std::sync::TryLockError::Poisoned(e)) => e.into_inner(),
-            Err(std::sync::TryLockError::WouldBlock) => return false,
+            Err(std::sync::TryLockError::WouldBlock) => return None,
         };
+        if room && self.largest_window() <= SIGNAL_BATCH {
+            return Some(self.next(&mut last, slot, page, pages, used));
+        }
         if last.is_followed_by(slot, page) || self.would_read_ahead(slot, page) {
-            return false;
+            return None;
         }
         // Sized for real, so the policy learns from this fault as from any other; a hit
         // counted since the look above may widen it, and the page alone is read anyway.
         self.size_window(slot, page, pages);
         *last = Window::None;
-        true
+        Some(Window::None)
     }
 
     /// Whether the next window for `slot` at `page` would hold more than the faulting
@@ -183,6 +186,36 @@ impl ReadaheadState {
         };
         let (hits, prev_window) = (self.hits.load(Relaxed), self.prev_window.load(Relaxed));
         max > 1 && next_window(hits, follows, max, prev_window) > 1
+    }
+
+    fn next(
+        &self,
+        last: &mut Window,
+        slot: u32,
+        page: usize,
+        pages: usize,
+        used: impl FnOnce(Window) -> u32,
+    ) -> Window {
+        if last.is_followed_by(slot, page) {
+            self.hits.fetch_add(used(*last), Relaxed);
+            // The last page the walk used, as a swap cache hit there would have recorded.
+            if let Window::Pages { start, end } = *last {
+                let prev = if page == end { end - 1 } else { start };
+                self.prev_page.store(prev, Relaxed);
+            }
+        }
+        *last = self.size_window(slot, page, pages);
+        *last
+    }
+
+    /// The most pages a window of the current setting holds, the faulting one among them.
+    fn largest_window(&self) -> usize {
+        let setting = self.get();
+        match setting.policy {
+            ReadaheadPolicy::None => 1,
+            ReadaheadPolicy::Fixed | ReadaheadPolicy::Scaling => setting.max_pages(),
+            ReadaheadPolicy::Vma => 1 << setting.page_cluster.min(VMA_MAX_ORDER),
+        }
     }
 
     fn size_window(&self, slot: u32, page: usize, pages: usize) -> Window {
@@ -253,6 +286,9 @@ pub(crate) enum Destination {
     MapDirty,
 }
 
+/// Pages besides the faulting one that a window can hold: 2^8, page-cluster's largest.
+const MAX_AHEAD: usize = 255;
+
 /// Reads the faulting page's `slot` into `dst` and, in the same submission, the swapped
 /// pages of `window`, and maps them as `dest` says. Only pages whose lock is free are
 /// read ahead, and only as many as the budget grants without reclaiming. Runs of adjacent
@@ -270,14 +306,10 @@ pub(crate) unsafe fn read_around(
     dest: Destination,
 ) -> Result<(), ReadError> {
     let mm = reclaim.mm();
-    let mut ahead = gather(reclaim, fault.page(), window);
-    let granted = reclaim.charge_spare(ahead.len() as u64) as usize;
-    ahead.truncate(granted);
+    let mut ahead = gather::<MAX_AHEAD>(reclaim, fault.page(), window);
     if ahead.is_empty() {
         return mm.swap().read_page(slot, dst);
     }
-    // In address order, so adjacent pages form runs.
-    ahead.sort_by_key(|l| l.page());
     // The region cannot be read into (a kernel write to a missing page there faults):
     // the window is read into one buffer and copied in.
     let mut bounce = vec![0u8; (ahead.len() + 1) * PAGE_SIZE];
@@ -295,40 +327,121 @@ pub(crate) unsafe fn read_around(
     let mut results = mm.swap().read_pages(&batch).into_iter();
     let faulting = results.next().expect("one result per page");
     let read_ok: Vec<bool> = results.map(|r| r.is_ok()).collect();
+    map_ahead(reclaim, state, &mut ahead, |i| buf(i), |i| read_ok[i], dest);
+    match faulting {
+        Ok(()) => Ok(()),
+        // Read again, with the re-reads and error counting of a single read.
+        Err(_) => mm.swap().read_page(slot, dst),
+    }
+}
+
+/// [`read_around`] for a swap-in in the SIGBUS handler: allocates nothing and waits for no
+/// lock. The window (at most [`SIGNAL_BATCH`] pages) is read into buffers of the swap
+/// device's own; the pages read ahead are mapped clean, and then the faulting page's
+/// verified copy is lent to `map_fault`, whose result this returns. `None` when no buffers
+/// are free or the faulting page was not read and verified (the pages read ahead are
+/// mapped all the same): the full path then reads it again and reports what goes wrong.
+///
+/// # Safety
+/// `fault_page` must be locked by the caller and hold `slot`.
+pub(crate) unsafe fn read_around_in_signal<R>(
+    reclaim: &Reclaim,
+    state: &ReadaheadState,
+    (fault_page, slot): (usize, u32),
+    window: Window,
+    map_fault: impl FnOnce(*const u8) -> Option<R>,
+) -> Option<R> {
+    let mm = reclaim.mm();
+    let mut ahead = gather::<{ SIGNAL_BATCH - 1 }>(reclaim, fault_page, window);
+    let mut slots: ArrayVec<u32, SIGNAL_BATCH> = ArrayVec::new();
+    slots.push(slot);
+    slots.extend(ahead.iter().map(|l| l.state().slot().expect("swapped")));
+    let done = mm.swap().read_pages_in_place(&slots, |batch| {
+        map_ahead(
+            reclaim,
+            state,
+            &mut ahead,
+            |i| batch.page(i + 1),
+            |i| batch.ok(i + 1),
+            Destination::MapClean,
+        );
+        batch.ok(0).then(|| map_fault(batch.page(0))).flatten()
+    });
+    if done.is_none() {
+        mm.budget().uncharge(ahead.len() as u64);
+    }
+    done.flatten()
+}
+
+/// Locks the swapped pages in `window` other than `fault_page`, and charges as many as the
+/// budget grants without reclaiming (the nearest first), in address order so adjacent
+/// pages form runs. Pages whose lock is held are skipped (never waited for: the caller
+/// holds a page lock), and so are slots of other regions or pages that no longer hold the
+/// slot. At most `N`: a window never holds more besides the faulting page.
+fn gather<const N: usize>(
+    reclaim: &Reclaim,
+    fault_page: usize,
+    window: Window,
+) -> ArrayVec<PageLock<'_>, N> {
+    let mm = reclaim.mm();
+    let pages = mm.pages();
+    let swapped = |p: usize, slot: Option<u32>| {
+        let lock = pages.try_lock(p)?;
+        let held = lock.state().slot();
+        (lock.kind() == Kind::Swapped && (slot.is_none() || held == slot)).then_some(lock)
+    };
+    let mut found: ArrayVec<PageLock<'_>, N> = ArrayVec::new();
+    let mut keep = |lock: Option<_>| {
+        if let Some(lock) = lock {
+            let _ = found.try_push(lock);
+        }
+    };
+    match window {
+        Window::None => {}
+        Window::Pages { start, end } => (start..end)
+            .filter(|&p| p != fault_page)
+            .for_each(|p| keep(swapped(p, None))),
+        Window::Slots { first, last } => (first..=last).for_each(|s| match mm.swap().owner(s) {
+            Some((region, p)) if region == mm.region_id() => {
+                let p = p as usize;
+                if p != fault_page && p < pages.len() {
+                    keep(swapped(p, Some(s)));
+                }
+            }
+            _ => {}
+        }),
+    }
+    found.sort_by_key(|l| l.page().abs_diff(fault_page));
+    let granted = reclaim.charge_spare(found.len() as u64) as usize;
+    found.truncate(granted);
+    found.sort_by_key(|l| l.page());
+    found
+}
+
+/// Maps the pages read ahead that were read whole (`ahead[i]` into `buf(i)` when
+/// `read_ok(i)`), a run of adjacent pages with one ioctl, and records each as `dest`
+/// says; a page not mapped is uncharged and stays swapped. Allocates nothing.
+///
+/// # Safety
+/// Each `buf(i)` of a page read whole must be valid for reading 4096 bytes.
+unsafe fn map_ahead(
+    reclaim: &Reclaim,
+    state: &ReadaheadState,
+    ahead: &mut [PageLock<'_>],
+    buf: impl Fn(usize) -> *const u8,
+    read_ok: impl Fn(usize) -> bool,
+    dest: Destination,
+) {
+    let mm = reclaim.mm();
     // A clean page must be mapped write-protected to learn of its first write; without
     // that (or with swap nearly full) it is mapped dirty, its slot freed.
     let clean =
         dest == Destination::MapClean && mm.caps().write_protect && !mm.swap().nearly_full();
-    let mut mapped = vec![false; ahead.len()];
-    let mut i = 0;
-    while i < ahead.len() {
-        if !read_ok[i] {
-            i += 1;
-            continue;
-        }
-        let mut end = i + 1;
-        while end < ahead.len() && read_ok[end] && ahead[end].page() == ahead[end - 1].page() + 1 {
-            end += 1;
-        }
-        let to = mm.page_addr(ahead[i].page());
-        match mm.uffd().copy(to, buf(i), (end - i) * PAGE_SIZE, clean) {
-            Ok(()) => mapped[i..end].fill(true),
-            Err(p) if p.failed_whole() && end - i > 1 => {
-                // The run may span two mappings: page by page.
-                for k in i..end {
-                    let at = mm.page_addr(ahead[k].page());
-                    mapped[k] = mm.uffd().copy(at, buf(k), PAGE_SIZE, clean).is_ok();
-                }
-            }
-            Err(p) => mapped[i..i + p.done / PAGE_SIZE].fill(true),
-        }
-        i = end;
-    }
     let mut read = 0;
-    for (i, mut lock) in ahead.into_iter().enumerate() {
-        if !mapped[i] {
+    let mut record = |lock: &mut PageLock<'_>, mapped: bool| {
+        if !mapped {
             mm.budget().uncharge(1);
-            continue;
+            return;
         }
         read += 1;
         let (page, ra_slot) = (lock.page(), lock.state().slot().expect("swapped"));
@@ -346,45 +459,40 @@ pub(crate) unsafe fn read_around(
             state.cache_hit(page, true);
             mm.vmstat().swap_ra_hit.fetch_add(1, Relaxed);
         }
+    };
+    let mut i = 0;
+    while i < ahead.len() {
+        if !read_ok(i) {
+            record(&mut ahead[i], false);
+            i += 1;
+            continue;
+        }
+        let mut end = i + 1;
+        while end < ahead.len() && read_ok(end) && ahead[end].page() == ahead[end - 1].page() + 1 {
+            end += 1;
+        }
+        let to = mm.page_addr(ahead[i].page());
+        let mapped = match mm.uffd().copy(to, buf(i), (end - i) * PAGE_SIZE, clean) {
+            Ok(()) => end - i,
+            Err(p) if p.failed_whole() && end - i > 1 => {
+                // The run may span two mappings: page by page.
+                for (k, lock) in ahead[i..end].iter_mut().enumerate() {
+                    let at = mm.page_addr(lock.page());
+                    let one = mm.uffd().copy(at, buf(i + k), PAGE_SIZE, clean).is_ok();
+                    record(lock, one);
+                }
+                i = end;
+                continue;
+            }
+            Err(p) => p.done / PAGE_SIZE,
+        };
+        for (k, lock) in ahead[i..end].iter_mut().enumerate() {
+            record(lock, k < mapped);
+        }
+        i = end;
     }
     mm.vmstat().swap_ra.fetch_add(read, Relaxed);
     mm.vmstat().pswpin.fetch_add(read, Relaxed);
-    match faulting {
-        Ok(()) => Ok(()),
-        // Read again, with the re-reads and error counting of a single read.
-        Err(_) => mm.swap().read_page(slot, dst),
-    }
-}
-
-/// Locks the swapped pages in `window` other than `fault_page`, nearest first. Pages
-/// whose lock is held are skipped (never waited for: the caller holds a page lock), and
-/// so are slots of other regions or pages that no longer hold the slot.
-fn gather(reclaim: &Reclaim, fault_page: usize, window: Window) -> Vec<PageLock<'_>> {
-    let mm = reclaim.mm();
-    let pages = mm.pages();
-    let swapped = |p: usize, slot: Option<u32>| {
-        let lock = pages.try_lock(p)?;
-        let held = lock.state().slot();
-        (lock.kind() == Kind::Swapped && (slot.is_none() || held == slot)).then_some(lock)
-    };
-    let mut found: Vec<PageLock<'_>> = match window {
-        Window::None => Vec::new(),
-        Window::Pages { start, end } => (start..end)
-            .filter(|&p| p != fault_page)
-            .filter_map(|p| swapped(p, None))
-            .collect(),
-        Window::Slots { first, last } => (first..=last)
-            .filter_map(|s| match mm.swap().owner(s) {
-                Some((region, p)) if region == mm.region_id() => {
-                    let p = p as usize;
-                    (p != fault_page && p < pages.len()).then(|| swapped(p, Some(s)))?
-                }
-                _ => None,
-            })
-            .collect(),
-    };
-    found.sort_by_key(|l| l.page().abs_diff(fault_page));
-    found
 }
 
 /// `__swapin_nr_pages`: two more than the hits, rounded up to a power of two (from 4),
@@ -445,28 +553,64 @@ mod tests {
     }
 
     #[test]
-    fn a_lone_page_window_is_sized_in_place_only_when_nothing_is_read_ahead() {
+    fn the_signal_handler_sizes_the_same_windows_when_it_has_room_for_them() {
+        for policy in [ReadaheadPolicy::Vma, ReadaheadPolicy::Scaling] {
+            let (full, signal) = (state(policy, 3), state(policy, 3));
+            // A forward walk with a jump in it, and readahead hits along the way.
+            for (slot, page) in [(500, 50), (501, 51), (503, 53), (511, 61), (90, 9)] {
+                let a = full.window(slot, page, 100, |_| 2);
+                let b = signal.window_in_signal(slot, page, 100, true, |_| 2);
+                assert_eq!(Some(a), b, "{policy:?} at page {page}");
+            }
+        }
+        // While another swap-in sizes a window, the signal handler does not wait for it.
+        let s = state(ReadaheadPolicy::Vma, 3);
+        let sizing = s.last.lock().unwrap();
+        assert_eq!(s.window_in_signal(1, 1, 10, true, |_| 0), None);
+        drop(sizing);
+        // Windows past the handler's batch are left to the full path (vma's are capped),
+        // unless they hold the faulting page alone.
+        for (policy, page_cluster, fits) in [
+            (ReadaheadPolicy::Fixed, 5, true),
+            (ReadaheadPolicy::Fixed, 6, false),
+            (ReadaheadPolicy::Vma, 8, true),
+            (ReadaheadPolicy::None, 8, true),
+        ] {
+            let s = state(policy, page_cluster);
+            let w = s.window_in_signal(100, 100, 1000, true, |_| 0);
+            assert_eq!(w.is_some(), fits, "{policy:?} page-cluster {page_cluster}");
+        }
+        let s = state(ReadaheadPolicy::Scaling, 8);
+        assert_eq!(
+            s.window_in_signal(100, 100, 1000, true, |_| 0),
+            Some(Window::None),
+            "a random fault reads its page alone"
+        );
+    }
+
+    #[test]
+    fn without_room_the_signal_handler_reads_only_lone_pages() {
         for policy in [ReadaheadPolicy::Vma, ReadaheadPolicy::Scaling] {
             let s = state(policy, 3);
             // A random walk: every window is the faulting page alone.
             for (slot, page) in [(500, 50), (90, 9), (310, 31)] {
-                assert!(s.window_if_alone(slot, page, 100), "{policy:?} {page}");
+                let w = s.window_in_signal(slot, page, 100, false, |_| 0);
+                assert_eq!(w, Some(Window::None), "{policy:?} {page}");
             }
-            // A walk that follows its last fault would read ahead: not in place, and the
-            // full path's window sizes it as if the look had not been.
-            assert!(!s.window_if_alone(311, 32, 100), "{policy:?}");
+            // A walk that follows its last fault would read ahead: not in the handler, and
+            // the full path's window sizes it as if the look had not been.
+            assert_eq!(s.window_in_signal(311, 32, 100, false, |_| 0), None);
             assert!(s.window(311, 32, 100, |_| 0) != Window::None, "{policy:?}");
             // Readahead hits since: the next window grows.
             s.cache_hit(33, true);
-            assert!(!s.window_if_alone(700, 70, 100), "{policy:?}");
+            assert_eq!(s.window_in_signal(700, 70, 100, false, |_| 0), None);
         }
-        assert!(state(ReadaheadPolicy::None, 3).window_if_alone(1, 1, 10));
-        assert!(!state(ReadaheadPolicy::Fixed, 3).window_if_alone(1, 1, 10));
-        assert!(state(ReadaheadPolicy::Fixed, 0).window_if_alone(1, 1, 10));
-        // While another swap-in sizes a window, the signal handler does not wait for it.
-        let s = state(ReadaheadPolicy::Vma, 3);
-        let _sizing = s.last.lock().unwrap();
-        assert!(!s.window_if_alone(1, 1, 10));
+        let lone = |policy, page_cluster| {
+            state(policy, page_cluster).window_in_signal(1, 1, 10, false, |_| 0)
+        };
+        assert_eq!(lone(ReadaheadPolicy::None, 3), Some(Window::None));
+        assert_eq!(lone(ReadaheadPolicy::Fixed, 3), None);
+        assert_eq!(lone(ReadaheadPolicy::Fixed, 0), Some(Window::None));
     }
 
     #[test]

@@ -494,17 +494,49 @@ fn moving_out(addr: usize) -> bool {
     })
 }
 
+/// Stack a swap-in that reads ahead in the handler may take below the handler's frame, with
+/// a margin (its buffers are the swap device's; its page locks and slot lists, and the
+/// cipher's frames, are on the stack). Unoptimized builds take several times as much.
+const READAHEAD_STACK: usize = if cfg!(debug_assertions) {
+    48 << 10
+} else {
+    24 << 10
+};
+
+/// Whether the handler runs with room for a swap-in that reads ahead: always on a thread's
+/// own stack; on an alternate stack when [`READAHEAD_STACK`] is left below this frame
+/// (`uswap run` gives every thread 64 KiB; Rust's runtime gives its threads 8 KiB, where
+/// the handler reads lone pages and hands windows to the service thread).
+fn room_to_read_ahead() -> bool {
+    // SAFETY: plain data, filled by the kernel.
+    let mut ss: libc::stack_t = unsafe { std::mem::zeroed() };
+    // Straight to the kernel: under syscall dispatch the C library's call sees the
+    // program's view of its alternate stack.
+    let got = crate::syscall_dispatch::raw_syscall(
+        libc::SYS_sigaltstack,
+        [0, &mut ss as *mut _ as u64, 0, 0, 0, 0],
+    );
+    if got != 0 || ss.ss_flags & libc::SS_ONSTACK == 0 {
+        return true;
+    }
+    let here = &ss as *const _ as usize;
+    here.saturating_sub(ss.ss_sp as usize) >= READAHEAD_STACK
+}
+
 /// Resolves a fault in the handler when it can, else hands it to the service thread and
 /// waits.
 fn resolve(s: &Served, page: usize) -> Outcome {
-    match s.fault.resolve_in_signal(page) {
+    match s.fault.resolve_in_signal(page, room_to_read_ahead) {
         Some(Outcome::Retry) => {
             // SAFETY: sched_yield is async-signal-safe.
             unsafe { libc::sched_yield() };
             Outcome::Retry
         }
         Some(outcome) => outcome,
-        None => hand_over(s, page),
+        None => {
+            s.fault.mm().vmstat().sigbus_handovers.fetch_add(1, Relaxed);
+            hand_over(s, page)
+        }
     }
 }
 

@@ -86,6 +86,9 @@ vmstat! {
     /// System calls of dispatching threads that read or wrote region memory, whose buffers
     /// were brought in and pinned for the call (SIGBUS mode, `syscall_dispatch`).
     syscall_pins,
+    /// Faults the SIGBUS handler could not resolve itself and handed to its region's
+    /// service thread (direct reclaim, a window past its batch, an error to report).
+    sigbus_handovers,
     /// Faults on pages uswap had mapped that were gone (failed loudly, never looped).
     unexplained_faults,
     /// Pages the program discarded (MADV_DONTNEED/MADV_FREE): zeros from then on.

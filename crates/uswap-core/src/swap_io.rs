@@ -26,7 +26,8 @@ mod signal_ring;
 use crate::config::FaultPlan;
 use crate::{IoMode, PAGE_SIZE};
 use io_uring::{opcode, types, IoUring, Probe};
-use signal_ring::SignalRings;
+use signal_ring::SignalSets;
+pub(crate) use signal_ring::{SignalBatch, SIGNAL_BATCH};
 use std::cell::Cell;
 use std::fs::File;
 use std::io;
@@ -139,8 +140,9 @@ pub(crate) struct IoEngine {
     retries: AtomicU64,
     /// How long a batch of reads on a ring polls for its completions before it sleeps.
     read_poll: Duration,
-    /// Rings for the SIGBUS handler's reads; `None` in pread mode or without polling.
-    signal_rings: Option<SignalRings>,
+    /// Buffers for the SIGBUS handler's batch reads, and rings for its reads unless in
+    /// pread mode or without polling.
+    signal_sets: SignalSets,
 }
 
 impl IoEngine {
@@ -157,17 +159,14 @@ impl IoEngine {
             IoMode::Uring | IoMode::Auto => RingPool::probe(),
             IoMode::Pread => None,
         };
-        let signal_rings = match rings {
-            Some(_) if !read_poll.is_zero() => SignalRings::new(),
-            _ => None,
-        };
+        let signal_sets = SignalSets::new(rings.is_some() && !read_poll.is_zero());
         IoEngine {
             rings,
             faults: faults.map(Injector::new),
             align: align.clamp(1, PAGE_SIZE),
             retries: AtomicU64::new(0),
             read_poll,
-            signal_rings,
+            signal_sets,
         }
     }
 
@@ -182,9 +181,7 @@ impl IoEngine {
                 }
             }
         }
-        if let Some(rings) = &self.signal_rings {
-            rings.close_in_child();
-        }
+        self.signal_sets.close_in_child();
     }
 
     /// The mode in effect after any fallback.
@@ -259,17 +256,47 @@ impl IoEngine {
         if self.faults.is_some() {
             return None;
         }
-        if let Some(rings) = &self.signal_rings {
-            if rings.read(file.as_raw_fd(), offset, dst, self.read_poll) {
-                return Some(Ok(()));
-            }
+        if self
+            .signal_sets
+            .read(file.as_raw_fd(), offset, dst, self.read_poll)
+        {
+            return Some(Ok(()));
         }
+        Some(self.read_sync_in_place(file.as_raw_fd(), offset, dst))
+    }
+
+    /// Reads the pages at `offsets` (at most [`SIGNAL_BATCH`]) in one submission, allocating
+    /// and locking nothing, and lends them to `f`, for the SIGBUS handler's readahead: on a
+    /// signal set's ring, polled, or with `pread`, transient errors retried. `None` under a
+    /// fault plan or when no set is free: use [`IoEngine::read_batch`].
+    ///
+    /// # Safety
+    /// As [`IoEngine::run`].
+    pub(crate) unsafe fn read_batch_in_place<R>(
+        &self,
+        file: &File,
+        offsets: &[u64],
+        f: impl FnOnce(&mut SignalBatch<'_>) -> R,
+    ) -> Option<R> {
+        if self.faults.is_some() {
+            return None;
+        }
+        let fd = file.as_raw_fd();
+        let read_one = |offset, dst| self.read_sync_in_place(fd, offset, dst).is_ok();
+        self.signal_sets
+            .read_batch(fd, offsets, self.read_poll, read_one, f)
+    }
+
+    /// One page read with `pread`, its transient errors retried; allocates nothing.
+    ///
+    /// # Safety
+    /// As [`IoEngine::run`].
+    unsafe fn read_sync_in_place(&self, fd: RawFd, offset: u64, dst: *mut u8) -> io::Result<()> {
         let ctx = Ctx {
             engine: self,
             may_flip: false,
         };
-        let mut t = Transfer::new(PageOp::Read { offset, dst });
-        Some(run_sync(file.as_raw_fd(), &mut t, &ctx))
+        run_sync(fd, &mut Transfer::new(PageOp::Read { offset, dst }), &ctx)
     }
 
     /// # Safety

@@ -63,3 +63,53 @@ pub fn open_deleted(path: &std::path::Path) -> std::fs::File {
     }
     panic!("no open file was {}", path.display());
 }
+
+/// An alternate signal stack of `size` bytes for the calling thread while it lives, the old
+/// one given back after (Rust's runtime gives each thread a small one, 8 KiB, where the
+/// SIGBUS handler reads lone pages and leaves readahead to its service thread).
+#[allow(dead_code)] // not every test binary uses it
+pub struct AltStack {
+    base: *mut libc::c_void,
+    size: usize,
+    old: libc::stack_t,
+}
+
+#[allow(dead_code)]
+impl AltStack {
+    pub fn new(size: usize) -> AltStack {
+        unsafe {
+            let base = libc::mmap(
+                std::ptr::null_mut(),
+                size,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_STACK,
+                -1,
+                0,
+            );
+            assert_ne!(base, libc::MAP_FAILED);
+            let new = libc::stack_t {
+                ss_sp: base,
+                ss_flags: 0,
+                ss_size: size,
+            };
+            let mut old: libc::stack_t = std::mem::zeroed();
+            assert_eq!(libc::sigaltstack(&new, &mut old), 0);
+            AltStack { base, size, old }
+        }
+    }
+
+    /// Bytes of the stack ever written (it starts as zeros; stacks grow down).
+    pub fn used(&self) -> usize {
+        let bytes = unsafe { std::slice::from_raw_parts(self.base as *const u8, self.size) };
+        self.size - bytes.iter().position(|&b| b != 0).unwrap_or(self.size)
+    }
+}
+
+impl Drop for AltStack {
+    fn drop(&mut self) {
+        unsafe {
+            assert_eq!(libc::sigaltstack(&self.old, std::ptr::null_mut()), 0);
+            libc::munmap(self.base, self.size);
+        }
+    }
+}

@@ -1,4 +1,4 @@
-//! Rings for swap-in reads in the SIGBUS handler.
+//! Rings and buffers for swap-in reads in the SIGBUS handler.
 //!
 //! The faulting thread reads its page itself in SIGBUS mode, inside a signal handler, so it
 //! may neither lock (the thread it interrupted may hold the lock) nor allocate. `pread`
@@ -6,11 +6,15 @@
 //! which on a VM costs tens of µs per swap-in. A read on one of these rings is polled for
 //! its completion first, as the handler threads' reads are (`SwapConfig::read_poll_us`).
 //!
-//! The rings are made with the engine, one per CPU (at most [`MAX_RINGS`]). A thread owns
-//! a ring from its claim to its release ([`Claims`]); a handler that finds none free reads
-//! with `pread` instead. A ring whose submission failed is never freed again: it may hold an
-//! entry the kernel did not take.
+//! The engine makes one [`Set`] per CPU (at most [`MAX_SETS`]): a ring, where the engine
+//! uses io_uring and polls its reads, and [`SIGNAL_BATCH`] page buffers, made once, for a
+//! swap-in that reads ahead (the faulting page and its window in one submission). A thread
+//! owns a set from its claim to its release ([`Claims`]); a handler that finds none free
+//! reads its page with `pread`, or leaves a readahead to the full path. A set whose
+//! submission failed is never freed again: its ring may hold an entry the kernel did not
+//! take, which would still write to its buffers.
 
+use super::AlignedPage;
 use crate::sync::AtomicBool;
 use crate::PAGE_SIZE;
 use io_uring::{opcode, types, IoUring};
@@ -19,11 +23,12 @@ use std::os::fd::{AsRawFd, RawFd};
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-/// Rings made at most, whatever the number of CPUs.
-const MAX_RINGS: usize = 16;
+/// Sets made at most, whatever the number of CPUs.
+const MAX_SETS: usize = 16;
 
-/// Entries of each ring: one read at a time.
-const ENTRIES: u32 = 2;
+/// The most pages one read in the SIGBUS handler takes: the faulting page and 31 read ahead
+/// (a vma window is at most 32 pages, the faulting one among them).
+pub(crate) const SIGNAL_BATCH: usize = 32;
 
 /// Ownership flags of a set of slots: a thread owns a slot from the `claim` that returned
 /// it (Acquire) until it `release`s it (Release).
@@ -54,103 +59,256 @@ impl Claims {
     }
 }
 
-pub(super) struct SignalRings {
-    claims: Claims,
-    rings: Box<[UnsafeCell<IoUring>]>,
+/// What one claimed owner reads with: a ring (none in pread mode) and the batch's buffers.
+struct Set {
+    ring: Option<IoUring>,
+    pages: Box<[AlignedPage]>,
 }
 
-// SAFETY: a ring is used only by the thread that claimed it, until it releases it.
-unsafe impl Sync for SignalRings {}
+/// The pages of a batch read in the SIGBUS handler, in the order asked for, and whether
+/// each was read whole (and, once the device has looked, verified). Valid until the
+/// closure it is lent to returns.
+pub(crate) struct SignalBatch<'a> {
+    pages: *mut AlignedPage,
+    len: usize,
+    ok: [bool; SIGNAL_BATCH],
+    set: std::marker::PhantomData<&'a mut Set>,
+}
 
-impl SignalRings {
-    /// One ring per CPU, or `None` when none can be made.
-    pub(super) fn new() -> Option<SignalRings> {
-        let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
-        let rings: Box<[UnsafeCell<IoUring>]> = (0..cpus.min(MAX_RINGS))
-            .map_while(|_| IoUring::new(ENTRIES).ok())
-            .map(UnsafeCell::new)
-            .collect();
-        (!rings.is_empty()).then(|| SignalRings {
-            claims: Claims::new(rings.len()),
-            rings,
-        })
+impl SignalBatch<'_> {
+    /// Page `i`'s buffer.
+    pub(crate) fn page(&self, i: usize) -> *mut u8 {
+        assert!(i < self.len, "page {i} of a batch of {}", self.len);
+        // SAFETY: within the set's buffers, which the batch borrows whole.
+        unsafe { (*self.pages.add(i)).0.as_mut_ptr() }
     }
 
-    /// Reads the page at `offset` into `dst` on a free ring, polling for its completion
-    /// for `poll` before sleeping on it. `false` when no ring was free or the read did not
-    /// transfer the whole page: the caller then reads it with `pread`. Locks and allocates
-    /// nothing.
+    /// Whether page `i` was read whole (and passed its check, once checked).
+    pub(crate) fn ok(&self, i: usize) -> bool {
+        self.ok[..self.len][i]
+    }
+
+    /// Page `i` is not to be used (it failed its check).
+    pub(crate) fn fail(&mut self, i: usize) {
+        self.ok[..self.len][i] = false;
+    }
+}
+
+pub(super) struct SignalSets {
+    claims: Claims,
+    sets: Box<[UnsafeCell<Set>]>,
+    /// Whether the sets have rings (single reads look for one only then).
+    rings: bool,
+}
+
+// SAFETY: a set is used only by the thread that claimed it, until it releases it.
+unsafe impl Sync for SignalSets {}
+
+impl SignalSets {
+    /// One set per CPU, each with a ring when `rings` (and the kernel makes one).
+    pub(super) fn new(rings: bool) -> SignalSets {
+        let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let ring = || {
+            rings
+                .then(|| IoUring::new(SIGNAL_BATCH as u32).ok())
+                .flatten()
+        };
+        let sets: Box<[UnsafeCell<Set>]> = (0..cpus.min(MAX_SETS))
+            .map(|_| {
+                let pages = zeroed_pages(SIGNAL_BATCH);
+                UnsafeCell::new(Set {
+                    ring: ring(),
+                    pages,
+                })
+            })
+            .collect();
+        // SAFETY: no set is claimed yet.
+        let rings = sets.iter().all(|s| unsafe { (*s.get()).ring.is_some() });
+        SignalSets {
+            claims: Claims::new(sets.len()),
+            sets,
+            rings,
+        }
+    }
+
+    /// A free set, from this CPU's on (threads on different CPUs rarely meet), owned by
+    /// the caller until it releases the claim.
+    fn claim(&self) -> Option<usize> {
+        // SAFETY: no arguments.
+        let first = usize::try_from(unsafe { libc::sched_getcpu() }).unwrap_or(0);
+        self.claims.claim(first)
+    }
+
+    /// Reads the page at `offset` into `dst` on a free set's ring, polling for its
+    /// completion for `poll` before sleeping on it. `false` when the sets have no rings,
+    /// none was free, or the read did not transfer the whole page: the caller then reads
+    /// it with `pread`. Locks and allocates nothing.
     ///
     /// # Safety
     /// `dst` must be valid for a page and aligned as the file's `O_DIRECT` mode requires.
     pub(super) unsafe fn read(&self, fd: RawFd, offset: u64, dst: *mut u8, poll: Duration) -> bool {
-        // Start at this CPU's ring: threads on different CPUs rarely meet.
-        let first = usize::try_from(libc::sched_getcpu()).unwrap_or(0);
-        let Some(slot) = self.claims.claim(first) else {
-            return false;
-        };
-        // SAFETY: this thread owns the ring until it releases the claim.
-        let ring = unsafe { &mut *self.rings[slot].get() };
-        let sqe = opcode::Read::new(types::Fd(fd), dst, PAGE_SIZE as u32)
-            .offset(offset)
-            .build();
-        // SAFETY: `dst` stays valid until the completion is reaped below.
-        if unsafe { ring.submission().push(&sqe) }.is_err() {
-            // Only a ring left with an entry in it is full; it stays taken.
+        if !self.rings {
             return false;
         }
-        let result = loop {
-            match ring.submit() {
-                Ok(_) => break wait(ring, poll),
-                Err(e) if matches!(e.raw_os_error(), Some(libc::EINTR | libc::EAGAIN)) => {}
-                // The entry may still be queued: the ring stays taken.
-                Err(_) => return false,
-            }
+        let Some(i) = self.claim() else {
+            return false;
         };
-        self.claims.release(slot);
-        result == PAGE_SIZE as i32
+        // SAFETY: this thread owns the set until it releases the claim.
+        let set = unsafe { &mut *self.sets[i].get() };
+        let ring = set.ring.as_mut().expect("the sets have rings");
+        let mut whole = false;
+        // SAFETY: `dst` stays valid until the completion is reaped.
+        if !unsafe { submit_and_reap(ring, fd, &[(offset, dst)], poll, |_, n| whole = n) } {
+            return false; // the set stays taken
+        }
+        self.claims.release(i);
+        whole
+    }
+
+    /// Reads the pages at `offsets` (at most [`SIGNAL_BATCH`]) into a free set's buffers,
+    /// on its ring, polled, in one submission; a page the ring did not read whole, or every
+    /// page in a set without a ring, is read with `read_one` (true when read whole). Then
+    /// lends the pages to `f` and frees the set. `None` when no set was free or the
+    /// submission failed. Locks and allocates nothing.
+    ///
+    /// # Safety
+    /// `read_one` must read one page at the offset into the buffer, or say it did not.
+    pub(super) unsafe fn read_batch<R>(
+        &self,
+        fd: RawFd,
+        offsets: &[u64],
+        poll: Duration,
+        read_one: impl Fn(u64, *mut u8) -> bool,
+        f: impl FnOnce(&mut SignalBatch<'_>) -> R,
+    ) -> Option<R> {
+        assert!(
+            offsets.len() <= SIGNAL_BATCH,
+            "a batch of {}",
+            offsets.len()
+        );
+        let i = self.claim()?;
+        // SAFETY: this thread owns the set until it releases the claim.
+        let set = unsafe { &mut *self.sets[i].get() };
+        let mut ok = [false; SIGNAL_BATCH];
+        let base = set.pages.as_mut_ptr();
+        // SAFETY: `i` is below SIGNAL_BATCH, the set's page count.
+        let page = |i: usize| unsafe { (*base.add(i)).0.as_mut_ptr() };
+        if let Some(ring) = set.ring.as_mut() {
+            let mut reads = [(0u64, std::ptr::null_mut()); SIGNAL_BATCH];
+            for (k, &offset) in offsets.iter().enumerate() {
+                reads[k] = (offset, page(k));
+            }
+            let reads = &reads[..offsets.len()];
+            // SAFETY: the set's buffers live as long as the set, which stays taken on failure.
+            if !unsafe { submit_and_reap(ring, fd, reads, poll, |k, whole| ok[k] = whole) } {
+                return None;
+            }
+        }
+        for (k, &offset) in offsets.iter().enumerate() {
+            if !ok[k] {
+                ok[k] = read_one(offset, page(k));
+            }
+        }
+        let result = f(&mut SignalBatch {
+            pages: base,
+            len: offsets.len(),
+            ok,
+            set: std::marker::PhantomData,
+        });
+        self.claims.release(i);
+        Some(result)
     }
 
     /// In a fork child, for an engine it abandons: closes the descriptors of the rings
     /// that no thread was using at the fork (they are the parent's).
     pub(super) fn close_in_child(&self) {
-        while let Some(slot) = self.claims.claim(0) {
-            // SAFETY: the ring is ours now and never used again (never released).
-            unsafe { libc::close((*self.rings[slot].get()).as_raw_fd()) };
+        while let Some(i) = self.claims.claim(0) {
+            // SAFETY: the set is ours now and never used again (never released).
+            if let Some(ring) = unsafe { &(*self.sets[i].get()).ring } {
+                // SAFETY: as above.
+                unsafe { libc::close(ring.as_raw_fd()) };
+            }
         }
     }
 }
 
-/// Waits for the one read in flight on `ring` and returns its result: polls the completion
-/// queue for `poll`, yielding the CPU at each look, then sleeps in `io_uring_enter`. Never
-/// returns before the completion: the kernel writes to the buffer until then.
-fn wait(ring: &mut IoUring, poll: Duration) -> i32 {
+/// `n` zeroed pages, allocated zeroed so that, left untouched, they take no memory until a
+/// batch reads into them.
+fn zeroed_pages(n: usize) -> Box<[AlignedPage]> {
+    let layout = std::alloc::Layout::array::<AlignedPage>(n).expect("a small array");
+    // SAFETY: a non-zero size; zeroed bytes are a valid `AlignedPage`, and the pointer comes
+    // from the global allocator with the layout of `n` of them, as `Box` frees it.
+    unsafe {
+        let ptr = std::alloc::alloc_zeroed(layout).cast::<AlignedPage>();
+        if ptr.is_null() {
+            std::alloc::handle_alloc_error(layout);
+        }
+        Box::from_raw(std::ptr::slice_from_raw_parts_mut(ptr, n))
+    }
+}
+
+/// Submits one read per `(offset, dst)` on the empty `ring` and reaps every completion,
+/// telling `done` each read's index and whether it transferred the whole page: polls the
+/// completion queue for `poll`, yielding the CPU at each look, then sleeps in
+/// `io_uring_enter`. Never returns before the last completion: the kernel writes to the
+/// buffers until then. False when the submission failed (entries may be left queued).
+///
+/// # Safety
+/// Every `dst` must be valid for a page until this returns.
+unsafe fn submit_and_reap(
+    ring: &mut IoUring,
+    fd: RawFd,
+    reads: &[(u64, *mut u8)],
+    poll: Duration,
+    mut done: impl FnMut(usize, bool),
+) -> bool {
+    for (k, &(offset, dst)) in reads.iter().enumerate() {
+        let sqe = opcode::Read::new(types::Fd(fd), dst, PAGE_SIZE as u32)
+            .offset(offset)
+            .build()
+            .user_data(k as u64);
+        // SAFETY: the caller keeps `dst` valid until its completion is reaped.
+        if unsafe { ring.submission().push(&sqe) }.is_err() {
+            return false;
+        }
+    }
+    loop {
+        match ring.submit() {
+            Ok(_) => break,
+            Err(e) if matches!(e.raw_os_error(), Some(libc::EINTR | libc::EAGAIN)) => {}
+            Err(_) => return false,
+        }
+    }
+    let mut left = reads.len();
+    let mut reap = |ring: &mut IoUring, left: &mut usize| {
+        for cqe in ring.completion() {
+            done(cqe.user_data() as usize, cqe.result() == PAGE_SIZE as i32);
+            *left -= 1;
+        }
+    };
     let start = Instant::now();
     loop {
-        if let Some(cqe) = ring.completion().next() {
-            return cqe.result();
-        }
-        if start.elapsed() >= poll {
+        reap(ring, &mut left);
+        if left == 0 || start.elapsed() >= poll {
             break;
         }
         // SAFETY: no arguments. The yield also enters the kernel, which posts completions.
         unsafe { libc::sched_yield() };
     }
-    loop {
-        if let Err(e) = ring.submit_and_wait(1) {
+    while left > 0 {
+        if let Err(e) = ring.submit_and_wait(left) {
             if !matches!(
                 e.raw_os_error(),
                 Some(libc::EINTR | libc::EAGAIN | libc::EBUSY)
             ) {
-                // The read is in flight whatever the error: keep looking, without sleeping.
+                // The reads are in flight whatever the error: keep looking, without sleeping.
                 // SAFETY: no arguments.
                 unsafe { libc::sched_yield() };
             }
         }
-        if let Some(cqe) = ring.completion().next() {
-            return cqe.result();
-        }
+        reap(ring, &mut left);
     }
+    true
 }
 
 #[cfg(all(test, not(loom)))]
@@ -188,16 +346,17 @@ mod tests {
         (dir, file)
     }
 
-    /// The rings, or `None` (the test is skipped) where the kernel refuses io_uring.
-    fn rings() -> Option<SignalRings> {
-        let rings = SignalRings::new();
-        if rings.is_none() {
+    /// Sets with rings, or `None` (the test is skipped) where the kernel refuses io_uring.
+    fn rings() -> Option<SignalSets> {
+        let sets = SignalSets::new(true);
+        if !sets.rings {
             eprintln!("skipped: io_uring is not available here");
+            return None;
         }
-        rings
+        Some(sets)
     }
 
-    fn read(rings: &SignalRings, file: &File, page: u64, poll: Duration) -> (bool, PageBuf) {
+    fn read(rings: &SignalSets, file: &File, page: u64, poll: Duration) -> (bool, PageBuf) {
         let mut buf = PageBuf::new();
         buf.as_mut_slice().fill(0xee);
         // SAFETY: an aligned page of our own.
@@ -234,10 +393,54 @@ mod tests {
         let (whole, _) = read(&rings, &file, 5, Duration::from_micros(250));
         assert!(!whole);
         // Every ring is free again: as many reads as rings, then one more, all succeed.
-        for _ in 0..=rings.rings.len() {
+        for _ in 0..=rings.sets.len() {
             let (whole, buf) = read(&rings, &file, 1, Duration::ZERO);
             assert!(whole);
             assert_eq!(buf.as_slice(), pattern(1).as_slice());
+        }
+    }
+
+    /// A batch read: every page whole and in its place, with rings and without (every page
+    /// through `read_one` then); a page past the end of the file is not, and its set is
+    /// free again after.
+    #[test]
+    fn a_batch_reads_each_page_into_its_own_buffer() {
+        let (_dir, file) = file_of(64, true);
+        let fd = file.as_raw_fd();
+        let pread = |offset: u64, dst: *mut u8| {
+            // SAFETY: a page buffer of the set.
+            let n = unsafe { libc::pread(fd, dst.cast(), PAGE_SIZE, offset as libc::off_t) };
+            n == PAGE_SIZE as isize
+        };
+        for with_rings in [true, false] {
+            let sets = SignalSets::new(with_rings);
+            if with_rings && !sets.rings {
+                eprintln!("skipped with rings: io_uring is not available here");
+                continue;
+            }
+            let pages: Vec<u64> = vec![40, 3, 4, 5, 63, 200, 0];
+            let offsets: Vec<u64> = pages.iter().map(|p| p * PAGE_SIZE as u64).collect();
+            for _ in 0..=sets.sets.len() {
+                let seen = unsafe {
+                    sets.read_batch(fd, &offsets, Duration::from_micros(50), pread, |b| {
+                        (0..pages.len())
+                            .map(|i| {
+                                let page = std::slice::from_raw_parts(b.page(i), PAGE_SIZE);
+                                (b.ok(i), page == pattern(pages[i]).as_slice())
+                            })
+                            .collect::<Vec<_>>()
+                    })
+                }
+                .expect("a set is free");
+                for (i, &page) in pages.iter().enumerate() {
+                    let whole = page < 64;
+                    assert_eq!(seen[i].0, whole, "page {page}, rings {with_rings}");
+                    assert!(
+                        seen[i].1 || !whole,
+                        "page {page}'s data, rings {with_rings}"
+                    );
+                }
+            }
         }
     }
 
@@ -255,7 +458,7 @@ mod tests {
         let (_dir, file) = file_of(PAGES, true);
         let file = Arc::new(file);
         let busy = Arc::new(AtomicU64::new(0));
-        let threads: Vec<_> = (0..rings.rings.len() as u64 + 3)
+        let threads: Vec<_> = (0..rings.sets.len() as u64 + 3)
             .map(|t| {
                 let (rings, file, busy) = (rings.clone(), file.clone(), busy.clone());
                 std::thread::spawn(move || {

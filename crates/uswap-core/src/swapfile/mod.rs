@@ -15,9 +15,10 @@ pub use backing::Backing;
 pub use seal::speed as sealing_speed;
 
 use crate::swap_io::PageBuf;
-use crate::swap_io::{IoEngine, PageOp};
+use crate::swap_io::{IoEngine, PageOp, SignalBatch, SIGNAL_BATCH};
 use crate::swap_state::SwapCache;
 use crate::{Error, IoMode, SlotAlloc, SwapConfig, SwapEncryption, SwapLocation, PAGE_SIZE};
+use arrayvec::ArrayVec;
 use cluster::ClusterAllocator;
 use seal::{Seal, Sealed};
 use std::fs::File;
@@ -465,6 +466,35 @@ impl SwapDevice {
             self.io.read_in_place(&self.file, slot_offset(slot), dst),
             Some(Ok(()))
         ) && self.guard.passes(slot, expected, dst)
+    }
+
+    /// [`SwapDevice::read_pages`] for the SIGBUS handler's readahead: reads `slots` (at
+    /// most [`SIGNAL_BATCH`]) in one submission into buffers of the engine's own, checks
+    /// each, and lends them to `f`, allocating nothing; a page not read or not verified is
+    /// marked failed, not read again (its own fault reads and reports it). `None` when no
+    /// set of buffers is free or a fault plan is in force: use `read_pages`.
+    ///
+    /// # Safety
+    /// The slots must stay allocated until this returns.
+    pub(crate) unsafe fn read_pages_in_place<R>(
+        &self,
+        slots: &[SlotId],
+        f: impl FnOnce(&mut SignalBatch<'_>) -> R,
+    ) -> Option<R> {
+        let expected: ArrayVec<Option<Expected>, SIGNAL_BATCH> =
+            slots.iter().map(|&slot| self.guard.get(slot)).collect();
+        let offsets: ArrayVec<u64, SIGNAL_BATCH> =
+            slots.iter().map(|&slot| slot_offset(slot)).collect();
+        self.io.read_batch_in_place(&self.file, &offsets, |batch| {
+            for (i, (&slot, expected)) in slots.iter().zip(expected).enumerate() {
+                let good = batch.ok(i)
+                    && expected.is_some_and(|e| self.guard.passes(slot, e, batch.page(i)));
+                if !good {
+                    batch.fail(i);
+                }
+            }
+            f(batch)
+        })
     }
 
     /// The cipher sealing the device's slots; None with encryption off.
