@@ -347,7 +347,7 @@ impl FaultPath {
             // since its slot (and marker) go now and the next window's inference cannot
             // see it (a sequential rewrite's windows stayed at two pages without this).
             if mm.swap().cache().mark_used(slot, mm.region_id()) {
-                self.readahead.cache_hit(lock.page(), true);
+                self.readahead.written_hit(lock.page());
                 mm.vmstat().swap_ra_hit.fetch_add(1, Relaxed);
             }
             mm.release_slot(slot);
@@ -625,8 +625,9 @@ impl FaultPath {
         mm.vmstat().pswpin.fetch_add(1, Relaxed);
         // Keep the swap copy (and write-protect to learn of the first write) unless swap
         // space is getting short, as the kernel frees the slot when vm_swap_full(), or the
-        // access is a write.
-        let keep = mm.caps().write_protect && !mm.swap().nearly_full() && !write;
+        // access is a write, or one is expected (a window the walk writes).
+        let writable = write || (window != Window::None && self.readahead.map_writable());
+        let keep = mm.caps().write_protect && !mm.swap().nearly_full() && !writable;
         if !keep {
             mm.release_slot(slot);
         }
@@ -710,8 +711,9 @@ impl FaultPath {
             let mut buf = mm.take_bounce(false)?;
             // SAFETY: the buffer is one aligned page we own.
             let read = unsafe { mm.swap().read_page_in_place(slot, buf.as_mut_ptr()) };
-            read.then(|| self.map_in_signal(&mut lock, slot, buf.as_ptr()))?
+            read.then(|| self.map_in_signal(&mut lock, slot, buf.as_ptr(), false))?
         } else {
+            let writable = self.readahead.map_writable();
             // SAFETY: the page is locked and holds the slot.
             unsafe {
                 read_around_in_signal(
@@ -719,7 +721,7 @@ impl FaultPath {
                     &self.readahead,
                     (page, slot),
                     window,
-                    |data| self.map_in_signal(&mut lock, slot, data),
+                    |data| self.map_in_signal(&mut lock, slot, data, writable),
                 )
             }
         }?;
@@ -731,17 +733,19 @@ impl FaultPath {
     }
 
     /// Charges (without reclaim) and maps the swapped-in copy of `lock`'s page at `data`,
-    /// clean and cached while the slot is kept. `None` when it cannot be charged or mapped
-    /// for a reason the full path reports.
+    /// clean and cached while the slot is kept, dirty when `writable` (a window the walk
+    /// writes). `None` when it cannot be charged or mapped for a reason the full path
+    /// reports.
     fn map_in_signal(
         &self,
         lock: &mut PageLock<'_>,
         slot: u32,
         data: *const u8,
+        writable: bool,
     ) -> Option<Outcome> {
         let mm = self.mm();
         self.reclaim.charge_without_reclaim(1)?;
-        let keep = mm.caps().write_protect && !mm.swap().nearly_full();
+        let keep = mm.caps().write_protect && !mm.swap().nearly_full() && !writable;
         if keep {
             mm.swap()
                 .cache()

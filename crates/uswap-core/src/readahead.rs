@@ -28,7 +28,7 @@ use crate::swapfile::ReadError;
 use crate::vmscan::Reclaim;
 use crate::PAGE_SIZE;
 use arrayvec::ArrayVec;
-use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering::Relaxed};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering::Relaxed};
 
 /// The largest vma window: 2^5 pages.
 const VMA_MAX_ORDER: u8 = 5;
@@ -63,6 +63,11 @@ pub(crate) struct ReadaheadState {
     setting: AtomicU32,
     /// Readahead pages used since the last window was sized.
     hits: AtomicU32,
+    /// Of those, the pages whose first use was a write (their write fault said so).
+    written: AtomicU32,
+    /// Windows still to be mapped writable, and whether the last one sized is.
+    writable_windows: AtomicU32,
+    writable: AtomicBool,
     /// The slot (scaling) or page (vma) of the previous swap-in, and its window.
     prev_slot: AtomicU32,
     prev_page: AtomicUsize,
@@ -77,6 +82,9 @@ impl ReadaheadState {
         let s = ReadaheadState {
             setting: AtomicU32::new(0),
             hits: AtomicU32::new(0),
+            written: AtomicU32::new(0),
+            writable_windows: AtomicU32::new(0),
+            writable: AtomicBool::new(false),
             prev_slot: AtomicU32::new(u32::MAX),
             prev_page: AtomicUsize::new(usize::MAX),
             prev_window: AtomicU32::new(0),
@@ -93,6 +101,9 @@ impl ReadaheadState {
             .position(|p| *p == setting.policy)
             .expect("a listed policy") as u32;
         self.hits.store(0, Relaxed);
+        self.written.store(0, Relaxed);
+        self.writable_windows.store(0, Relaxed);
+        self.writable.store(false, Relaxed);
         self.prev_window.store(0, Relaxed);
         *crate::sync::lock_std(&self.last) = Window::None;
         self.setting
@@ -116,6 +127,19 @@ impl ReadaheadState {
         if readahead {
             self.hits.fetch_add(1, Relaxed);
         }
+    }
+
+    /// A page readahead mapped clean was first used by a write (a hit, as `cache_hit`).
+    pub fn written_hit(&self, page: usize) {
+        self.cache_hit(page, true);
+        self.written.fetch_add(1, Relaxed);
+    }
+
+    /// Whether the pages of the window sized last, the faulting one with them, are to be
+    /// mapped writable (dirty, their slots freed), as their write faults would leave them:
+    /// the walk writes what it reads. See [`ReadaheadState::learn`].
+    pub fn map_writable(&self) -> bool {
+        self.writable.load(Relaxed)
     }
 
     /// The window for a swap-in of `slot` at `page` of a region of `pages` pages. When the
@@ -219,6 +243,7 @@ impl ReadaheadState {
     }
 
     fn size_window(&self, slot: u32, page: usize, pages: usize) -> Window {
+        self.writable.store(false, Relaxed);
         let setting = self.get();
         match setting.policy {
             ReadaheadPolicy::None => Window::None,
@@ -260,17 +285,40 @@ impl ReadaheadState {
 
     /// Sizes the next window from the hits since the last one (`swapin_nr_pages`) and
     /// starts counting hits again: (window, hits).
+    ///
+    /// It also decides whether the window is mapped writable. A walk that first used three
+    /// of four pages or more of its windows by writing them (a rewrite, a copy) gets its
+    /// next [`WRITABLE_RUN`] windows mapped writable: each write fault on a clean page is a
+    /// fault round trip and a protection change whose TLB flush interrupts every CPU the
+    /// process runs on, where the kernel's costs a minor fault. Their pages count as hits
+    /// when mapped (their use raises no fault to tell). After the run one window is mapped
+    /// clean again, to see whether the walk still writes.
     fn learn(&self, follows_previous: bool, max: u32) -> (u32, u32) {
         if max <= 1 {
             return (1, 0);
         }
         let hits = self.hits.swap(0, Relaxed);
+        let written = self.written.swap(0, Relaxed);
         let prev_window = self.prev_window.load(Relaxed);
         let win = next_window(hits, follows_previous, max, prev_window);
         self.prev_window.store(win, Relaxed);
+        let left = self.writable_windows.load(Relaxed);
+        let writable = if left > 0 {
+            self.writable_windows.store(left - 1, Relaxed);
+            true
+        } else if hits >= 2 && written * 4 >= hits * 3 {
+            self.writable_windows.store(WRITABLE_RUN - 1, Relaxed);
+            true
+        } else {
+            false
+        };
+        self.writable.store(writable && win > 1, Relaxed);
         (win, hits)
     }
 }
+
+/// Windows mapped writable after a window whose pages were mostly first used by writes.
+const WRITABLE_RUN: u32 = 16;
 
 /// What happens to the pages a readahead reads, besides the faulting one.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -434,9 +482,13 @@ unsafe fn map_ahead(
 ) {
     let mm = reclaim.mm();
     // A clean page must be mapped write-protected to learn of its first write; without
-    // that (or with swap nearly full) it is mapped dirty, its slot freed.
-    let clean =
-        dest == Destination::MapClean && mm.caps().write_protect && !mm.swap().nearly_full();
+    // that (or with swap nearly full) it is mapped dirty, its slot freed. So is a window
+    // the walk is expected to write.
+    let writable = dest == Destination::MapClean && state.map_writable();
+    let clean = dest == Destination::MapClean
+        && mm.caps().write_protect
+        && !mm.swap().nearly_full()
+        && !writable;
     let mut read = 0;
     let mut record = |lock: &mut PageLock<'_>, mapped: bool| {
         if !mapped {
@@ -455,7 +507,7 @@ unsafe fn map_ahead(
             mm.release_slot(ra_slot);
             lock.swap_in(None);
         }
-        if dest == Destination::MapDirty {
+        if dest == Destination::MapDirty || writable {
             state.cache_hit(page, true);
             mm.vmstat().swap_ra_hit.fetch_add(1, Relaxed);
         }

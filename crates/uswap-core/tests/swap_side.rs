@@ -107,6 +107,9 @@ fn a_sequential_rewrite_is_credited_to_readahead_and_its_windows_grow() {
             );
             // Eight-page windows once grown: well under one major fault per four pages.
             assert!(v.pgmajfault * 4 <= 512, "windows grew: {what}");
+            // Once the walk is seen to write what it reads, its windows are mapped
+            // writable: most pages take no write fault (one each before).
+            assert!(v.pgfault * 2 <= 512, "few write faults: {what}");
             // The SIGBUS handler reads windows itself: none handed to the service thread
             // (the region's memory is ample, so no fault needs direct reclaim).
             assert_eq!(v.sigbus_handovers, 0, "{what}");
@@ -115,6 +118,35 @@ fn a_sequential_rewrite_is_credited_to_readahead_and_its_windows_grow() {
             }
             region.check_invariants().unwrap();
         }
+    }
+}
+
+/// A walk that only reads, after one that wrote, gets clean windows again: its pages keep
+/// their swap copies, so paging them out again writes almost nothing.
+#[test]
+fn a_read_only_walk_after_a_rewrite_keeps_its_swap_copies() {
+    for mode in [FaultMode::Thread, FaultMode::Sigbus] {
+        let mut cfg = config(4 * MIB, ReadaheadPolicy::Vma, 3);
+        cfg.fault_mode = mode;
+        let region = swapped_out(cfg, 512);
+        let _stack = common::AltStack::new(64 << 10);
+        for p in 0..pages_of(&region) {
+            unsafe { common::check(region.as_ptr(), p, 1) }.unwrap();
+            unsafe { common::fill(region.as_ptr(), p, 2) };
+        }
+        region.advise(0, region.len(), Advice::PageOut).unwrap();
+        let before = region.stats().vmstat;
+        for p in 0..pages_of(&region) {
+            unsafe { common::check(region.as_ptr(), p, 2) }.unwrap();
+        }
+        region.advise(0, region.len(), Advice::PageOut).unwrap();
+        let v = region.stats().vmstat.since(&before);
+        let what = format!("{mode:?}: {v:?}");
+        assert_eq!(v.pswpin, 512, "{what}");
+        // The rewrite's writable run ends within 16 windows of 8 pages; then clean.
+        assert!(v.pswpout <= 160, "read pages were written again: {what}");
+        assert!(v.pgclean_dropped >= 352, "{what}");
+        region.check_invariants().unwrap();
     }
 }
 
