@@ -207,6 +207,13 @@ impl Region {
         self.inner().fault.inject_panic();
     }
 
+    /// Test hook: the background reclaimer's next wake-up panics, as a bug would. It must
+    /// start again (counted in `handler_panics`), never leave reclaim to stop.
+    #[doc(hidden)]
+    pub fn inject_kswapd_panic(&self) {
+        self.inner().fault.reclaim().inject_kswapd_panic();
+    }
+
     /// Test hook: the next read of the region's userfaultfd fails with EIO. The process
     /// must stop loudly (SIGABRT, with a message), never leave faults asleep for ever.
     #[doc(hidden)]

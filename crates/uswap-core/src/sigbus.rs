@@ -136,7 +136,18 @@ pub(crate) fn register(fault: &Arc<FaultPath>) -> Result<Service> {
         served: served.clone(),
         thread: None,
     };
-    match crate::signals::spawn_quiet("uswap-sigbus", move || serve(&served)) {
+    let supervised = move || {
+        let panicked = || {
+            served
+                .fault
+                .mm()
+                .vmstat()
+                .handler_panics
+                .fetch_add(1, Relaxed);
+        };
+        crate::signals::supervise("SIGBUS service", || serve(&served), panicked);
+    };
+    match crate::signals::spawn_quiet("uswap-sigbus", supervised) {
         Ok(thread) => {
             service.thread = Some(thread);
             Ok(service)
@@ -805,8 +816,13 @@ fn hand_over(s: &Served, page: usize) -> Outcome {
     r.page.store(page, Relaxed);
     r.state.store(PENDING, Release);
     ring(s.doorbell.as_raw_fd());
+    let mut waited = 0;
     while r.state.load(Acquire) == PENDING {
-        futex_wait(&r.state, PENDING);
+        if !futex_wait(&r.state, PENDING, HAND_OVER_PATIENCE) {
+            // A slow disk can take this long; a stuck service thread must not be silent.
+            waited += HAND_OVER_PATIENCE.as_secs();
+            say_waiting(page, waited);
+        }
     }
     let done = r.state.load(Acquire);
     r.state.store(FREE, Release);
@@ -817,16 +833,58 @@ fn hand_over(s: &Served, page: usize) -> Outcome {
     }
 }
 
-fn futex_wait(word: &AtomicU32, expected: u32) {
-    // SAFETY: a private futex on a word we own; returns on wake, mismatch or signal.
-    unsafe {
+/// How long a handed-over fault waits before it says so on stderr (and waits on).
+const HAND_OVER_PATIENCE: Duration = Duration::from_secs(10);
+
+/// Waits while `word` holds `expected`, at most `timeout`; false when the time ran out.
+fn futex_wait(word: &AtomicU32, expected: u32, timeout: Duration) -> bool {
+    let limit = libc::timespec {
+        tv_sec: timeout.as_secs() as libc::time_t,
+        tv_nsec: timeout.subsec_nanos() as libc::c_long,
+    };
+    // SAFETY: a private futex on a word we own; returns on wake, mismatch, signal or time.
+    let r = unsafe {
         libc::syscall(
             libc::SYS_futex,
             word.as_ptr(),
             libc::FUTEX_WAIT | libc::FUTEX_PRIVATE_FLAG,
             expected,
-            std::ptr::null::<libc::timespec>(),
-        );
+            &limit,
+        )
+    };
+    !(r == -1 && std::io::Error::last_os_error().raw_os_error() == Some(libc::ETIMEDOUT))
+}
+
+/// Writes "uswap: a fault on page P has waited S s for the SIGBUS service thread" to
+/// stderr, allocating nothing (a signal handler's).
+fn say_waiting(page: usize, seconds: u64) {
+    let mut line = [0u8; 128];
+    let mut len = 0;
+    let mut put = |bytes: &[u8]| {
+        let n = bytes.len().min(line.len() - len);
+        line[len..len + n].copy_from_slice(&bytes[..n]);
+        len += n;
+    };
+    let mut digits = [0u8; 20];
+    put(b"uswap: a fault on page ");
+    put(decimal(page as u64, &mut digits));
+    put(b" has waited ");
+    put(decimal(seconds, &mut digits));
+    put(b" s for the SIGBUS service thread; still waiting\n");
+    // SAFETY: writing our buffer to stderr; async-signal-safe.
+    unsafe { libc::write(2, line.as_ptr().cast(), len) };
+}
+
+/// `n` in decimal, in the end of `buf`.
+fn decimal(mut n: u64, buf: &mut [u8; 20]) -> &[u8] {
+    let mut at = buf.len();
+    loop {
+        at -= 1;
+        buf[at] = b'0' + (n % 10) as u8;
+        n /= 10;
+        if n == 0 {
+            return &buf[at..];
+        }
     }
 }
 

@@ -87,6 +87,33 @@ where
     std::thread::Builder::new().name(name.into()).spawn(f)
 }
 
+/// Panics a supervised uswap thread survives before the program is stopped.
+const MAX_RESTARTS: u32 = 10;
+
+/// Runs a uswap thread's loop, `body`, again after it panics (the panic's message is on
+/// stderr by then), with a line that says so and `panicked` run (to count it): the loops
+/// supervised this way (kswapd, the SIGBUS service) keep their state in the region, not on
+/// their stack, so a fresh start is sound, and a fault waiting for them is served instead
+/// of hanging. One that keeps panicking stops the program (SIGABRT) rather than leave it
+/// to hang. Returns when `body` does.
+pub(crate) fn supervise(name: &str, body: impl Fn(), panicked: impl Fn()) {
+    let mut restarts = 0;
+    while std::panic::catch_unwind(std::panic::AssertUnwindSafe(&body)).is_err() {
+        panicked();
+        restarts += 1;
+        if restarts >= MAX_RESTARTS {
+            eprintln!(
+                "uswap: the {name} thread panicked {restarts} times; stopping the program \
+                 rather than leave its faults to hang"
+            );
+            std::process::abort();
+        }
+        eprintln!(
+            "uswap: the {name} thread panicked; it starts again ({restarts} of {MAX_RESTARTS})"
+        );
+    }
+}
+
 /// Whether `sig` is blocked in the calling thread.
 pub(crate) fn is_blocked(sig: libc::c_int) -> bool {
     // SAFETY: querying this thread's mask.
@@ -99,6 +126,24 @@ pub(crate) fn is_blocked(sig: libc::c_int) -> bool {
 
 #[cfg(all(test, not(loom)))]
 mod tests {
+    #[test]
+    fn a_supervised_loop_starts_again_after_each_panic_until_it_returns() {
+        use std::sync::atomic::{AtomicU32, Ordering::Relaxed};
+        let (runs, panics) = (AtomicU32::new(0), AtomicU32::new(0));
+        super::supervise(
+            "test",
+            || {
+                if runs.fetch_add(1, Relaxed) < 3 {
+                    panic!("injected (test)");
+                }
+            },
+            || {
+                panics.fetch_add(1, Relaxed);
+            },
+        );
+        assert_eq!((runs.into_inner(), panics.into_inner()), (4, 3));
+    }
+
     use super::*;
 
     #[test]

@@ -27,6 +27,8 @@ const LOOK_AROUND_SHARE: usize = 4;
 /// Wake-up channel of the background reclaimer.
 #[derive(Default)]
 struct Kswapd {
+    /// Test hook: the next wake-up panics (`Region::inject_kswapd_panic`).
+    inject_panic: AtomicBool,
     pending: AtomicBool,
     lock: Mutex<()>,
     cv: Condvar,
@@ -538,15 +540,25 @@ pub(crate) fn spawn_kswapd<T: Send + Sync + 'static>(
     owner: Arc<T>,
     reclaim: fn(&T) -> &Reclaim,
 ) -> Result<std::thread::JoinHandle<()>> {
-    crate::signals::spawn_quiet("uswap-kswapd", move || kswapd(reclaim(&owner))).map_err(|source| {
-        Error::Os {
-            op: "spawn kswapd",
-            source,
-        }
+    let supervised = move || {
+        let r = reclaim(&owner);
+        let panicked = || {
+            r.mm.vmstat().handler_panics.fetch_add(1, Relaxed);
+        };
+        crate::signals::supervise("kswapd", || kswapd(r), panicked);
+    };
+    crate::signals::spawn_quiet("uswap-kswapd", supervised).map_err(|source| Error::Os {
+        op: "spawn kswapd",
+        source,
     })
 }
 
 impl Reclaim {
+    /// Test hook: kswapd's next wake-up panics, as a bug would.
+    pub fn inject_kswapd_panic(&self) {
+        self.kswapd.inject_panic.store(true, Relaxed);
+    }
+
     /// Stops kswapd at its next look (the caller joins it).
     pub fn stop_kswapd(&self) {
         self.mm.shut_down();
@@ -564,6 +576,9 @@ fn kswapd(r: &Reclaim) {
             continue;
         }
         r.mm.vmstat().kswapd_wake.fetch_add(1, Relaxed);
+        if r.kswapd.inject_panic.swap(false, Relaxed) {
+            panic!("injected kswapd panic (test hook)");
+        }
         budget.drain_stocks();
         while budget.free() < r.marks.high() && !r.mm.shutting_down() {
             if r.shrink() == 0 {

@@ -380,3 +380,33 @@ fn aging_takes_a_pages_active_neighbours_with_it() {
          with look-around"
     );
 }
+
+/// A bug in the background reclaimer (an injected panic at a wake-up) does not stop it: it
+/// starts again, said on stderr and counted, and reclaim goes on waking it. Before, the
+/// thread ended and every later shortage fell to direct reclaim.
+#[test]
+fn a_panicking_kswapd_starts_again() {
+    for mode in [FaultMode::Thread, FaultMode::Sigbus] {
+        let mut cfg = Config::new(2 * MIB);
+        cfg.fault_mode = mode;
+        let region = Region::new(8 * MIB, cfg).unwrap();
+        region.inject_kswapd_panic();
+        let pages = region.len() / PAGE_SIZE;
+        for version in 1..=3 {
+            for p in 0..pages {
+                if version > 1 {
+                    unsafe { check(region.as_ptr(), p, version - 1) }.unwrap();
+                }
+                unsafe { fill(region.as_ptr(), p, version) };
+            }
+        }
+        let v = region.stats().vmstat;
+        assert_eq!(v.handler_panics, 1, "{mode:?}: {v:?}");
+        assert!(
+            v.kswapd_wake >= 2,
+            "woken again after the panic: {mode:?}: {v:?}"
+        );
+        assert_eq!(v.failed_faults, 0, "{mode:?}: {v:?}");
+        region.check_invariants().unwrap();
+    }
+}
