@@ -3,17 +3,18 @@
 //! random key does, and OpenBSD's swap by default. The AEAD is AES-256-GCM where the CPU
 //! has AES instructions and ChaCha20-Poly1305 elsewhere, from `ring` (its assembly runs
 //! AES-GCM at 6.8 GB/s a core here, RustCrypto's `aes-gcm` at 1.3). Its key is drawn at
-//! random when the device is made, lives only in this process's memory (locked there where
-//! the process may lock memory, and overwritten when the device is dropped), and is never
-//! written: once the process is gone, what it left on the disk cannot be read.
+//! random when the device is made, lives only in this process's memory (a page of its own,
+//! locked there where the process may lock memory, left out of core dumps, and overwritten
+//! when the device is dropped), and is never written: once the process is gone, what it
+//! left on the disk cannot be read.
 //!
 //! A write's nonce is its slot and a generation the device never hands out twice, so no
 //! nonce repeats under a key; the slot is also the associated data. A slot's ciphertext
 //! copied to another slot, or an older ciphertext of the same slot, fails its tag, and a
 //! failed tag is a checksum mismatch: read again, then poisoned, never returned.
 
+use crate::syscall_dispatch::raw_syscall;
 use ring::aead::{Aad, LessSafeKey, Nonce, Tag, UnboundKey, AES_256_GCM, CHACHA20_POLY1305};
-use std::mem::ManuallyDrop;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use zeroize::Zeroize;
 
@@ -24,12 +25,67 @@ pub struct Sealed {
     pub tag: [u8; 16],
 }
 
-/// A device's key, held in memory locked against swapping (best effort: a process over its
-/// `RLIMIT_MEMLOCK` keeps it unlocked).
+/// A device's key.
 pub struct Seal {
-    /// Plain data (the expanded key); overwritten with zeros on drop.
-    key: Box<ManuallyDrop<LessSafeKey>>,
+    key: KeyPage,
     next_generation: AtomicU64,
+}
+
+/// The expanded key in a page of its own, mapped straight from the kernel (under `uswap
+/// run` the C library's `mmap` is the program's, served from its region): locked against
+/// swapping (best effort: a process over its `RLIMIT_MEMLOCK` keeps it unlocked), left out
+/// of core dumps (`MADV_DONTDUMP`), and overwritten with zeros before it is unmapped.
+struct KeyPage(*mut LessSafeKey);
+
+// SAFETY: the page is owned by the `KeyPage` alone; `LessSafeKey` is Send and Sync.
+unsafe impl Send for KeyPage {}
+unsafe impl Sync for KeyPage {}
+
+impl KeyPage {
+    fn new(key: LessSafeKey) -> std::io::Result<KeyPage> {
+        const { assert!(std::mem::size_of::<LessSafeKey>() <= crate::PAGE_SIZE) };
+        let (len, rw) = (
+            crate::PAGE_SIZE as u64,
+            (libc::PROT_READ | libc::PROT_WRITE) as u64,
+        );
+        let flags = (libc::MAP_PRIVATE | libc::MAP_ANONYMOUS) as u64;
+        let at = raw_syscall(libc::SYS_mmap, [0, len, rw, flags, u64::MAX, 0]);
+        if at < 0 {
+            return Err(std::io::Error::from_raw_os_error(-at as i32));
+        }
+        let dontdump = libc::MADV_DONTDUMP as u64;
+        raw_syscall(libc::SYS_madvise, [at as u64, len, dontdump, 0, 0, 0]);
+        raw_syscall(libc::SYS_mlock, [at as u64, len, 0, 0, 0, 0]);
+        let page = at as *mut LessSafeKey;
+        // SAFETY: a fresh, page-aligned, writable page, large enough (asserted above).
+        unsafe { page.write(key) };
+        Ok(KeyPage(page))
+    }
+
+    fn key(&self) -> &LessSafeKey {
+        // SAFETY: written in `new`, valid until drop.
+        unsafe { &*self.0 }
+    }
+
+    /// Where the key lives (for the test that looks at the page's flags).
+    #[cfg(test)]
+    fn address(&self) -> usize {
+        self.0 as usize
+    }
+}
+
+impl Drop for KeyPage {
+    fn drop(&mut self) {
+        // SAFETY: the key is plain data (no destructor, nothing it owns), never used again;
+        // the page is overwritten in place and then unmapped.
+        unsafe {
+            std::slice::from_raw_parts_mut(self.0.cast::<u8>(), crate::PAGE_SIZE).zeroize();
+        }
+        raw_syscall(
+            libc::SYS_munmap,
+            [self.0 as u64, crate::PAGE_SIZE as u64, 0, 0, 0, 0],
+        );
+    }
 }
 
 impl Seal {
@@ -43,20 +99,15 @@ impl Seal {
         };
         let unbound = UnboundKey::new(algorithm, &bytes).expect("a 32-byte key");
         bytes.zeroize();
-        let key = Box::new(ManuallyDrop::new(LessSafeKey::new(unbound)));
-        let at = (&**key as *const LessSafeKey).cast::<libc::c_void>();
-        // SAFETY: locking the pages of a live allocation. They stay locked until the
-        // process ends (an unlock could unlock another device's key on the same page).
-        unsafe { libc::mlock(at, std::mem::size_of::<LessSafeKey>()) };
         Ok(Seal {
-            key,
+            key: KeyPage::new(LessSafeKey::new(unbound))?,
             next_generation: AtomicU64::new(1),
         })
     }
 
     /// The cipher's name, for reports.
     pub fn cipher(&self) -> &'static str {
-        match self.key.algorithm() == &AES_256_GCM {
+        match self.key.key().algorithm() == &AES_256_GCM {
             true => "AES-256-GCM",
             false => "ChaCha20-Poly1305",
         }
@@ -68,6 +119,7 @@ impl Seal {
         let nonce = Nonce::assume_unique_for_key(nonce(slot, generation));
         let tag = self
             .key
+            .key()
             .seal_in_place_separate_tag(nonce, Aad::from(slot.to_le_bytes()), page)
             .expect("a page is far below the AEAD's length limit");
         let mut sealed = Sealed {
@@ -85,17 +137,9 @@ impl Seal {
         let nonce = Nonce::assume_unique_for_key(nonce(slot, sealed.generation));
         let aad = Aad::from(slot.to_le_bytes());
         self.key
+            .key()
             .open_in_place_separate_tag(nonce, aad, Tag::from(sealed.tag), page, 0..)
             .is_ok()
-    }
-}
-
-impl Drop for Seal {
-    fn drop(&mut self) {
-        let at = (&mut **self.key as *mut LessSafeKey).cast::<u8>();
-        // SAFETY: the key is plain data (no destructor, nothing it owns), never used
-        // again; its bytes are overwritten in place before the box frees them.
-        unsafe { std::slice::from_raw_parts_mut(at, std::mem::size_of::<LessSafeKey>()) }.zeroize();
     }
 }
 
@@ -185,6 +229,36 @@ mod tests {
         // Another device's key.
         let mut other = ciphertext;
         assert!(!Seal::new().unwrap().open(7, sealed, &mut other));
+    }
+
+    /// The key's page is locked and left out of core dumps (`lo` and `dd` in its
+    /// VmFlags).
+    #[test]
+    fn the_key_lives_on_a_locked_page_left_out_of_core_dumps() {
+        let seal = Seal::new().unwrap();
+        let at = seal.key.address();
+        let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap();
+        let mut inside = false;
+        let flags = smaps
+            .lines()
+            .find_map(|line| {
+                if let Some((range, _)) = line.split_once(' ') {
+                    if let Some((lo, hi)) = range.split_once('-') {
+                        if let (Ok(lo), Ok(hi)) =
+                            (usize::from_str_radix(lo, 16), usize::from_str_radix(hi, 16))
+                        {
+                            inside = (lo..hi).contains(&at);
+                        }
+                    }
+                }
+                line.strip_prefix("VmFlags:").filter(|_| inside)
+            })
+            .expect("the key's mapping in smaps");
+        let flags: Vec<&str> = flags.split_whitespace().collect();
+        assert!(flags.contains(&"dd"), "{flags:?}");
+        // Locked where the process may lock memory (root, or a memlock limit above a page).
+        let may_lock = unsafe { libc::geteuid() } == 0;
+        assert!(!may_lock || flags.contains(&"lo"), "{flags:?}");
     }
 
     #[test]
