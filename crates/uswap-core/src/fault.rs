@@ -91,7 +91,7 @@ impl FaultPath {
                     .unwrap_or(Outcome::Retry),
                 Kind::Swapped => {
                     let laps = Laps::new(None, start);
-                    self.swap_in(lock, start, laps, Destination::MapDirty, false)
+                    self.swap_in(lock, start, laps, Destination::Dirty, false)
                 }
                 _ => Outcome::Resolved,
             };
@@ -156,7 +156,7 @@ impl FaultPath {
             Kind::Inactive => self
                 .activate(lock, start, laps, true, write)
                 .unwrap_or(Outcome::Retry),
-            Kind::Swapped => self.swap_in(lock, start, laps, Destination::MapClean, write),
+            Kind::Swapped => self.swap_in(lock, start, laps, Destination::Clean, write),
             Kind::Lazyfree => self.refill_lazyfree(lock),
             Kind::Poisoned => {
                 drop(lock);
@@ -590,11 +590,15 @@ impl FaultPath {
             lock.page()
         );
         let mut buf = mm.take_bounce(true).expect("may allocate");
-        let window = self
-            .readahead
-            .window(slot, lock.page(), mm.pages().len(), |last| {
-                self.mark_readahead_used(last)
-            });
+        let (window, writable) =
+            self.readahead
+                .window(slot, lock.page(), mm.pages().len(), |last| {
+                    self.mark_readahead_used(last)
+                });
+        let readahead = match readahead {
+            Destination::Clean if writable => Destination::Writable,
+            dest => dest,
+        };
         let dst = (slot, buf.as_mut_ptr());
         laps.lap(Phase::Prepare);
         // SAFETY: the buffer is one aligned page we own.
@@ -625,9 +629,10 @@ impl FaultPath {
         mm.vmstat().pswpin.fetch_add(1, Relaxed);
         // Keep the swap copy (and write-protect to learn of the first write) unless swap
         // space is getting short, as the kernel frees the slot when vm_swap_full(), or the
-        // access is a write, or one is expected (a window the walk writes).
-        let writable = write || (window != Window::None && self.readahead.map_writable());
-        let keep = mm.caps().write_protect && !mm.swap().nearly_full() && !writable;
+        // access is a write. A page of a window the walk writes is mapped dirty too, but
+        // its slot goes only once it is mapped: until then the fault may still back out.
+        let keep = mm.caps().write_protect && !mm.swap().nearly_full() && !write;
+        let clean = keep && readahead != Destination::Writable;
         if !keep {
             mm.release_slot(slot);
         }
@@ -651,7 +656,7 @@ impl FaultPath {
         mm.vmstat().pgmajfault.fetch_add(1, Relaxed);
         laps.lap(Phase::Charge);
         let addr = mm.page_addr(lock.page());
-        let mapped = mm.uffd().copy(addr, buf.as_ptr(), PAGE_SIZE, keep);
+        let mapped = mm.uffd().copy(addr, buf.as_ptr(), PAGE_SIZE, clean);
         laps.lap(Phase::Map);
         if let Err(p) = mapped {
             mm.vmstat().pgmajfault.fetch_sub(1, Relaxed);
@@ -672,13 +677,15 @@ impl FaultPath {
             return self.fail(lock, &format!("cannot map the swapped-in page: {p}"), false);
         }
         drop(buf);
-        if keep {
+        if clean {
             mm.swap()
                 .cache()
                 .add(slot, mm.cache_entry(lock.page(), false));
+        } else if keep {
+            mm.release_slot(slot);
         }
         mm.lru().cache_add(LruList::Active, lock.page(), false);
-        lock.swap_in(keep.then_some(slot));
+        lock.swap_in(clean.then_some(slot));
         drop(lock);
         laps.lap(Phase::Finish);
         mm.record(FaultKind::Major, start);
@@ -687,11 +694,11 @@ impl FaultPath {
 
     /// The common case of [`FaultPath::swap_in`], allocating nothing: the page (and its
     /// readahead window, on buffers of the swap device's, when the stack has `room`) read
-    /// in place, verified, charged
-    /// without reclaim, mapped. `None` for anything else (no buffer free, an I/O error, a
-    /// bad checksum, direct reclaim needed): the full path then does it and reports what
-    /// goes wrong. (The window is then sized twice for one fault; the second sees no walk
-    /// and reads nothing ahead.)
+    /// in place, verified, charged without reclaim, mapped. `None` for anything else (no
+    /// buffer free, an I/O error, a bad checksum, direct reclaim needed): the full path
+    /// then does it and reports what goes wrong. (The window is then sized twice for one
+    /// fault; the second sees the faulting page inside the last window, not after it, and
+    /// reads at most half as much ahead.)
     fn swap_in_in_signal(
         &self,
         mut lock: PageLock<'_>,
@@ -700,7 +707,7 @@ impl FaultPath {
     ) -> Option<Outcome> {
         let mm = self.mm();
         let (page, slot) = (lock.page(), lock.state().slot().expect("swapped"));
-        let window =
+        let (window, writable) =
             self.readahead
                 .window_in_signal(slot, page, mm.pages().len(), room, |last| {
                     self.mark_readahead_used(last)
@@ -713,7 +720,10 @@ impl FaultPath {
             let read = unsafe { mm.swap().read_page_in_place(slot, buf.as_mut_ptr()) };
             read.then(|| self.map_in_signal(&mut lock, slot, buf.as_ptr(), false))?
         } else {
-            let writable = self.readahead.map_writable();
+            let dest = match writable {
+                true => Destination::Writable,
+                false => Destination::Clean,
+            };
             // SAFETY: the page is locked and holds the slot.
             unsafe {
                 read_around_in_signal(
@@ -721,6 +731,7 @@ impl FaultPath {
                     &self.readahead,
                     (page, slot),
                     window,
+                    dest,
                     |data| self.map_in_signal(&mut lock, slot, data, writable),
                 )
             }

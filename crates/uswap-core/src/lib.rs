@@ -47,6 +47,7 @@ pub use config::{
 pub use error::{Error, Result};
 pub use lockstat::{LockClass, LockStat};
 pub use region::{metadata_bytes, Advice, Region, SwapoffReport};
+pub use sigbus::in_sigbus_handler;
 pub use signals::spawn_quiet;
 pub use stats::{Latency, Stats, VmStatSnapshot};
 pub use swap_state::SwapCacheStats;

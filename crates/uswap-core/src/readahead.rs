@@ -15,7 +15,7 @@
 //!
 //! Pages read ahead are charged to the budget, mapped around the fault (clean, write-
 //! protected) and added to the swap cache with the readahead marker (see
-//! [`Destination::MapClean`] for why they are mapped). Their use raises no fault, so it is
+//! [`Destination::Clean`] for why they are mapped). Their use raises no fault, so it is
 //! inferred: a miss right after the last window means the walk went through it, and its
 //! marked pages count as hits, which widen the next window. State is per region (the
 //! kernel keeps the hit count per system for `scaling` and per vma for `vma`).
@@ -65,8 +65,9 @@ pub(crate) struct ReadaheadState {
     hits: AtomicU32,
     /// Of those, the pages whose first use was a write (their write fault said so).
     written: AtomicU32,
-    /// Windows still to be mapped writable, and whether the last one sized is.
+    /// Windows still to be mapped writable (see [`ReadaheadState::learn`]).
     writable_windows: AtomicU32,
+    /// Whether the window sized last is mapped writable: written and read under `last`.
     writable: AtomicBool,
     /// The slot (scaling) or page (vma) of the previous swap-in, and its window.
     prev_slot: AtomicU32,
@@ -129,30 +130,27 @@ impl ReadaheadState {
         }
     }
 
-    /// A page readahead mapped clean was first used by a write (a hit, as `cache_hit`).
+    /// A page readahead mapped clean was written before the next window was sized (a hit,
+    /// as `cache_hit`, counted apart for [`ReadaheadState::learn`]).
     pub fn written_hit(&self, page: usize) {
         self.cache_hit(page, true);
         self.written.fetch_add(1, Relaxed);
     }
 
-    /// Whether the pages of the window sized last, the faulting one with them, are to be
-    /// mapped writable (dirty, their slots freed), as their write faults would leave them:
-    /// the walk writes what it reads. See [`ReadaheadState::learn`].
-    pub fn map_writable(&self) -> bool {
-        self.writable.load(Relaxed)
-    }
-
-    /// The window for a swap-in of `slot` at `page` of a region of `pages` pages. When the
-    /// fault comes right after the last window, in either direction, the walk went through
-    /// it: `used` is called with that window, marks its pages used and says how many there
-    /// were, and they count as hits before the new window is sized.
+    /// The window for a swap-in of `slot` at `page` of a region of `pages` pages, and
+    /// whether its pages, the faulting one with them, are to be mapped writable (dirty,
+    /// their slots freed), as their write faults would leave them (see
+    /// [`ReadaheadState::learn`]). When the fault comes right after the last window, in
+    /// either direction, the walk went through it: `used` is called with that window, marks
+    /// its pages used and says how many there were, and they count as hits before the new
+    /// window is sized.
     pub fn window(
         &self,
         slot: u32,
         page: usize,
         pages: usize,
         used: impl FnOnce(Window) -> u32,
-    ) -> Window {
+    ) -> (Window, bool) {
         // Held throughout, so two swap-ins cannot both take credit for one window.
         let mut last = crate::sync::lock_std(&self.last);
         self.next(&mut last, slot, page, pages, used)
@@ -170,7 +168,7 @@ impl ReadaheadState {
         pages: usize,
         room: bool,
         used: impl FnOnce(Window) -> u32,
-    ) -> Option<Window> {
+    ) -> Option<(Window, bool)> {
         let mut last = match self.last.try_lock() {
             Ok(last) => last,
             // As `lock_std` does: a panic elsewhere leaves a window, still a window.
@@ -187,7 +185,7 @@ impl ReadaheadState {
         // counted since the look above may widen it, and the page alone is read anyway.
         self.size_window(slot, page, pages);
         *last = Window::None;
-        Some(Window::None)
+        Some((Window::None, false))
     }
 
     /// Whether the next window for `slot` at `page` would hold more than the faulting
@@ -219,7 +217,7 @@ impl ReadaheadState {
         page: usize,
         pages: usize,
         used: impl FnOnce(Window) -> u32,
-    ) -> Window {
+    ) -> (Window, bool) {
         if last.is_followed_by(slot, page) {
             self.hits.fetch_add(used(*last), Relaxed);
             // The last page the walk used, as a swap cache hit there would have recorded.
@@ -229,7 +227,7 @@ impl ReadaheadState {
             }
         }
         *last = self.size_window(slot, page, pages);
-        *last
+        (*last, self.writable.load(Relaxed))
     }
 
     /// The most pages a window of the current setting holds, the faulting one among them.
@@ -324,14 +322,19 @@ const WRITABLE_RUN: u32 = 16;
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Destination {
     /// A swap-in: mapped around the fault, clean (write-protected, slot kept, in the swap
-    /// cache with the readahead marker), so using one costs no fault. The kernel leaves
+    /// cache with the readahead marker), so reading one costs no fault. The kernel leaves
     /// them unmapped in its swap cache, where a touch is a cheap minor fault; here a fault
     /// is a round trip through a handler (20 µs in thread mode), so uswap maps around, as
-    /// the kernel's `filemap_map_pages` does for file pages. Since using such a page raises
-    /// no fault, a use is inferred: see [`ReadaheadState::window`].
-    MapClean,
+    /// the kernel's `filemap_map_pages` does for file pages. Since reading such a page
+    /// raises no fault, a use is inferred (see [`ReadaheadState::window`]); a write is
+    /// seen at its fault.
+    Clean,
+    /// A swap-in of a walk that writes what it reads (see [`ReadaheadState::learn`]):
+    /// mapped dirty, slots freed, each counted used, as their write faults would leave
+    /// them.
+    Writable,
     /// Swapoff, which maps every page anyway: mapped dirty, slots freed, each counted used.
-    MapDirty,
+    Dirty,
 }
 
 /// Pages besides the faulting one that a window can hold: 2^8, page-cluster's largest.
@@ -375,7 +378,13 @@ pub(crate) unsafe fn read_around(
     let mut results = mm.swap().read_pages(&batch).into_iter();
     let faulting = results.next().expect("one result per page");
     let read_ok: Vec<bool> = results.map(|r| r.is_ok()).collect();
-    map_ahead(reclaim, state, &mut ahead, |i| buf(i), |i| read_ok[i], dest);
+    map_ahead(
+        reclaim,
+        state,
+        &mut ahead,
+        (|i| buf(i), |i| read_ok[i]),
+        dest,
+    );
     match faulting {
         Ok(()) => Ok(()),
         // Read again, with the re-reads and error counting of a single read.
@@ -385,8 +394,8 @@ pub(crate) unsafe fn read_around(
 
 /// [`read_around`] for a swap-in in the SIGBUS handler: allocates nothing and waits for no
 /// lock. The window (at most [`SIGNAL_BATCH`] pages) is read into buffers of the swap
-/// device's own; the pages read ahead are mapped clean, and then the faulting page's
-/// verified copy is lent to `map_fault`, whose result this returns. `None` when no buffers
+/// device's own; the pages read ahead are mapped as `dest` says, and then the faulting
+/// page's verified copy is lent to `map_fault`, whose result this returns. `None` when no buffers
 /// are free or the faulting page was not read and verified (the pages read ahead are
 /// mapped all the same): the full path then reads it again and reports what goes wrong.
 ///
@@ -397,6 +406,7 @@ pub(crate) unsafe fn read_around_in_signal<R>(
     state: &ReadaheadState,
     (fault_page, slot): (usize, u32),
     window: Window,
+    dest: Destination,
     map_fault: impl FnOnce(*const u8) -> Option<R>,
 ) -> Option<R> {
     let mm = reclaim.mm();
@@ -409,9 +419,8 @@ pub(crate) unsafe fn read_around_in_signal<R>(
             reclaim,
             state,
             &mut ahead,
-            |i| batch.page(i + 1),
-            |i| batch.ok(i + 1),
-            Destination::MapClean,
+            (|i| batch.page(i + 1), |i| batch.ok(i + 1)),
+            dest,
         );
         batch.ok(0).then(|| map_fault(batch.page(0))).flatten()
     });
@@ -459,10 +468,11 @@ fn gather<const N: usize>(
             _ => {}
         }),
     }
-    found.sort_by_key(|l| l.page().abs_diff(fault_page));
+    // Unstable sorts: they sort in place, allocating nothing (the SIGBUS handler's).
+    found.sort_unstable_by_key(|l| l.page().abs_diff(fault_page));
     let granted = reclaim.charge_spare(found.len() as u64) as usize;
     found.truncate(granted);
-    found.sort_by_key(|l| l.page());
+    found.sort_unstable_by_key(|l| l.page());
     found
 }
 
@@ -476,19 +486,13 @@ unsafe fn map_ahead(
     reclaim: &Reclaim,
     state: &ReadaheadState,
     ahead: &mut [PageLock<'_>],
-    buf: impl Fn(usize) -> *const u8,
-    read_ok: impl Fn(usize) -> bool,
+    (buf, read_ok): (impl Fn(usize) -> *const u8, impl Fn(usize) -> bool),
     dest: Destination,
 ) {
     let mm = reclaim.mm();
     // A clean page must be mapped write-protected to learn of its first write; without
-    // that (or with swap nearly full) it is mapped dirty, its slot freed. So is a window
-    // the walk is expected to write.
-    let writable = dest == Destination::MapClean && state.map_writable();
-    let clean = dest == Destination::MapClean
-        && mm.caps().write_protect
-        && !mm.swap().nearly_full()
-        && !writable;
+    // that (or with swap nearly full) it is mapped dirty, its slot freed.
+    let clean = dest == Destination::Clean && mm.caps().write_protect && !mm.swap().nearly_full();
     let mut read = 0;
     let mut record = |lock: &mut PageLock<'_>, mapped: bool| {
         if !mapped {
@@ -507,7 +511,8 @@ unsafe fn map_ahead(
             mm.release_slot(ra_slot);
             lock.swap_in(None);
         }
-        if dest == Destination::MapDirty || writable {
+        if dest != Destination::Clean {
+            // Its use will raise no fault to tell: counted now.
             state.cache_hit(page, true);
             mm.vmstat().swap_ra_hit.fetch_add(1, Relaxed);
         }
@@ -618,7 +623,10 @@ mod tests {
         // While another swap-in sizes a window, the signal handler does not wait for it.
         let s = state(ReadaheadPolicy::Vma, 3);
         let sizing = s.last.lock().unwrap();
-        assert_eq!(s.window_in_signal(1, 1, 10, true, |_| 0), None);
+        assert_eq!(
+            s.window_in_signal(1, 1, 10, true, |_| 0).map(|(w, _)| w),
+            None
+        );
         drop(sizing);
         // Windows past the handler's batch are left to the full path (vma's are capped),
         // unless they hold the faulting page alone.
@@ -629,12 +637,15 @@ mod tests {
             (ReadaheadPolicy::None, 8, true),
         ] {
             let s = state(policy, page_cluster);
-            let w = s.window_in_signal(100, 100, 1000, true, |_| 0);
+            let w = s
+                .window_in_signal(100, 100, 1000, true, |_| 0)
+                .map(|(w, _)| w);
             assert_eq!(w.is_some(), fits, "{policy:?} page-cluster {page_cluster}");
         }
         let s = state(ReadaheadPolicy::Scaling, 8);
         assert_eq!(
-            s.window_in_signal(100, 100, 1000, true, |_| 0),
+            s.window_in_signal(100, 100, 1000, true, |_| 0)
+                .map(|(w, _)| w),
             Some(Window::None),
             "a random fault reads its page alone"
         );
@@ -646,23 +657,69 @@ mod tests {
             let s = state(policy, 3);
             // A random walk: every window is the faulting page alone.
             for (slot, page) in [(500, 50), (90, 9), (310, 31)] {
-                let w = s.window_in_signal(slot, page, 100, false, |_| 0);
+                let w = s
+                    .window_in_signal(slot, page, 100, false, |_| 0)
+                    .map(|(w, _)| w);
                 assert_eq!(w, Some(Window::None), "{policy:?} {page}");
             }
             // A walk that follows its last fault would read ahead: not in the handler, and
             // the full path's window sizes it as if the look had not been.
-            assert_eq!(s.window_in_signal(311, 32, 100, false, |_| 0), None);
-            assert!(s.window(311, 32, 100, |_| 0) != Window::None, "{policy:?}");
+            assert_eq!(
+                s.window_in_signal(311, 32, 100, false, |_| 0)
+                    .map(|(w, _)| w),
+                None
+            );
+            assert!(
+                s.window(311, 32, 100, |_| 0).0 != Window::None,
+                "{policy:?}"
+            );
             // Readahead hits since: the next window grows.
             s.cache_hit(33, true);
-            assert_eq!(s.window_in_signal(700, 70, 100, false, |_| 0), None);
+            assert_eq!(
+                s.window_in_signal(700, 70, 100, false, |_| 0)
+                    .map(|(w, _)| w),
+                None
+            );
         }
         let lone = |policy, page_cluster| {
-            state(policy, page_cluster).window_in_signal(1, 1, 10, false, |_| 0)
+            state(policy, page_cluster)
+                .window_in_signal(1, 1, 10, false, |_| 0)
+                .map(|(w, _)| w)
         };
         assert_eq!(lone(ReadaheadPolicy::None, 3), Some(Window::None));
         assert_eq!(lone(ReadaheadPolicy::Fixed, 3), None);
         assert_eq!(lone(ReadaheadPolicy::Fixed, 0), Some(Window::None));
+    }
+
+    #[test]
+    fn a_walk_that_writes_what_it_reads_gets_writable_windows_then_one_clean_look() {
+        let s = state(ReadaheadPolicy::Vma, 3);
+        let mut page = 10;
+        let mut walk = |written: u32, read: u32| {
+            page += 8;
+            for _ in 0..written {
+                s.written_hit(page - 1);
+            }
+            for _ in 0..read {
+                s.cache_hit(page - 1, true);
+            }
+            s.window(0, page, 10_000, |_| 0)
+        };
+        assert!(!walk(0, 0).1, "no history");
+        assert!(!walk(2, 6).1, "mostly read: clean");
+        assert!(walk(6, 2).1, "three of four written: writable");
+        // The run: 15 more windows writable whatever their hits say (none are seen).
+        for i in 0..WRITABLE_RUN - 1 {
+            assert!(walk(0, 8).1, "window {i} of the run");
+        }
+        assert!(!walk(0, 8).1, "then one clean window to look again");
+        assert!(walk(8, 0).1, "still writing: another run");
+        // A random walk with a lone written hit between faults is never mapped writable.
+        let s = state(ReadaheadPolicy::Vma, 3);
+        for page in [5_000, 70, 3_000, 9_000] {
+            s.written_hit(page + 1);
+            assert!(!s.window(0, page, 10_000, |_| 0).1, "page {page}");
+        }
     }
 
     #[test]
@@ -759,6 +816,7 @@ mod tests {
                 offered.push(w);
                 7
             })
+            .0
         };
         assert_eq!(walk(10), Window::None);
         assert_eq!(walk(11), Window::Pages { start: 11, end: 13 });

@@ -91,11 +91,13 @@ where
 const MAX_RESTARTS: u32 = 10;
 
 /// Runs a uswap thread's loop, `body`, again after it panics (the panic's message is on
-/// stderr by then), with a line that says so and `panicked` run (to count it): the loops
-/// supervised this way (kswapd, the SIGBUS service) keep their state in the region, not on
-/// their stack, so a fresh start is sound, and a fault waiting for them is served instead
-/// of hanging. One that keeps panicking stops the program (SIGABRT) rather than leave it
-/// to hang. Returns when `body` does.
+/// stderr by then), with a line that says so and `panicked` run (to count it), so that a
+/// fault waiting for the loop is served instead of hanging. The loops supervised this way
+/// (kswapd, the SIGBUS service) keep their state in the region, and unwinding releases
+/// the page locks they hold; what a panic can leave behind is pages a reclaim pass had
+/// taken off the LRU lists, which stay mapped and correct but are not reclaimed again.
+/// One that keeps panicking stops the program (SIGABRT) rather than leave it to hang.
+/// Returns when `body` does.
 pub(crate) fn supervise(name: &str, body: impl Fn(), panicked: impl Fn()) {
     let mut restarts = 0;
     while std::panic::catch_unwind(std::panic::AssertUnwindSafe(&body)).is_err() {

@@ -74,6 +74,10 @@ pub struct AltStack {
     old: libc::stack_t,
 }
 
+/// What an [`AltStack`] is filled with before use.
+#[allow(dead_code)]
+const PATTERN: u8 = 0xa5;
+
 #[allow(dead_code)]
 impl AltStack {
     pub fn new(size: usize) -> AltStack {
@@ -87,6 +91,8 @@ impl AltStack {
                 0,
             );
             assert_ne!(base, libc::MAP_FAILED);
+            // A pattern the handler's frames overwrite, zeros included, for `used`.
+            std::ptr::write_bytes(base.cast::<u8>(), PATTERN, size);
             let new = libc::stack_t {
                 ss_sp: base,
                 ss_flags: 0,
@@ -98,10 +104,15 @@ impl AltStack {
         }
     }
 
-    /// Bytes of the stack ever written (it starts as zeros; stacks grow down).
+    /// Bytes of the stack ever written (below the lowest byte that still holds the
+    /// pattern it was filled with; stacks grow down).
     pub fn used(&self) -> usize {
         let bytes = unsafe { std::slice::from_raw_parts(self.base as *const u8, self.size) };
-        self.size - bytes.iter().position(|&b| b != 0).unwrap_or(self.size)
+        self.size
+            - bytes
+                .iter()
+                .position(|&b| b != PATTERN)
+                .unwrap_or(self.size)
     }
 }
 

@@ -16,6 +16,7 @@
 
 use super::AlignedPage;
 use crate::sync::AtomicBool;
+use crate::syscall_dispatch::raw_syscall;
 use crate::PAGE_SIZE;
 use io_uring::{opcode, types, IoUring};
 use std::cell::UnsafeCell;
@@ -59,10 +60,11 @@ impl Claims {
     }
 }
 
-/// What one claimed owner reads with: a ring (none in pread mode) and the batch's buffers.
+/// What one claimed owner reads with: a ring (none in pread mode, or where the kernel
+/// would not make one) and the batch's buffers.
 struct Set {
     ring: Option<IoUring>,
-    pages: Box<[AlignedPage]>,
+    pages: Pages,
 }
 
 /// The pages of a batch read in the SIGBUS handler, in the order asked for, and whether
@@ -76,54 +78,61 @@ pub(crate) struct SignalBatch<'a> {
 }
 
 impl SignalBatch<'_> {
-    /// Page `i`'s buffer.
+    /// Page `i`'s buffer (`i` below the batch's length: the signal handler must not panic,
+    /// so this is checked in debug builds only).
     pub(crate) fn page(&self, i: usize) -> *mut u8 {
-        assert!(i < self.len, "page {i} of a batch of {}", self.len);
+        debug_assert!(i < self.len, "page {i} of a batch of {}", self.len);
         // SAFETY: within the set's buffers, which the batch borrows whole.
-        unsafe { (*self.pages.add(i)).0.as_mut_ptr() }
+        unsafe { std::ptr::addr_of_mut!((*self.pages.add(i)).0).cast() }
     }
 
-    /// Whether page `i` was read whole (and passed its check, once checked).
+    /// Whether page `i` was read whole (and passed its check, once checked); false past
+    /// the batch's end.
     pub(crate) fn ok(&self, i: usize) -> bool {
-        self.ok[..self.len][i]
+        i < self.len && self.ok[i]
     }
 
     /// Page `i` is not to be used (it failed its check).
     pub(crate) fn fail(&mut self, i: usize) {
-        self.ok[..self.len][i] = false;
+        if i < self.len {
+            self.ok[i] = false;
+        }
     }
 }
 
 pub(super) struct SignalSets {
     claims: Claims,
     sets: Box<[UnsafeCell<Set>]>,
-    /// Whether the sets have rings (single reads look for one only then).
+    /// Whether any set has a ring (single reads look for one only then).
     rings: bool,
 }
 
-// SAFETY: a set is used only by the thread that claimed it, until it releases it.
+// SAFETY: a set is used only by the thread that claimed it, until it releases it; its
+// buffers are owned by it alone.
 unsafe impl Sync for SignalSets {}
+unsafe impl Send for SignalSets {}
 
 impl SignalSets {
-    /// One set per CPU, each with a ring when `rings` (and the kernel makes one).
-    pub(super) fn new(rings: bool) -> SignalSets {
+    /// One set per CPU, each with a ring when `with_rings` and the kernel makes one (the
+    /// first it refuses ends the rings: a locked-memory limit reached stays reached), or
+    /// fewer sets when their buffers cannot be mapped.
+    pub(super) fn new(with_rings: bool) -> SignalSets {
         let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
-        let ring = || {
-            rings
+        let mut making_rings = with_rings;
+        let mut sets = Vec::new();
+        for _ in 0..cpus.min(MAX_SETS) {
+            let Some(pages) = Pages::map(SIGNAL_BATCH) else {
+                break;
+            };
+            let ring = making_rings
                 .then(|| IoUring::new(SIGNAL_BATCH as u32).ok())
-                .flatten()
-        };
-        let sets: Box<[UnsafeCell<Set>]> = (0..cpus.min(MAX_SETS))
-            .map(|_| {
-                let pages = zeroed_pages(SIGNAL_BATCH);
-                UnsafeCell::new(Set {
-                    ring: ring(),
-                    pages,
-                })
-            })
-            .collect();
+                .flatten();
+            making_rings &= ring.is_some();
+            sets.push(UnsafeCell::new(Set { ring, pages }));
+        }
+        let sets = sets.into_boxed_slice();
         // SAFETY: no set is claimed yet.
-        let rings = sets.iter().all(|s| unsafe { (*s.get()).ring.is_some() });
+        let rings = sets.iter().any(|s| unsafe { (*s.get()).ring.is_some() });
         SignalSets {
             claims: Claims::new(sets.len()),
             sets,
@@ -155,7 +164,10 @@ impl SignalSets {
         };
         // SAFETY: this thread owns the set until it releases the claim.
         let set = unsafe { &mut *self.sets[i].get() };
-        let ring = set.ring.as_mut().expect("the sets have rings");
+        let Some(ring) = set.ring.as_mut() else {
+            self.claims.release(i);
+            return false;
+        };
         let mut whole = false;
         // SAFETY: `dst` stays valid until the completion is reaped.
         if !unsafe { submit_and_reap(ring, fd, &[(offset, dst)], poll, |_, n| whole = n) } {
@@ -168,8 +180,8 @@ impl SignalSets {
     /// Reads the pages at `offsets` (at most [`SIGNAL_BATCH`]) into a free set's buffers,
     /// on its ring, polled, in one submission; a page the ring did not read whole, or every
     /// page in a set without a ring, is read with `read_one` (true when read whole). Then
-    /// lends the pages to `f` and frees the set. `None` when no set was free or the
-    /// submission failed. Locks and allocates nothing.
+    /// lends the pages to `f` and frees the set. `None` when the batch is too long, no set
+    /// was free or the submission failed. Locks and allocates nothing.
     ///
     /// # Safety
     /// `read_one` must read one page at the offset into the buffer, or say it did not.
@@ -181,18 +193,16 @@ impl SignalSets {
         read_one: impl Fn(u64, *mut u8) -> bool,
         f: impl FnOnce(&mut SignalBatch<'_>) -> R,
     ) -> Option<R> {
-        assert!(
-            offsets.len() <= SIGNAL_BATCH,
-            "a batch of {}",
-            offsets.len()
-        );
+        if offsets.len() > SIGNAL_BATCH {
+            return None;
+        }
         let i = self.claim()?;
         // SAFETY: this thread owns the set until it releases the claim.
         let set = unsafe { &mut *self.sets[i].get() };
         let mut ok = [false; SIGNAL_BATCH];
-        let base = set.pages.as_mut_ptr();
+        let base = set.pages.0;
         // SAFETY: `i` is below SIGNAL_BATCH, the set's page count.
-        let page = |i: usize| unsafe { (*base.add(i)).0.as_mut_ptr() };
+        let page = |i: usize| unsafe { std::ptr::addr_of_mut!((*base.add(i)).0).cast::<u8>() };
         if let Some(ring) = set.ring.as_mut() {
             let mut reads = [(0u64, std::ptr::null_mut()); SIGNAL_BATCH];
             for (k, &offset) in offsets.iter().enumerate() {
@@ -232,18 +242,25 @@ impl SignalSets {
     }
 }
 
-/// `n` zeroed pages, allocated zeroed so that, left untouched, they take no memory until a
-/// batch reads into them.
-fn zeroed_pages(n: usize) -> Box<[AlignedPage]> {
-    let layout = std::alloc::Layout::array::<AlignedPage>(n).expect("a small array");
-    // SAFETY: a non-zero size; zeroed bytes are a valid `AlignedPage`, and the pointer comes
-    // from the global allocator with the layout of `n` of them, as `Box` frees it.
-    unsafe {
-        let ptr = std::alloc::alloc_zeroed(layout).cast::<AlignedPage>();
-        if ptr.is_null() {
-            std::alloc::handle_alloc_error(layout);
-        }
-        Box::from_raw(std::ptr::slice_from_raw_parts_mut(ptr, n))
+/// A set's page buffers, mapped straight from the kernel (under `uswap run` the C library's
+/// `mmap` is the program's, served from its region): untouched, they take no memory, so a
+/// set that never reads a window costs only address space.
+struct Pages(*mut AlignedPage, usize);
+
+impl Pages {
+    fn map(n: usize) -> Option<Pages> {
+        let len = (n * PAGE_SIZE) as u64;
+        let rw = (libc::PROT_READ | libc::PROT_WRITE) as u64;
+        let flags = (libc::MAP_PRIVATE | libc::MAP_ANONYMOUS) as u64;
+        let at = raw_syscall(libc::SYS_mmap, [0, len, rw, flags, u64::MAX, 0]);
+        (at >= 0).then(|| Pages(at as *mut AlignedPage, n))
+    }
+}
+
+impl Drop for Pages {
+    fn drop(&mut self) {
+        let len = (self.1 * PAGE_SIZE) as u64;
+        raw_syscall(libc::SYS_munmap, [self.0 as u64, len, 0, 0, 0, 0]);
     }
 }
 

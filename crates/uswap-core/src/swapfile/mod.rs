@@ -481,6 +481,9 @@ impl SwapDevice {
         slots: &[SlotId],
         f: impl FnOnce(&mut SignalBatch<'_>) -> R,
     ) -> Option<R> {
+        if slots.len() > SIGNAL_BATCH {
+            return None;
+        }
         let expected: ArrayVec<Option<Expected>, SIGNAL_BATCH> =
             slots.iter().map(|&slot| self.guard.get(slot)).collect();
         let offsets: ArrayVec<u64, SIGNAL_BATCH> =
