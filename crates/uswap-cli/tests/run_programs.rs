@@ -819,6 +819,22 @@ fn exit_inside_signal_handlers_under_uswap_run_sigbus_mode() {
     assert_eq!(line, format!("ok {} bytes", 3 * MEMORY_BYTES));
 }
 
+/// SIGBUS mode: a program whose handler needs the large alternate stack it set up (256 KiB
+/// of a 1 MiB one, after a 512 KiB one). Its handlers ran on uswap's 64 KiB stack, whatever
+/// the program asked for: SIGSEGV.
+#[test]
+fn a_handler_on_a_large_alternate_stack_under_uswap_run_sigbus_mode() {
+    let _heavy = heavy();
+    let tmp = TempDir::new().unwrap();
+    let Some(exe) = build_c_program(tmp.path(), "big_altstack") else {
+        return;
+    };
+    let mut cmd = uswap_run_in("sigbus", tmp.path(), Some(MEMORY), &exe);
+    cmd.arg("20");
+    let line = expect_ok(&run(cmd, b"", "uswap run big_altstack"), "big_altstack");
+    assert_eq!(line, "ok 20 handlers");
+}
+
 /// SIGBUS mode: threads cancelled while they fault on memory past the limit (asynchronous
 /// cancellation, as will-it-scale's workers) and while blocked in a dispatched read into
 /// it (deferred). The cancellation signal once acted inside uswap's SIGBUS handler, whose

@@ -480,7 +480,7 @@ extern "C" fn on_sigsys(_sig: libc::c_int, info: *mut libc::siginfo_t, ctx: *mut
     let errno = unsafe { *libc::__errno_location() };
     // SAFETY: the kernel's mask is the first word of the saved sigset_t.
     let mask = unsafe { &mut *(&mut uc.uc_sigmask as *mut libc::sigset_t).cast::<u64>() };
-    let result = dispatch(nr, g, mask);
+    let result = dispatch(nr, g, mask, &mut uc.uc_stack);
     g[libc::REG_RAX as usize] = result;
     // SAFETY: as above.
     unsafe { *libc::__errno_location() = errno };
@@ -523,7 +523,7 @@ fn args_of(g: &[i64; 23]) -> [u64; 6] {
     .map(|r| g[r as usize] as u64)
 }
 
-fn dispatch(nr: i64, g: &[i64; 23], mask: &mut u64) -> i64 {
+fn dispatch(nr: i64, g: &[i64; 23], mask: &mut u64, uc_stack: &mut libc::stack_t) -> i64 {
     let mut a = args_of(g);
     let program = Program {
         mask: *mask,
@@ -534,7 +534,7 @@ fn dispatch(nr: i64, g: &[i64; 23], mask: &mut u64) -> i64 {
         libc::SYS_rt_sigaction => return sigaction(a),
         libc::SYS_vfork => return vfork(g, *mask),
         libc::SYS_clone | libc::SYS_clone3 => return clone(nr, g, a, program),
-        libc::SYS_sigaltstack => return sigaltstack(a),
+        libc::SYS_sigaltstack => return sigaltstack(a, program, uc_stack),
         _ => {}
     }
     // A wait with a mask of its own must not block SIGSYS or SIGBUS either.
@@ -815,8 +815,12 @@ thread_local! {
 }
 
 /// `sigaltstack`, kept as the program's view. The real call would fail here: this handler
-/// runs on the alternate stack, which the kernel will not change while it is in use.
-fn sigaltstack(a: [u64; 6]) -> i64 {
+/// runs on the alternate stack, which the kernel will not change while it is in use. The
+/// program's stack is not taken as it is either: it lies in region memory (the program's
+/// `malloc` or `mmap`), where the kernel could not write a signal frame to a page that is
+/// out. When the program asks for a larger stack than the thread's, its handlers need the
+/// room: uswap gives the thread one of that size of its own.
+fn sigaltstack(a: [u64; 6], program: Program, uc_stack: &mut libc::stack_t) -> i64 {
     let (new, old) = (a[0] as *const libc::stack_t, a[1] as *mut libc::stack_t);
     let (sp, flags, size) = PROGRAM_ALT_STACK.with(|s| s.get());
     if !old.is_null() {
@@ -838,8 +842,44 @@ fn sigaltstack(a: [u64; 6]) -> i64 {
             return -(libc::ENOMEM as i64);
         }
         PROGRAM_ALT_STACK.with(|s| s.set((n.ss_sp as u64, n.ss_flags, n.ss_size as u64)));
+        if n.ss_flags & libc::SS_DISABLE == 0 {
+            grow_alternate_stack(n.ss_size, program, uc_stack);
+        }
     }
     0
+}
+
+/// Gives the thread an alternate stack of `size` bytes of uswap's own when its present one
+/// is smaller (see [`sigaltstack`]). Only from a handler that is the only one on the stack:
+/// the program was not on it, and no call of the program is under way below this handler
+/// (a frame there would go on using the old one). The kernel changes a thread's alternate
+/// stack only while the thread is off it, so the change is made by `uswap_sud_call`, on
+/// the program's stack, around a call that does nothing; the handler's saved stack
+/// (`uc_stack`, which sigreturn restores) says the new one too. The stack it replaces is
+/// freed at the next change or when the thread ends.
+fn grow_alternate_stack(size: usize, program: Program, uc_stack: &mut libc::stack_t) {
+    let alt = ALT_RANGE.with(|r| r.get());
+    let on_alt = program.sp > alt.base && program.sp <= alt.base + alt.size;
+    let alone = alt.top == alt.base + alt.size;
+    if size as u64 <= alt.size || on_alt || !alone || alt.size == 0 || program.sp == 0 {
+        return;
+    }
+    let Ok((own, stack)) = map_alternate_stack(size) else {
+        return; // the program's handlers keep the room they had
+    };
+    let call = [libc::SYS_getpid as u64, 0, 0, 0, 0, 0, 0];
+    let blocked = program.mask | handler_mask();
+    let (masks, stacks) = ([blocked, blocked], [stack, stack]);
+    set_selector(BLOCK);
+    // SAFETY: as in `on_program_stack`; the call is getpid, with every signal it could let
+    // in blocked.
+    unsafe { uswap_sud_call(call.as_ptr(), program.sp, masks.as_ptr(), stacks.as_ptr()) };
+    set_selector(ALLOW);
+    *uc_stack = stack;
+    ALT_RANGE.with(|r| r.set(AltRange::whole(stack.ss_sp as u64, stack.ss_size as u64)));
+    let old = ALT_STACK.with(|s| s.borrow_mut().replace(own));
+    // This handler runs on the old one until it returns: freed only at the next change.
+    RETIRED_ALT_STACK.with(|r| *r.borrow_mut() = old.map(Retired));
 }
 
 const CLONE_ARGS_STACK: usize = 5;
@@ -991,6 +1031,9 @@ impl Drop for OwnAltStack {
     /// processes are). The kernel then refuses to disable it, and the stack stays mapped
     /// for the few instructions the thread has left.
     fn drop(&mut self) {
+        if self.len == 0 {
+            return; // retired and unmapped already
+        }
         // Straight to the kernel, not dispatched: the handler would run on this very stack.
         let off = libc::stack_t {
             ss_sp: std::ptr::null_mut(),
@@ -1011,8 +1054,21 @@ impl Drop for OwnAltStack {
     }
 }
 
+/// An alternate stack uswap no longer has the kernel use, unmapped when dropped.
+struct Retired(OwnAltStack);
+
+impl Drop for Retired {
+    fn drop(&mut self) {
+        let (base, len) = (self.0.base as u64, self.0.len as u64);
+        // Not the kernel's alternate stack any more: unmapped without disabling it.
+        self.0.len = 0;
+        raw_syscall(libc::SYS_munmap, [base, len, 0, 0, 0, 0]);
+    }
+}
+
 thread_local! {
     static ALT_STACK: std::cell::RefCell<Option<OwnAltStack>> = const { std::cell::RefCell::new(None) };
+    static RETIRED_ALT_STACK: std::cell::RefCell<Option<Retired>> = const { std::cell::RefCell::new(None) };
     static ALT_RANGE: std::cell::Cell<AltRange> =
         const { std::cell::Cell::new(AltRange { base: 0, size: 0, top: 0 }) };
 }
@@ -1072,7 +1128,30 @@ fn ensure_alternate_stack() -> Result<()> {
             ss.ss_size as u64,
         ))
     });
-    let len = ALT_STACK_SIZE + crate::PAGE_SIZE;
+    let (own, stack) = map_alternate_stack(ALT_STACK_SIZE)?;
+    call(
+        libc::SYS_sigaltstack,
+        [&stack as *const _ as u64, 0, 0, 0, 0, 0],
+        "sigaltstack",
+    )?;
+    ALT_STACK.with(|s| *s.borrow_mut() = Some(own));
+    ALT_RANGE.with(|r| r.set(AltRange::whole(stack.ss_sp as u64, ALT_STACK_SIZE as u64)));
+    Ok(())
+}
+
+/// Maps an alternate stack of `size` bytes (rounded up to pages) with a guard page below
+/// it, straight from the kernel: `uswap run` serves the program's anonymous mmaps from its
+/// region, where a signal stack must not be. Allocates nothing (a handler may call it).
+fn map_alternate_stack(size: usize) -> Result<(OwnAltStack, libc::stack_t)> {
+    let call = |nr, a: [u64; 6], op: &'static str| match raw_syscall(nr, a) {
+        r if r < 0 => Err(Error::Os {
+            op,
+            source: std::io::Error::from_raw_os_error(-r as i32),
+        }),
+        r => Ok(r as u64),
+    };
+    let size = size.next_multiple_of(crate::PAGE_SIZE);
+    let len = size + crate::PAGE_SIZE;
     let rw = (libc::PROT_READ | libc::PROT_WRITE) as u64;
     let flags = (libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_STACK) as u64;
     let mmap = [0, len as u64, rw, flags, u64::MAX, 0];
@@ -1098,14 +1177,7 @@ fn ensure_alternate_stack() -> Result<()> {
     let stack = libc::stack_t {
         ss_sp: (base as usize + crate::PAGE_SIZE) as *mut libc::c_void,
         ss_flags: 0,
-        ss_size: ALT_STACK_SIZE,
+        ss_size: size,
     };
-    call(
-        libc::SYS_sigaltstack,
-        [&stack as *const _ as u64, 0, 0, 0, 0, 0],
-        "sigaltstack",
-    )?;
-    ALT_STACK.with(|s| *s.borrow_mut() = Some(own));
-    ALT_RANGE.with(|r| r.set(AltRange::whole(stack.ss_sp as u64, ALT_STACK_SIZE as u64)));
-    Ok(())
+    Ok((own, stack))
 }
