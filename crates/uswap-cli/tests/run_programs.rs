@@ -819,6 +819,26 @@ fn exit_inside_signal_handlers_under_uswap_run_sigbus_mode() {
     assert_eq!(line, format!("ok {} bytes", 3 * MEMORY_BYTES));
 }
 
+/// A fork made with the raw clone system call (no `pthread_atfork` handlers run): through
+/// the C library's `syscall` in both modes, and by the program's own syscall instruction
+/// under dispatch. Each child checks its parent's memory and writes its own. The children
+/// died of SIGSEGV: their regions were gone.
+#[test]
+fn raw_clone_children_get_their_memory_under_uswap_run() {
+    let _heavy = heavy();
+    let tmp = TempDir::new().unwrap();
+    let Some(exe) = build_c_program(tmp.path(), "raw_clone") else {
+        return;
+    };
+    for (mode, how) in [("thread", None), ("auto", None), ("auto", Some("asm"))] {
+        let mut cmd = uswap_run_in(mode, tmp.path(), Some(MEMORY), &exe);
+        cmd.args(["128", "3"]).args(how);
+        let what = format!("uswap run --fault-mode {mode} raw_clone {how:?}");
+        let line = expect_ok(&run(cmd, b"", &what), "raw_clone");
+        assert_eq!(line, "ok 3 children", "{what}");
+    }
+}
+
 /// SIGBUS mode: a program whose handler needs the large alternate stack it set up (256 KiB
 /// of a 1 MiB one, after a 512 KiB one). Its handlers ran on uswap's 64 KiB stack, whatever
 /// the program asked for: SIGSEGV.

@@ -56,7 +56,7 @@ use std::cell::UnsafeCell;
 use std::ops::Range;
 use std::os::unix::fs::FileExt;
 use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
-use std::sync::{Arc, Mutex, MutexGuard, Once};
+use std::sync::{Arc, Mutex, MutexGuard, Once, OnceLock};
 use std::time::Duration;
 
 /// A region of this process, where its contents live (boxed, so it stays put).
@@ -73,12 +73,29 @@ static REGIONS: Mutex<Vec<Entry>> = Mutex::new(Vec::new());
 static MANUAL: AtomicBool = AtomicBool::new(false);
 static ATFORK: Once = Once::new();
 
+/// The fork handlers in force, the embedder's or uswap's own, for a fork the C library's
+/// `fork` did not make (see [`around_raw_fork`]).
+static HANDLERS: OnceLock<ForkHandlers> = OnceLock::new();
+
+/// `pthread_atfork`'s three handlers: before the fork, then in the parent or the child.
+#[derive(Clone, Copy)]
+pub struct ForkHandlers {
+    pub prepare: extern "C" fn(),
+    pub parent: extern "C" fn(),
+    pub child: extern "C" fn(),
+}
+
 /// Pages locked and copied at a time.
 const BATCH: usize = 64;
 
 pub(crate) fn register(inner: &UnsafeCell<Inner>) {
     if !MANUAL.load(Relaxed) {
         ATFORK.call_once(|| {
+            let _ = HANDLERS.set(ForkHandlers {
+                prepare: prepare_c,
+                parent: parent_c,
+                child: child_c,
+            });
             // SAFETY: plain function pointers with C linkage.
             let rc =
                 unsafe { libc::pthread_atfork(Some(prepare_c), Some(parent_c), Some(child_c)) };
@@ -98,10 +115,38 @@ pub(crate) fn unregister(inner: &UnsafeCell<Inner>) {
 }
 
 /// The embedding program (the preload library of `uswap run`) calls [`prepare`],
-/// [`parent`] and [`child`] from its own fork handlers, in the order its allocator locks
-/// need; uswap registers none of its own. Call it before making the first region.
-pub fn handle_fork_manually() {
+/// [`parent`] and [`child`] from its own fork handlers, `handlers`, in the order its
+/// allocator locks need; uswap registers none of its own, and runs `handlers` around a fork
+/// the C library's `fork` did not make. Call it before making the first region.
+pub fn handle_fork_manually(handlers: ForkHandlers) {
     MANUAL.store(true, Relaxed);
+    let _ = HANDLERS.set(handlers);
+}
+
+/// Whether a fork's handlers are running: [`prepare`] has run and neither [`parent`] nor
+/// [`child`] yet.
+pub(crate) fn in_progress() -> bool {
+    // SAFETY: read by the thread that would be forking; another thread's fork at the same
+    // moment is taken for this one's, and this one then runs no handlers of its own.
+    unsafe { (*std::ptr::addr_of!(HELD)).is_some() }
+}
+
+/// Makes a fork that the C library's `fork` did not make (a raw `clone` without
+/// `CLONE_VM`, which runs no `pthread_atfork` handlers) with the fork handlers around it,
+/// so its child gets its memory as a child of `fork` does: `clone` makes the system call
+/// and returns its result, 0 in the child. With no regions, or inside a fork's handlers
+/// already, it only calls `clone`.
+pub fn around_raw_fork(clone: impl FnOnce() -> i64) -> i64 {
+    let Some(h) = HANDLERS.get().filter(|_| !in_progress()) else {
+        return clone();
+    };
+    (h.prepare)();
+    let result = clone();
+    match result {
+        0 => (h.child)(),
+        _ => (h.parent)(),
+    }
+    result
 }
 
 extern "C" fn prepare_c() {

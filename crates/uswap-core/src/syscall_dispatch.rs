@@ -932,6 +932,11 @@ fn clone(nr: i64, g: &[i64; 23], mut a: [u64; 6], program: Program) -> i64 {
     if nr == libc::SYS_clone3 {
         a[0] = args.as_ptr() as u64;
     }
+    if !shares_memory {
+        // A fork; made without the C library's `fork` (a raw clone), it gets the fork
+        // handlers here, or its child would find the regions gone.
+        return crate::fork::around_raw_fork(|| run(nr, a, program, &mut pins));
+    }
     if !on_own_stack {
         return run(nr, a, program, &mut pins);
     }

@@ -11,8 +11,15 @@
 //! - After it, on both sides, the locks go in reverse order and the core finishes: in the
 //!   child it builds the region again (or stops the child with a message when it cannot),
 //!   and the child gets a control socket of its own.
+//!
+//! A fork made with `syscall(SYS_clone, …)` without `CLONE_VM` runs no `pthread_atfork`
+//! handlers: the `syscall` exported here runs them around it (a dispatching thread's raw
+//! `clone` instruction gets them in the SIGSYS handler, `uswap_core::syscall_dispatch`).
 
+use crate::threads::next;
 use crate::{heap, internal, space, sys};
+use libc::{c_long, c_void};
+use std::sync::atomic::AtomicPtr;
 
 /// Locks held across `fork`, by the forking thread only. Fields drop in order, which lets
 /// go of the internal heap before the vector of arena guards is freed into it.
@@ -60,7 +67,15 @@ extern "C" fn child() {
 /// Registers the handlers, and has the core leave fork to them; called before the space
 /// is made.
 pub fn register() {
-    uswap_core::fork::handle_fork_manually();
+    // Looked up now: uswap's own system calls come here too, some from signal handlers,
+    // where `dlsym` must not run.
+    // SAFETY: the slot's function is `syscall` (only its address is taken).
+    unsafe { next::<*mut c_void>(&REAL_SYSCALL, c"syscall") };
+    uswap_core::fork::handle_fork_manually(uswap_core::fork::ForkHandlers {
+        prepare,
+        parent,
+        child,
+    });
     // SAFETY: plain function pointers with C linkage.
     if unsafe { libc::pthread_atfork(Some(prepare), Some(parent), Some(child)) } != 0 {
         sys::warn(
@@ -68,4 +83,46 @@ pub fn register() {
              fork is not served\n",
         );
     }
+}
+
+static REAL_SYSCALL: AtomicPtr<c_void> = AtomicPtr::new(std::ptr::null_mut());
+
+/// `syscall(2)`, the C library's, except that a fork made with it (`SYS_clone` or
+/// `SYS_clone3` without `CLONE_VM`) gets the fork handlers around it, as `fork` would.
+/// Declared with six fixed arguments: on x86-64 a variadic call passes them in the same
+/// registers.
+#[no_mangle]
+pub unsafe extern "C" fn syscall(
+    nr: c_long,
+    a1: c_long,
+    a2: c_long,
+    a3: c_long,
+    a4: c_long,
+    a5: c_long,
+    a6: c_long,
+) -> c_long {
+    type F = unsafe extern "C" fn(c_long, c_long, c_long, c_long, c_long, c_long, c_long) -> c_long;
+    let real = next::<F>(&REAL_SYSCALL, c"syscall");
+    let flags = match nr {
+        libc::SYS_clone => a1 as u64,
+        // SAFETY: the program's clone_args, whose first word is the flags (a bad pointer
+        // faults here, where the kernel would return EFAULT).
+        libc::SYS_clone3 if a1 != 0 && a2 >= 8 => unsafe {
+            std::ptr::read_unaligned(a1 as *const u64)
+        },
+        _ => return real(nr, a1, a2, a3, a4, a5, a6),
+    };
+    if flags & libc::CLONE_VM as u64 != 0 {
+        return real(nr, a1, a2, a3, a4, a5, a6);
+    }
+    let mut errno = 0;
+    let result = uswap_core::fork::around_raw_fork(|| {
+        let r = real(nr, a1, a2, a3, a4, a5, a6);
+        // SAFETY: this thread's errno, read before the handlers run.
+        errno = unsafe { *libc::__errno_location() };
+        r
+    });
+    // SAFETY: this thread's errno, as the call left it.
+    unsafe { *libc::__errno_location() = errno };
+    result as c_long
 }
