@@ -483,16 +483,29 @@ fn set_memory(region: &Region, text: &str) -> Result<()> {
 
 /// Sends `request` to the control socket of process `pid` and returns the reply. An error
 /// reply is an error ([`Error::ControlRefused`]), as are a missing process, a process
-/// without a control socket and a socket of another user, each its own [`Error`].
+/// without a control socket and a socket of another user, each its own [`Error`]. A
+/// request that finds no server removes the sockets of processes that are gone from the
+/// directory it looked in (the next server's start does too).
 pub fn request(pid: u32, request: &Value) -> Result<Value> {
-    let owner = process_owner(pid)?;
+    let owner = process_owner(pid).inspect_err(|_| {
+        // SAFETY: no arguments.
+        let mine = socket_path(pid, unsafe { libc::geteuid() });
+        if let Some(dir) = mine.parent() {
+            remove_dead(dir);
+        }
+    })?;
     let path = socket_path(pid, owner);
     let stream = UnixStream::connect(&path).map_err(|e| match e.kind() {
         // No socket, or one nobody accepts on (its process is gone and the pid reused).
-        ErrorKind::NotFound | ErrorKind::ConnectionRefused => Error::NotUnderUswap {
-            pid,
-            path: path.clone(),
-        },
+        ErrorKind::NotFound | ErrorKind::ConnectionRefused => {
+            if let Some(dir) = path.parent() {
+                remove_dead(dir);
+            }
+            Error::NotUnderUswap {
+                pid,
+                path: path.clone(),
+            }
+        }
         ErrorKind::PermissionDenied => Error::ControlDenied {
             pid,
             path: path.clone(),

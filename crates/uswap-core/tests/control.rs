@@ -332,6 +332,41 @@ fn another_user_can_neither_reach_the_socket_nor_be_served() {
     assert!(stat()["stats"].is_object(), "the owner is still served");
 }
 
+/// `uswap stat` of a process that is gone, or of one that never ran under uswap, removes
+/// the sockets dead processes left (a SIGKILL, a failed start), as a new server does.
+#[test]
+fn a_request_that_finds_no_server_removes_dead_processes_sockets() {
+    let rt = Runtime::new();
+    std::fs::create_dir(rt.dir()).unwrap();
+    std::fs::set_permissions(rt.dir(), std::fs::Permissions::from_mode(0o700)).unwrap();
+    let dead = |n: usize| -> Vec<std::path::PathBuf> {
+        (0..n)
+            .map(|_| {
+                let mut child = std::process::Command::new("true").spawn().unwrap();
+                let pid = child.id();
+                child.wait().unwrap();
+                let left = rt.dir().join(format!("{pid}.sock"));
+                drop(std::os::unix::net::UnixListener::bind(&left).unwrap());
+                left
+            })
+            .collect()
+    };
+    let left = dead(2);
+    let gone: u32 = left[0]
+        .file_stem()
+        .unwrap()
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    let e = control::request(gone, &json!({"cmd": "stat"})).unwrap_err();
+    assert!(left.iter().all(|p| !p.exists()), "{e}: leftovers removed");
+    let left = dead(1);
+    let e = control::request(1, &json!({"cmd": "stat"})).unwrap_err();
+    assert!(matches!(e, Error::NotUnderUswap { .. }), "{e}");
+    assert!(!left[0].exists(), "{e}: leftovers removed");
+}
+
 #[test]
 fn sockets_of_processes_that_are_gone_are_removed() {
     let rt = Runtime::new();
