@@ -169,7 +169,8 @@ impl FaultPath {
     /// The part of fault resolution a signal handler may run: it allocates nothing, takes
     /// no lock a program thread could hold, and never reclaims; its only I/O is a swap-in's
     /// read, with its readahead window when `room_to_read_ahead` says the handler's stack
-    /// allows (on a signal ring, polled, or with `pread`). `None` means the fault needs
+    /// allows (asked only when the window may read ahead; on a signal set's ring, polled,
+    /// or with `pread`). `None` means the fault needs
     /// the full path (on a thread that may block).
     pub fn resolve_in_signal(
         &self,
@@ -188,7 +189,7 @@ impl FaultPath {
         let outcome = match lock.kind() {
             Kind::None | Kind::Discarded => self.first_touch(lock, start, false)?,
             Kind::Inactive => self.activate(lock, start, Laps::new(None, start), false, false)?,
-            Kind::Swapped => self.swap_in_in_signal(lock, start, room_to_read_ahead())?,
+            Kind::Swapped => self.swap_in_in_signal(lock, start, room_to_read_ahead)?,
             // Only what can be told and done without a report: a missing page needs the
             // full path's loud failure.
             Kind::Active => match mm.pagemap_entry(page) {
@@ -703,7 +704,7 @@ impl FaultPath {
         &self,
         mut lock: PageLock<'_>,
         start: Instant,
-        room: bool,
+        room: fn() -> bool,
     ) -> Option<Outcome> {
         let mm = self.mm();
         let (page, slot) = (lock.page(), lock.state().slot().expect("swapped"));

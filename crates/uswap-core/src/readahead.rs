@@ -157,16 +157,16 @@ impl ReadaheadState {
     }
 
     /// [`ReadaheadState::window`] for the SIGBUS handler, which waits for no lock and reads
-    /// at most [`SIGNAL_BATCH`] pages, and only when `room` (its stack has room for it):
-    /// `None`, with nothing changed, while another swap-in sizes a window, or when the
-    /// window would read ahead and the handler cannot (the policy's windows may be larger,
-    /// or no room), or the last window's use is still to be inferred then.
+    /// at most [`SIGNAL_BATCH`] pages, and only when `room` says its stack has room for it
+    /// (asked only of a fault that may read ahead): `None`, with nothing changed, while
+    /// another swap-in sizes a window, or when the window may read ahead and the handler
+    /// cannot (the policy's windows may be larger, or no room).
     pub fn window_in_signal(
         &self,
         slot: u32,
         page: usize,
         pages: usize,
-        room: bool,
+        room: impl FnOnce() -> bool,
         used: impl FnOnce(Window) -> u32,
     ) -> Option<(Window, bool)> {
         let mut last = match self.last.try_lock() {
@@ -175,11 +175,9 @@ impl ReadaheadState {
             Err(std::sync::TryLockError::Poisoned(e)) => e.into_inner(),
             Err(std::sync::TryLockError::WouldBlock) => return None,
         };
-        if room && self.largest_window() <= SIGNAL_BATCH {
-            return Some(self.next(&mut last, slot, page, pages, used));
-        }
         if last.is_followed_by(slot, page) || self.would_read_ahead(slot, page) {
-            return None;
+            let fits = self.largest_window() <= SIGNAL_BATCH;
+            return (fits && room()).then(|| self.next(&mut last, slot, page, pages, used));
         }
         // Sized for real, so the policy learns from this fault as from any other; a hit
         // counted since the look above may widen it, and the page alone is read anyway.
@@ -616,7 +614,7 @@ mod tests {
             // A forward walk with a jump in it, and readahead hits along the way.
             for (slot, page) in [(500, 50), (501, 51), (503, 53), (511, 61), (90, 9)] {
                 let a = full.window(slot, page, 100, |_| 2);
-                let b = signal.window_in_signal(slot, page, 100, true, |_| 2);
+                let b = signal.window_in_signal(slot, page, 100, || true, |_| 2);
                 assert_eq!(Some(a), b, "{policy:?} at page {page}");
             }
         }
@@ -624,7 +622,7 @@ mod tests {
         let s = state(ReadaheadPolicy::Vma, 3);
         let sizing = s.last.lock().unwrap();
         assert_eq!(
-            s.window_in_signal(1, 1, 10, true, |_| 0).map(|(w, _)| w),
+            s.window_in_signal(1, 1, 10, || true, |_| 0).map(|(w, _)| w),
             None
         );
         drop(sizing);
@@ -638,13 +636,13 @@ mod tests {
         ] {
             let s = state(policy, page_cluster);
             let w = s
-                .window_in_signal(100, 100, 1000, true, |_| 0)
+                .window_in_signal(100, 100, 1000, || true, |_| 0)
                 .map(|(w, _)| w);
             assert_eq!(w.is_some(), fits, "{policy:?} page-cluster {page_cluster}");
         }
         let s = state(ReadaheadPolicy::Scaling, 8);
         assert_eq!(
-            s.window_in_signal(100, 100, 1000, true, |_| 0)
+            s.window_in_signal(100, 100, 1000, || true, |_| 0)
                 .map(|(w, _)| w),
             Some(Window::None),
             "a random fault reads its page alone"
@@ -655,17 +653,19 @@ mod tests {
     fn without_room_the_signal_handler_reads_only_lone_pages() {
         for policy in [ReadaheadPolicy::Vma, ReadaheadPolicy::Scaling] {
             let s = state(policy, 3);
-            // A random walk: every window is the faulting page alone.
+            // A random walk: every window is the faulting page alone, and the stack is
+            // not even asked about (a system call in the handler).
             for (slot, page) in [(500, 50), (90, 9), (310, 31)] {
+                let asked = || -> bool { panic!("room asked for a lone page") };
                 let w = s
-                    .window_in_signal(slot, page, 100, false, |_| 0)
+                    .window_in_signal(slot, page, 100, asked, |_| 0)
                     .map(|(w, _)| w);
                 assert_eq!(w, Some(Window::None), "{policy:?} {page}");
             }
             // A walk that follows its last fault would read ahead: not in the handler, and
             // the full path's window sizes it as if the look had not been.
             assert_eq!(
-                s.window_in_signal(311, 32, 100, false, |_| 0)
+                s.window_in_signal(311, 32, 100, || false, |_| 0)
                     .map(|(w, _)| w),
                 None
             );
@@ -676,14 +676,14 @@ mod tests {
             // Readahead hits since: the next window grows.
             s.cache_hit(33, true);
             assert_eq!(
-                s.window_in_signal(700, 70, 100, false, |_| 0)
+                s.window_in_signal(700, 70, 100, || false, |_| 0)
                     .map(|(w, _)| w),
                 None
             );
         }
         let lone = |policy, page_cluster| {
             state(policy, page_cluster)
-                .window_in_signal(1, 1, 10, false, |_| 0)
+                .window_in_signal(1, 1, 10, || false, |_| 0)
                 .map(|(w, _)| w)
         };
         assert_eq!(lone(ReadaheadPolicy::None, 3), Some(Window::None));
