@@ -254,6 +254,8 @@ fn take_up_to(counter: &AtomicU64, want: u64) -> u64 {
 #[cfg(all(test, not(loom)))]
 mod tests {
     use super::*;
+    use crate::memcg::MemCgroup;
+    use std::sync::Arc;
 
     #[test]
     fn budget_grants_at_most_the_limit() {
@@ -345,6 +347,51 @@ mod tests {
             }
         });
         assert_eq!(b.resident(), 0);
+    }
+
+    #[test]
+    fn members_of_one_group_share_its_limit_and_leave_with_their_charges() {
+        let dir = tempfile::tempdir().unwrap();
+        let (cg, path) = MemCgroup::create_shared(100, dir.path()).unwrap();
+        let cg = Arc::new(cg);
+        let a = Budget::in_group(cg.clone(), 0).unwrap();
+        let b = Budget::in_group(cg.clone(), 0).unwrap();
+        assert_eq!(a.try_charge(70), 70);
+        assert_eq!(b.try_charge(70), 30, "the other member holds 70 of 100");
+        assert_eq!((a.resident(), b.resident(), a.free()), (70, 30, 0));
+        // A second mapping of the file (another process's) sees the same group.
+        let other = MemCgroup::open_shared(&path).unwrap();
+        assert_eq!((other.limit(), other.usage()), (100, 100));
+        other.set_limit(120);
+        assert_eq!(b.try_charge(70), 20, "a raised limit is everyone's");
+        drop(a);
+        assert_eq!(cg.usage(), 50, "a member leaves with its charges");
+        assert_eq!(b.try_charge(100), 70);
+    }
+
+    #[test]
+    fn a_dead_members_charges_are_reaped_when_the_group_runs_short() {
+        let dir = tempfile::tempdir().unwrap();
+        let (cg, _) = MemCgroup::create_shared(10, dir.path()).unwrap();
+        let cg = Arc::new(cg);
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let dead = child.id();
+        child.wait().unwrap();
+        let slot = cg.join_as(dead, 10);
+        let b = Budget::in_group(cg.clone(), 0).unwrap();
+        assert_eq!(b.try_charge(4), 4, "the dead member's 10 pages were reaped");
+        assert!(cg.is_free(slot));
+    }
+
+    #[test]
+    fn a_program_that_execs_drops_what_its_previous_image_charged() {
+        let cg = Arc::new(MemCgroup::private(10));
+        let old = Budget::in_group(cg.clone(), 0).unwrap();
+        assert_eq!(old.try_charge(10), 10);
+        std::mem::forget(old); // exec: the old image never leaves
+        cg.forget_previous_image();
+        let new = Budget::in_group(cg.clone(), 0).unwrap();
+        assert_eq!(new.try_charge(10), 10);
     }
 }
 

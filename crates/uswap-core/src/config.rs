@@ -72,7 +72,7 @@ impl FaultMode {
     /// this kernel, else `Thread`.
     pub fn resolve(self) -> FaultMode {
         match self {
-            FaultMode::Auto if crate::syscall_dispatch::supported() => FaultMode::Sigbus,
+            FaultMode::Auto if crate::sud::supported() => FaultMode::Sigbus,
             FaultMode::Auto => FaultMode::Thread,
             mode => mode,
         }

@@ -827,7 +827,7 @@ impl FaultPath {
 
     /// Looks `slot` up in the swap cache (a swap-in's first step). A hit tells the
     /// readahead policy; one on a page brought in by readahead is credited to it.
-    fn cache_lookup(&self, slot: u32) -> Option<crate::swap_state::CacheEntry> {
+    fn cache_lookup(&self, slot: u32) -> Option<crate::swapfile::swap_state::CacheEntry> {
         let found = self.mm().swap().cache().lookup(slot);
         if let Some(e) = found {
             self.readahead.cache_hit(e.page as usize, e.readahead);

@@ -48,7 +48,7 @@ use crate::mm::Mm;
 use crate::page::{Kind, PageLock};
 use crate::region::Inner;
 use crate::signals::Quiet;
-use crate::swap_io::PageBuf;
+use crate::swapfile::swap_io::PageBuf;
 use crate::swapfile::{SlotId, SwapDevice};
 use crate::sync::lock_std;
 use crate::PAGE_SIZE;

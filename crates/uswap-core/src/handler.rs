@@ -6,7 +6,7 @@
 use crate::error::{Error, Result};
 use crate::fault::{FaultPath, Outcome};
 use crate::mmap_changing::Raised;
-use crate::swap_io::set_read_wait_hook;
+use crate::swapfile::swap_io::set_read_wait_hook;
 use crate::sync::lock_std;
 use crate::uffd::{Event, Msg};
 use std::cell::{Cell, RefCell};

@@ -29,7 +29,7 @@ mod sigbus;
 mod signals;
 mod staging;
 pub mod stats;
-pub mod swap_state;
+mod sud;
 mod sync;
 mod syscall_args;
 pub mod syscall_direct;
@@ -50,7 +50,7 @@ pub use region::{metadata_bytes, Advice, Region, SwapoffReport};
 pub use sigbus::in_sigbus_handler;
 pub use signals::spawn_quiet;
 pub use stats::{Latency, Stats, VmStatSnapshot};
-pub use swap_state::SwapCacheStats;
+pub use swapfile::swap_state::SwapCacheStats;
 pub use swapfile::{Backing, IoStats};
 pub use uffd::{probe, Probe};
 
@@ -59,5 +59,4 @@ pub use uffd::{probe, Probe};
 /// refuse, with [`Error::UnsupportedPageSize`], to run on a kernel with other pages (arm64
 /// with 16 or 64 KiB pages, for example).
 pub const PAGE_SIZE: usize = 4096;
-pub mod swap_io;
 pub mod swapfile;

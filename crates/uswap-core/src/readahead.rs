@@ -23,7 +23,7 @@
 use crate::config::{Readahead, ReadaheadPolicy};
 use crate::lru::LruList;
 use crate::page::{Kind, PageLock};
-use crate::swap_io::SIGNAL_BATCH;
+use crate::swapfile::swap_io::SIGNAL_BATCH;
 use crate::swapfile::ReadError;
 use crate::vmscan::Reclaim;
 use crate::PAGE_SIZE;

@@ -16,6 +16,7 @@ use crate::error::{Error, Result};
 use crate::fault::{FaultPath, Outcome};
 use crate::gup::Pin;
 use crate::page::Kind;
+use crate::sud::{self, raw_syscall, KernelSigaction, SA_RESTORER};
 use crate::uffd::Msg;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -352,7 +353,7 @@ fn install_handler() -> Result<()> {
             }
             PREVIOUS.store(Box::into_raw(Box::new(old)), Release);
         }
-        crate::syscall_dispatch::return_sigbus_through_range();
+        return_through_range();
     });
     result
 }
@@ -407,6 +408,31 @@ fn handler_is_ours() -> bool {
 }
 
 /// Installs uswap's handler again over one that replaced it, which becomes the one that
+/// Has uswap's SIGBUS handler return through the range's signal return: through the C
+/// library's, each fault of a dispatching thread would cost a second signal. Called when
+/// either handler is installed.
+pub(crate) fn return_through_range() {
+    let mut act = KernelSigaction {
+        handler: 0,
+        flags: 0,
+        restorer: 0,
+        mask: 0,
+    };
+    let sigbus = libc::SIGBUS as u64;
+    raw_syscall(
+        libc::SYS_rt_sigaction,
+        [sigbus, 0, &mut act as *mut _ as u64, 8, 0, 0],
+    );
+    if is_our_handler(act.handler as usize) {
+        act.flags |= SA_RESTORER;
+        act.restorer = sud::sigreturn_address();
+        raw_syscall(
+            libc::SYS_rt_sigaction,
+            [sigbus, &act as *const _ as u64, 0, 8, 0, 0],
+        );
+    }
+}
+
 /// other SIGBUS signals are passed to.
 fn reinstall() {
     // SAFETY: as in install_handler.
@@ -416,7 +442,7 @@ fn reinstall() {
             // The previous record is leaked, not freed: a handler may be reading it.
             PREVIOUS.store(Box::into_raw(Box::new(old)), Release);
         }
-        crate::syscall_dispatch::return_sigbus_through_range();
+        return_through_range();
     }
 }
 
@@ -439,7 +465,7 @@ pub fn in_sigbus_handler() -> bool {
 
 extern "C" fn on_sigbus(sig: libc::c_int, info: *mut libc::siginfo_t, ctx: *mut libc::c_void) {
     // A dispatching thread's system calls from here on are uswap's own.
-    let _allowed = crate::syscall_dispatch::Allowed::new();
+    let _allowed = sud::Allowed::new();
     // SAFETY: __errno_location is the calling thread's errno; restored on the way out.
     let errno = unsafe { *libc::__errno_location() };
     let outer = IN_HANDLER.with(|h| h.replace(true));
@@ -542,7 +568,7 @@ fn room_to_read_ahead() -> bool {
     let mut ss: libc::stack_t = unsafe { std::mem::zeroed() };
     // Straight to the kernel: under syscall dispatch the C library's call sees the
     // program's view of its alternate stack.
-    let got = crate::syscall_dispatch::raw_syscall(
+    let got = raw_syscall(
         libc::SYS_sigaltstack,
         [0, &mut ss as *mut _ as u64, 0, 0, 0, 0],
     );

@@ -216,7 +216,7 @@ pub struct Stats {
     /// the device).
     pub io: crate::swapfile::IoStats,
     /// The swap device's swap cache counters (shared by the regions on the device).
-    pub swap_cache: crate::swap_state::SwapCacheStats,
+    pub swap_cache: crate::swapfile::swap_state::SwapCacheStats,
     /// The swap-in readahead in force.
     pub readahead: crate::config::Readahead,
     /// What the per-CPU charge stocks saved (with `Config::pcp`).

@@ -29,8 +29,8 @@
 //! use, and its calls are dispatched.
 
 use crate::sigbus::CallPins;
+use crate::sud::{dispatching_program_code, in_uswap_handler, raw_syscall};
 use crate::syscall_args;
-use crate::syscall_dispatch::{dispatching_program_code, in_uswap_handler, raw_syscall};
 use std::cell::{Cell, UnsafeCell};
 
 /// The pins of this thread's direct call, given back when the call returns, or at the

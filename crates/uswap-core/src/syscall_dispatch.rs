@@ -41,269 +41,17 @@
 
 use crate::error::{Error, Result};
 use crate::sigbus::CallPins;
+use crate::sud::{
+    self, raw_syscall, set_selector, Allowed, KernelSigaction, ALLOW, BLOCK, SA_RESTORER,
+};
 use crate::syscall_args;
-use std::arch::global_asm;
-use std::cell::UnsafeCell;
 use std::sync::atomic::{AtomicI32, AtomicU64, Ordering::Relaxed};
 use std::sync::Once;
 
-const PR_SET_SYSCALL_USER_DISPATCH: libc::c_int = 59;
-const PR_SYS_DISPATCH_ON: libc::c_ulong = 1;
-const PR_SYS_DISPATCH_OFF: libc::c_ulong = 0;
-const ALLOW: u8 = 0;
-const BLOCK: u8 = 1;
+pub use crate::sud::{disable_for_this_thread, supported};
+
 /// `si_code` of a SIGSYS raised by dispatch.
 const SYS_USER_DISPATCH: libc::c_int = 2;
-const SA_RESTORER: u64 = 0x0400_0000;
-
-global_asm!(
-    ".pushsection .text.uswap_sud,\"ax\",@progbits",
-    ".p2align 4",
-    ".globl uswap_sud_begin",
-    ".hidden uswap_sud_begin",
-    "uswap_sud_begin:",
-    // i64 uswap_sud_syscall6(nr, a0, a1, a2, a3, a4, a5)
-    ".globl uswap_sud_syscall6",
-    ".hidden uswap_sud_syscall6",
-    "uswap_sud_syscall6:",
-    // Unwind information: a direct call (`syscall_direct.rs`) cancelled in its system
-    // call unwinds through here.
-    ".cfi_startproc",
-    "mov rax, rdi",
-    "mov rdi, rsi",
-    "mov rsi, rdx",
-    "mov rdx, rcx",
-    "mov r10, r8",
-    "mov r8, r9",
-    "mov r9, [rsp + 8]",
-    "syscall",
-    "ret",
-    ".cfi_endproc",
-    // i64 uswap_sud_call(const u64 call[7], u64 sp, const u64 masks[2],
-    //                    const stack_t stacks[2])
-    // The program's call (nr, a0..a5) with the program's signal mask (masks[0]; masks[1]
-    // after), run on the program's stack `sp` (0: where the handler runs), so that a
-    // program handler it lets in runs where it would have. The alternate stack is first
-    // narrowed to what lies below the handler's frame (stacks[0]; stacks[1] after), so
-    // that nested handlers do not overwrite that frame; if the kernel refuses, the call
-    // runs where the handler does.
-    ".globl uswap_sud_call",
-    ".hidden uswap_sud_call",
-    "uswap_sud_call:",
-    "push rbx",
-    "push rbp",
-    "push r12",
-    "push r13",
-    "push r14",
-    "push r15",
-    "mov rbx, rdi",
-    "mov r12, rdx",
-    "mov r13, rcx",
-    "mov r14, rsp",
-    "test rsi, rsi",
-    "jz 3f",
-    "mov rsp, rsi",
-    "mov eax, 131",
-    "mov rdi, r13",
-    "xor esi, esi",
-    "syscall",
-    "test rax, rax",
-    "jz 3f",
-    "mov rsp, r14",
-    "3:",
-    "mov eax, 14",
-    "mov edi, 2",
-    "mov rsi, r12",
-    "xor edx, edx",
-    "mov r10d, 8",
-    "syscall",
-    "mov rax, [rbx]",
-    "mov rdi, [rbx + 8]",
-    "mov rsi, [rbx + 16]",
-    "mov rdx, [rbx + 24]",
-    "mov r10, [rbx + 32]",
-    "mov r8, [rbx + 40]",
-    "mov r9, [rbx + 48]",
-    "syscall",
-    "mov r15, rax",
-    "mov eax, 14",
-    "mov edi, 2",
-    "lea rsi, [r12 + 8]",
-    "xor edx, edx",
-    "mov r10d, 8",
-    "syscall",
-    "cmp rsp, r14",
-    "je 4f",
-    "mov eax, 131",
-    "lea rdi, [r13 + 24]",
-    "xor esi, esi",
-    "syscall",
-    "mov rsp, r14",
-    "4:",
-    "mov rax, r15",
-    "pop r15",
-    "pop r14",
-    "pop r13",
-    "pop r12",
-    "pop rbp",
-    "pop rbx",
-    "ret",
-    // The restorer of uswap's signal handlers.
-    ".globl uswap_sud_sigreturn",
-    ".hidden uswap_sud_sigreturn",
-    "uswap_sud_sigreturn:",
-    "mov eax, 15",
-    "syscall",
-    "ud2",
-    // i64 uswap_sud_clone(const u64 regs[13]): rax, rdi, rsi, rdx, r10, r8, r9, rbx, rbp,
-    // r12..r15 loaded from `regs`, then the system call. The parent returns here; the
-    // child's stack holds the program's rdi and next instruction, which it pops.
-    ".globl uswap_sud_clone",
-    ".hidden uswap_sud_clone",
-    "uswap_sud_clone:",
-    "push rbx",
-    "push rbp",
-    "push r12",
-    "push r13",
-    "push r14",
-    "push r15",
-    "mov rax, [rdi]",
-    "mov rsi, [rdi + 16]",
-    "mov rdx, [rdi + 24]",
-    "mov r10, [rdi + 32]",
-    "mov r8, [rdi + 40]",
-    "mov r9, [rdi + 48]",
-    "mov rbx, [rdi + 56]",
-    "mov rbp, [rdi + 64]",
-    "mov r12, [rdi + 72]",
-    "mov r13, [rdi + 80]",
-    "mov r14, [rdi + 88]",
-    "mov r15, [rdi + 96]",
-    "mov rdi, [rdi + 8]",
-    "syscall",
-    "test rax, rax",
-    "jz 2f",
-    "pop r15",
-    "pop r14",
-    "pop r13",
-    "pop r12",
-    "pop rbp",
-    "pop rbx",
-    "ret",
-    // The child: a CLONE_VFORK child keeps the parent's alternate signal stack, where the
-    // parent's handler frame is live; it gives it up before any signal can use it.
-    "2:",
-    "push rsi",
-    "mov eax, 131",
-    "lea rdi, [rip + uswap_sud_no_altstack]",
-    "xor esi, esi",
-    "syscall",
-    "pop rsi",
-    "xor eax, eax",
-    "pop rdi",
-    "ret",
-    ".p2align 3",
-    "uswap_sud_no_altstack:",
-    ".quad 0",
-    ".long 2",
-    ".long 0",
-    ".quad 0",
-    ".globl uswap_sud_end",
-    ".hidden uswap_sud_end",
-    "uswap_sud_end:",
-    ".popsection",
-);
-
-extern "C-unwind" {
-    // Unwinds when a direct call is cancelled in it (its frame has unwind information).
-    fn uswap_sud_syscall6(nr: i64, a0: u64, a1: u64, a2: u64, a3: u64, a4: u64, a5: u64) -> i64;
-}
-
-extern "C" {
-    fn uswap_sud_sigreturn();
-    fn uswap_sud_clone(regs: *const u64) -> i64;
-    fn uswap_sud_call(
-        call: *const u64,
-        sp: u64,
-        masks: *const u64,
-        stacks: *const libc::stack_t,
-    ) -> i64;
-    static uswap_sud_begin: u8;
-    static uswap_sud_end: u8;
-}
-
-/// A system call that dispatch lets through (from inside the range).
-pub(crate) fn raw_syscall(nr: i64, a: [u64; 6]) -> i64 {
-    // SAFETY: a system call with the caller's arguments, as `syscall(2)` would make it.
-    unsafe { uswap_sud_syscall6(nr, a[0], a[1], a[2], a[3], a[4], a[5]) }
-}
-
-thread_local! {
-    /// The byte the kernel reads at each of this thread's system calls.
-    static SELECTOR: UnsafeCell<u8> = const { UnsafeCell::new(ALLOW) };
-}
-
-/// Sets this thread's selector, returning the old value.
-fn set_selector(value: u8) -> u8 {
-    SELECTOR.with(|s| {
-        // SAFETY: the thread's own byte, read by the kernel only at this thread's calls.
-        unsafe {
-            let old = std::ptr::read_volatile(s.get());
-            std::ptr::write_volatile(s.get(), value);
-            old
-        }
-    })
-}
-
-/// Whether this thread runs with dispatch and is in the program's code (not in one of
-/// uswap's handlers): its system calls from outside the range are dispatched.
-pub(crate) fn dispatching_program_code() -> bool {
-    // SAFETY: the thread's own byte.
-    SELECTOR.with(|s| unsafe { std::ptr::read_volatile(s.get()) } == BLOCK)
-}
-
-thread_local! {
-    /// uswap's signal handlers (SIGBUS, SIGSYS) running on this thread, nested.
-    static IN_HANDLER: std::cell::Cell<u32> = const { std::cell::Cell::new(0) };
-}
-
-/// Whether one of uswap's signal handlers is running on this thread: its system calls
-/// are uswap's own, and must not be cancellation points (a cancellation pending for an
-/// asynchronously cancelable thread would act inside the handler, whose frames cannot be
-/// unwound).
-pub(crate) fn in_uswap_handler() -> bool {
-    // The selector says *block* while a handler runs the program's own call, during which
-    // the program's handlers may run.
-    IN_HANDLER.get() > 0 && !dispatching_program_code()
-}
-
-/// While alive, this thread's system calls go straight to the kernel: uswap's signal
-/// handlers run inside one.
-pub(crate) struct Allowed(u8);
-
-impl Allowed {
-    pub fn new() -> Allowed {
-        IN_HANDLER.set(IN_HANDLER.get() + 1);
-        Allowed(set_selector(ALLOW))
-    }
-}
-
-impl Drop for Allowed {
-    fn drop(&mut self) {
-        set_selector(self.0);
-        IN_HANDLER.set(IN_HANDLER.get() - 1);
-    }
-}
-
-/// The kernel's `struct sigaction` for `rt_sigaction`.
-#[repr(C)]
-#[derive(Clone, Copy)]
-struct KernelSigaction {
-    handler: u64,
-    flags: u64,
-    restorer: u64,
-    mask: u64,
-}
 
 fn bit(sig: libc::c_int) -> u64 {
     1 << (sig - 1)
@@ -333,7 +81,7 @@ fn install_handler() -> Result<()> {
         let act = KernelSigaction {
             handler: on_sigsys as *const () as u64,
             flags: (libc::SA_SIGINFO | libc::SA_ONSTACK | libc::SA_NODEFER) as u64 | SA_RESTORER,
-            restorer: uswap_sud_sigreturn as *const () as u64,
+            restorer: sud::sigreturn_address(),
             mask: handler_mask(),
         };
         let rc = raw_syscall(
@@ -344,7 +92,7 @@ fn install_handler() -> Result<()> {
             INSTALL_ERROR.store(-rc as i32, Relaxed);
             return;
         }
-        return_sigbus_through_range();
+        crate::sigbus::return_through_range();
     });
     match INSTALL_ERROR.load(Relaxed) {
         0 => Ok(()),
@@ -355,62 +103,13 @@ fn install_handler() -> Result<()> {
     }
 }
 
-/// Has uswap's SIGBUS handler return through the range's signal return: through the C
-/// library's, each fault of a dispatching thread would cost a second signal. Called when
-/// either handler is installed.
-pub(crate) fn return_sigbus_through_range() {
-    let mut act = KernelSigaction {
-        handler: 0,
-        flags: 0,
-        restorer: 0,
-        mask: 0,
-    };
-    let sigbus = libc::SIGBUS as u64;
-    raw_syscall(
-        libc::SYS_rt_sigaction,
-        [sigbus, 0, &mut act as *mut _ as u64, 8, 0, 0],
-    );
-    if crate::sigbus::is_our_handler(act.handler as usize) {
-        act.flags |= SA_RESTORER;
-        act.restorer = uswap_sud_sigreturn as *const () as u64;
-        raw_syscall(
-            libc::SYS_rt_sigaction,
-            [sigbus, &act as *const _ as u64, 0, 8, 0, 0],
-        );
-    }
-}
-
-/// Turns dispatch on for the calling thread with the range of uswap's routines and the
-/// thread's selector, set to *allow* (nothing is dispatched until it says *block*).
-fn turn_on_with_selector_at_allow() -> std::result::Result<(), std::io::Error> {
-    let begin = std::ptr::addr_of!(uswap_sud_begin) as u64;
-    let end = std::ptr::addr_of!(uswap_sud_end) as u64;
-    let selector = SELECTOR.with(|s| s.get() as u64);
-    set_selector(ALLOW);
-    // SAFETY: prctl with the range of our routines and this thread's selector, which
-    // lives as long as the thread.
-    let rc = unsafe {
-        libc::prctl(
-            PR_SET_SYSCALL_USER_DISPATCH,
-            PR_SYS_DISPATCH_ON,
-            begin,
-            end - begin,
-            selector,
-        )
-    };
-    match rc {
-        0 => Ok(()),
-        _ => Err(std::io::Error::last_os_error()),
-    }
-}
-
 /// Turns syscall user dispatch on for the calling thread: from now on its system calls
 /// that touch SIGBUS-mode region memory are served as in thread mode. SIGBUS and SIGSYS are
 /// unblocked in it. Threads it creates start without dispatch.
 pub fn enable_for_this_thread() -> Result<()> {
     install_handler()?;
     ensure_alternate_stack()?;
-    if let Err(source) = turn_on_with_selector_at_allow() {
+    if let Err(source) = sud::turn_on_with_selector_at_allow() {
         return Err(match source.raw_os_error() {
             Some(libc::EINVAL | libc::ENOSYS | libc::EPERM) => Error::invalid(
                 "syscall dispatch",
@@ -438,30 +137,6 @@ pub fn enable_for_this_thread() -> Result<()> {
     Ok(())
 }
 
-/// Whether this kernel offers syscall user dispatch to this process: tried once, in a
-/// thread of its own that turns it on with its selector at *allow* (so nothing is
-/// dispatched, and no handler is needed) and ends. Changes nothing else in the process.
-pub fn supported() -> bool {
-    static SUPPORTED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *SUPPORTED.get_or_init(|| {
-        std::thread::Builder::new()
-            .name("uswap-probe".into())
-            .spawn(|| {
-                let on = turn_on_with_selector_at_allow().is_ok();
-                disable_for_this_thread();
-                on
-            })
-            .is_ok_and(|probe| probe.join().unwrap_or(false))
-    })
-}
-
-/// Turns dispatch off for the calling thread.
-pub fn disable_for_this_thread() {
-    set_selector(ALLOW);
-    // SAFETY: prctl turning this thread's dispatch off.
-    unsafe { libc::prctl(PR_SET_SYSCALL_USER_DISPATCH, PR_SYS_DISPATCH_OFF, 0, 0, 0) };
-}
-
 extern "C" fn on_sigsys(_sig: libc::c_int, info: *mut libc::siginfo_t, ctx: *mut libc::c_void) {
     // SAFETY: the kernel passes a valid siginfo and ucontext to an SA_SIGINFO handler.
     let (info, uc) = unsafe { (&*info, &mut *ctx.cast::<libc::ucontext_t>()) };
@@ -472,7 +147,7 @@ extern "C" fn on_sigsys(_sig: libc::c_int, info: *mut libc::siginfo_t, ctx: *mut
     let nr = g[libc::REG_RAX as usize];
     if nr == libc::SYS_rt_sigreturn {
         // A program's handler returns: through our range, on the same frame.
-        g[libc::REG_RIP as usize] = uswap_sud_sigreturn as *const () as i64;
+        g[libc::REG_RIP as usize] = sud::sigreturn_address() as i64;
         return;
     }
     let allowed = Allowed::new();
@@ -696,7 +371,7 @@ fn on_program_stack(nr: i64, a: [u64; 6], program: Program) -> i64 {
     // SAFETY: the routine makes the program's call on the program's stack below its stack
     // pointer (nothing is written there but the frames of handlers the call lets in), and
     // gives the handler's stacks back before it returns; see its comment.
-    let result = unsafe { uswap_sud_call(call.as_ptr(), sp, masks.as_ptr(), stacks.as_ptr()) };
+    let result = unsafe { sud::program_call(&call, sp, &masks, &stacks) };
     set_selector(ALLOW);
     ALT_RANGE.with(|r| r.set(alt));
     result
@@ -873,7 +548,7 @@ fn grow_alternate_stack(size: usize, program: Program, uc_stack: &mut libc::stac
     set_selector(BLOCK);
     // SAFETY: as in `on_program_stack`; the call is getpid, with every signal it could let
     // in blocked.
-    unsafe { uswap_sud_call(call.as_ptr(), program.sp, masks.as_ptr(), stacks.as_ptr()) };
+    unsafe { sud::program_call(&call, program.sp, &masks, &stacks) };
     set_selector(ALLOW);
     *uc_stack = stack;
     ALT_RANGE.with(|r| r.set(AltRange::whole(stack.ss_sp as u64, stack.ss_size as u64)));
@@ -976,7 +651,7 @@ fn clone_on(nr: i64, a: [u64; 6], g: &[i64; 23], mask: u64, pins: &mut CallPins)
         r(libc::REG_R15),
     ];
     // SAFETY: the routine loads these registers and makes the call; see its comment.
-    let result = with_program_mask(mask, || unsafe { uswap_sud_clone(regs.as_ptr()) });
+    let result = with_program_mask(mask, || unsafe { sud::clone_with_registers(&regs) });
     pins.release();
     result
 }

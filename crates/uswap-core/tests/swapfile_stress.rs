@@ -5,7 +5,7 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use uswap_core::config::FaultPlan;
-use uswap_core::swap_io::PageBuf;
+use uswap_core::swapfile::swap_io::PageBuf;
 use uswap_core::swapfile::{SlotId, SwapDevice};
 use uswap_core::{IoMode, SlotAlloc, SwapConfig, SwapLocation};
 

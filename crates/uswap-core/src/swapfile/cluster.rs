@@ -31,7 +31,6 @@
 //! the cluster on no list leaves it to the taker. An isolated cluster is reachable through
 //! its taker's base, whose lock the taker holds throughout.
 
-use super::SlotId;
 use crate::config::SlotAlloc;
 use crate::list::{Link, Links, ListHead};
 use crate::lockstat::{LockClass, StatMutex};
@@ -39,6 +38,9 @@ use crate::sync::AtomicU64;
 use crossbeam_utils::CachePadded;
 use std::sync::atomic::Ordering::{Acquire, Relaxed, Release};
 use std::sync::OnceLock;
+
+/// Index of a page-sized slot in the swap file.
+pub type SlotId = u32;
 
 /// Most scan bases in `Percpu` mode; CPUs beyond share them.
 const MAX_SCAN_BASES: usize = 64;

@@ -10,13 +10,13 @@
 mod backing;
 mod cluster;
 mod seal;
+pub mod swap_io;
+pub mod swap_state;
 
 pub use backing::Backing;
+pub use cluster::SlotId;
 pub use seal::speed as sealing_speed;
 
-use crate::swap_io::PageBuf;
-use crate::swap_io::{IoEngine, PageOp, SignalBatch, SIGNAL_BATCH};
-use crate::swap_state::SwapCache;
 use crate::{Error, IoMode, SlotAlloc, SwapConfig, SwapEncryption, SwapLocation, PAGE_SIZE};
 use arrayvec::ArrayVec;
 use cluster::ClusterAllocator;
@@ -29,9 +29,9 @@ use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering, Ordering::Relaxed};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
-
-/// Index of a page-sized slot in the swap file.
-pub type SlotId = u32;
+use swap_io::PageBuf;
+use swap_io::{IoEngine, PageOp, SignalBatch, SIGNAL_BATCH};
+use swap_state::SwapCache;
 
 /// Slots per cluster, as the kernel's `SWAPFILE_CLUSTER`.
 pub const SWAPFILE_CLUSTER: u32 = 256;
@@ -981,10 +981,10 @@ impl OwnerTable {
 mod tests {
     use super::*;
     use crate::config::FaultPlan;
-    use crate::swap_io::tests::uring_allowed;
-    use crate::swap_io::PageBuf;
     use std::io::Read;
     use std::os::unix::fs::{FileExt, MetadataExt, PermissionsExt};
+    use swap_io::tests::uring_allowed;
+    use swap_io::PageBuf;
 
     fn config(location: SwapLocation, size: Option<u64>, io: IoMode) -> SwapConfig {
         SwapConfig {
@@ -1512,10 +1512,7 @@ mod tests {
             let stats = dev.io_stats();
             assert_eq!(stats.write_errors, failed, "{io:?}");
             assert_eq!(stats.read_errors, 1, "{io:?}");
-            assert_eq!(
-                stats.io_retries,
-                u64::from(crate::swap_io::READ_EIO_TRIES - 1)
-            );
+            assert_eq!(stats.io_retries, u64::from(swap_io::READ_EIO_TRIES - 1));
             assert_eq!(stats.injected_faults, failed + 1, "{io:?}");
         }
     }

@@ -13,7 +13,7 @@
 //! copied to another slot, or an older ciphertext of the same slot, fails its tag, and a
 //! failed tag is a checksum mismatch: read again, then poisoned, never returned.
 
-use crate::syscall_dispatch::raw_syscall;
+use crate::sud::raw_syscall;
 use ring::aead::{Aad, LessSafeKey, Nonce, Tag, UnboundKey, AES_256_GCM, CHACHA20_POLY1305};
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use zeroize::Zeroize;

@@ -14,9 +14,9 @@
 //! puts the whole device under one lock instead, to show what the split buys. A trunk's
 //! table is allocated on first use. Lock order: a leaf (see `page.rs`).
 
+use super::cluster::SlotId;
 use crate::config::SwapCacheMode;
 use crate::lockstat::{LockClass, StatMutex};
-use crate::swapfile::SlotId;
 use serde::Serialize;
 
 /// Slots per trunk: 64 MiB of 4 KiB pages.

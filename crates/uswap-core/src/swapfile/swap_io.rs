@@ -21,11 +21,13 @@
 //! SIGBUS handler's reads, which may not lock or allocate, go to rings of their own
 //! (`signal_ring`).
 
+mod page_buf;
 mod signal_ring;
 
 use crate::config::FaultPlan;
 use crate::{IoMode, PAGE_SIZE};
 use io_uring::{opcode, types, IoUring, Probe};
+pub use page_buf::PageBuf;
 use signal_ring::SignalSets;
 pub(crate) use signal_ring::{SignalBatch, SIGNAL_BATCH};
 use std::cell::Cell;
@@ -55,51 +57,6 @@ fn read_wait() {
 /// Submission queue size of each ring; a larger batch is split into several submissions.
 /// 256 is the largest reclaim batch the configuration allows.
 const RING_ENTRIES: u32 = 256;
-
-#[repr(C, align(4096))]
-struct AlignedPage([u8; PAGE_SIZE]);
-
-/// An owned, zeroed, 4096-byte-aligned buffer of one page (for `O_DIRECT`).
-pub struct PageBuf(Box<AlignedPage>);
-
-impl PageBuf {
-    pub fn new() -> PageBuf {
-        PageBuf(Box::new(AlignedPage([0; PAGE_SIZE])))
-    }
-
-    /// A buffer holding a copy of the page at `src`, not cleared first.
-    ///
-    /// # Safety
-    /// `src` must be valid for reading 4096 bytes.
-    pub unsafe fn copy_of(src: *const u8) -> PageBuf {
-        let mut page = Box::<AlignedPage>::new_uninit();
-        std::ptr::copy_nonoverlapping(src, page.as_mut_ptr().cast::<u8>(), PAGE_SIZE);
-        // SAFETY: every byte was just written.
-        PageBuf(page.assume_init())
-    }
-
-    pub fn as_ptr(&self) -> *const u8 {
-        self.0 .0.as_ptr()
-    }
-
-    pub fn as_mut_ptr(&mut self) -> *mut u8 {
-        self.0 .0.as_mut_ptr()
-    }
-
-    pub fn as_slice(&self) -> &[u8] {
-        &self.0 .0
-    }
-
-    pub fn as_mut_slice(&mut self) -> &mut [u8] {
-        &mut self.0 .0
-    }
-}
-
-impl Default for PageBuf {
-    fn default() -> Self {
-        PageBuf::new()
-    }
-}
 
 /// One page-sized transfer at a byte offset of the swap file.
 #[derive(Clone, Copy, Debug)]

@@ -14,9 +14,9 @@
 //! submission failed is never freed again: its ring may hold an entry the kernel did not
 //! take, which would still write to its buffers.
 
-use super::AlignedPage;
+use super::page_buf::AlignedPage;
+use crate::sud::raw_syscall;
 use crate::sync::AtomicBool;
-use crate::syscall_dispatch::raw_syscall;
 use crate::PAGE_SIZE;
 use io_uring::{opcode, types, IoUring};
 use std::cell::UnsafeCell;
@@ -331,7 +331,7 @@ unsafe fn submit_and_reap(
 #[cfg(all(test, not(loom)))]
 mod tests {
     use super::*;
-    use crate::swap_io::PageBuf;
+    use crate::swapfile::swap_io::PageBuf;
     use std::fs::File;
     use std::os::unix::fs::{FileExt, OpenOptionsExt};
     use std::sync::atomic::AtomicU64;
@@ -481,7 +481,7 @@ mod tests {
                 std::thread::spawn(move || {
                     let mut x = t + 1;
                     for _ in 0..READS {
-                        x = crate::swap_io::splitmix64(x);
+                        x = crate::swapfile::swap_io::splitmix64(x);
                         let (page, poll) = (x % PAGES, Duration::from_micros(x >> 60));
                         loop {
                             let (whole, buf) = read(&rings, &file, page, poll);
