@@ -2,13 +2,24 @@
 
 use crate::kernel::KernelSwap;
 use anyhow::{Context, Result};
-use clap::Args;
+use clap::{Args, ValueEnum};
+use serde::Serialize;
 use std::path::PathBuf;
 use uswap_core::swapfile::Backing;
 use uswap_core::{
     parse_size, Config, FaultMode, IoMode, LruLockMode, Readahead, ReadaheadPolicy, SlotAlloc,
     SwapCacheMode, SwapEncryption, SwapLocation, Watermarks,
 };
+
+/// Which swap runs the workload.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Backend {
+    /// uswap, in this process
+    Uswap,
+    /// The kernel's own swap, in a child process inside a memory cgroup (needs root)
+    Kernel,
+}
 
 /// A byte size such as `4096`, `64K`, `512M`, `2G`; zero is refused.
 pub fn nonzero_size(text: &str) -> Result<u64, String> {

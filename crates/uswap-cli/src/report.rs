@@ -1,6 +1,5 @@
 //! Formatting results: human-readable tables and JSON.
 
-use crate::kernel::Environment;
 use anyhow::{Context, Result};
 use serde::Serialize;
 use std::io::{IsTerminal, Write};
@@ -206,18 +205,6 @@ impl Progress {
         if self.drawn.take().is_some() {
             eprintln!();
         }
-    }
-}
-
-/// How the kernel backend was set up: cgroup, swap, what zram stored, swap settings.
-pub fn kernel_environment(k: &Environment) {
-    println!("kernel: cgroup {}; swap: {}", k.cgroup, k.swap);
-    if let Some(z) = &k.zram {
-        println!("  {}", z.summary());
-    }
-    if !k.tunables.is_empty() {
-        let states: Vec<String> = k.tunables.iter().map(|t| t.to_string()).collect();
-        println!("  {}", states.join(", "));
     }
 }
 

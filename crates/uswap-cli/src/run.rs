@@ -7,8 +7,8 @@
 //! the environment. With `--backend kernel` the program runs instead as a child in a memory
 //! cgroup under the kernel's swap, which is removed after it.
 
+use crate::args::Backend;
 use crate::args::{nonzero_size, CoreArgs, KernelArgs};
-use crate::bench::Backend;
 use crate::kernel::tunables::{self, Tunable};
 use crate::kernel::{self, program, KernelSwap};
 use anyhow::{bail, Context, Result};

@@ -15,9 +15,10 @@ use crate::mm::Mm;
 use crate::page::{Kind, PageLock};
 use crate::readahead::{read_around, read_around_in_signal, Destination, ReadaheadState, Window};
 use crate::stats::FaultKind;
+use crate::vma::{Vma, VmaState};
 use crate::vmscan::{ChargeFailure, Reclaim};
 use crate::PAGE_SIZE;
-use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
+use std::sync::atomic::Ordering::Relaxed;
 use std::time::Instant;
 
 /// How a fault ended.
@@ -37,11 +38,8 @@ const OOM: &str = "out of memory: no page could be reclaimed";
 pub(crate) struct FaultPath {
     reclaim: Reclaim,
     fault_around: usize,
-    /// Pages mremap moved out of the region, to be put in place (`vma.rs`).
-    pub(crate) placements: std::sync::Mutex<crate::vma::Placements>,
-    /// Bounds of the addresses those pages go to, for the SIGBUS handler.
-    pub(crate) pending_lo: AtomicUsize,
-    pub(crate) pending_hi: AtomicUsize,
+    /// What vma events keep between them (`vma.rs`).
+    vma: VmaState,
     /// Test hook: the next full fault resolution panics (see `Region::inject_handler_panic`).
     inject_panic: std::sync::atomic::AtomicBool,
     pub(crate) readahead: ReadaheadState,
@@ -53,9 +51,7 @@ impl FaultPath {
             readahead: ReadaheadState::new(readahead),
             reclaim,
             fault_around,
-            placements: Default::default(),
-            pending_lo: AtomicUsize::new(usize::MAX),
-            pending_hi: AtomicUsize::new(0),
+            vma: VmaState::default(),
             inject_panic: Default::default(),
         }
     }
@@ -66,6 +62,11 @@ impl FaultPath {
 
     pub fn mm(&self) -> &Mm {
         self.reclaim.mm()
+    }
+
+    /// The region's vma events.
+    pub fn vma(&self) -> Vma<'_> {
+        Vma::new(self.mm(), &self.vma)
     }
 
     /// Makes the next full fault resolution panic, to test that a dying handler fails the
@@ -109,26 +110,7 @@ impl FaultPath {
         if !lock.state().is_resident() {
             return false;
         }
-        self.forget_slot_locked(&mut lock)
-    }
-
-    /// [`FaultPath::forget_slot`] on a locked resident page.
-    pub(crate) fn forget_slot_locked(&self, lock: &mut PageLock<'_>) -> bool {
-        let page = lock.page();
-        let active = lock.kind() == Kind::Active;
-        match lock.forget_slot() {
-            Some(slot) => {
-                self.mm().release_slot(slot);
-                if active && self.mm().caps().write_protect {
-                    // Dirty from now on: its writes must not fault (in SIGBUS mode without
-                    // pagemap, a write fault on a page with no slot could not be told).
-                    let addr = self.mm().page_addr(page);
-                    let _ = self.mm().uffd().write_protect(addr, PAGE_SIZE, false);
-                }
-                true
-            }
-            None => false,
-        }
+        self.mm().forget_slot(&mut lock)
     }
 
     /// Resolves a fault on `page`. `write_protect` is set for a write to a write-protected
@@ -236,7 +218,7 @@ impl FaultPath {
         mm.vmstat().unexplained_faults.fetch_add(1, Relaxed);
         let mut lock = lock;
         let held = lock.poison();
-        self.release(held);
+        self.mm().release_held(held);
         self.fail(
             lock,
             "the page was mapped and is gone (unmapped behind uswap's back, or a hardware \
@@ -314,20 +296,6 @@ impl FaultPath {
                 false,
             ),
             Ok(()) => unreachable!("a whole fill maps the faulting page"),
-        }
-    }
-
-    /// Gives back what a page held: budget, staging frame, swap slot.
-    pub fn release(&self, held: crate::page::PageState) {
-        let mm = self.mm();
-        if held.is_resident() {
-            mm.budget().uncharge(1);
-        }
-        if let Some(frame) = held.frame() {
-            mm.staging().release(frame);
-        }
-        if let Some(slot) = held.slot() {
-            mm.release_slot(slot);
         }
     }
 
@@ -622,7 +590,7 @@ impl FaultPath {
             };
             counter.fetch_add(1, Relaxed);
             let held = lock.poison();
-            self.release(held);
+            self.mm().release_held(held);
             let why = format!("swap-in from slot {slot} failed: {e}; the page's data is lost");
             return self.fail(lock, &why, false);
         }

@@ -43,10 +43,11 @@
 //! Lock order: the registry lock, then page locks (a batch at a time, in address order),
 //! then what reclaim and the swap device take under them.
 
+use crate::assembly::Assembly;
 use crate::error::{Error, Result};
+use crate::fork_image::RegionImage;
 use crate::mm::Mm;
 use crate::page::{Kind, PageLock};
-use crate::region::Inner;
 use crate::signals::Quiet;
 use crate::swapfile::swap_io::PageBuf;
 use crate::swapfile::{SlotId, SwapDevice};
@@ -60,7 +61,7 @@ use std::sync::{Arc, Mutex, MutexGuard, Once, OnceLock};
 use std::time::Duration;
 
 /// A region of this process, where its contents live (boxed, so it stays put).
-struct Entry(*const UnsafeCell<Inner>);
+struct Entry(*const UnsafeCell<Assembly>);
 
 // SAFETY: the pointer is only followed while the region is registered (it unregisters
 // before it is dropped), under the registry lock.
@@ -88,7 +89,7 @@ pub struct ForkHandlers {
 /// Pages locked and copied at a time.
 const BATCH: usize = 64;
 
-pub(crate) fn register(inner: &UnsafeCell<Inner>) {
+pub(crate) fn register(inner: &UnsafeCell<Assembly>) {
     if !MANUAL.load(Relaxed) {
         ATFORK.call_once(|| {
             let _ = HANDLERS.set(ForkHandlers {
@@ -110,7 +111,7 @@ pub(crate) fn register(inner: &UnsafeCell<Inner>) {
     lock_std(&REGIONS).push(Entry(inner));
 }
 
-pub(crate) fn unregister(inner: &UnsafeCell<Inner>) {
+pub(crate) fn unregister(inner: &UnsafeCell<Assembly>) {
     lock_std(&REGIONS).retain(|e| !std::ptr::eq(e.0, inner));
 }
 
@@ -159,50 +160,6 @@ extern "C" fn parent_c() {
 
 extern "C" fn child_c() {
     child();
-}
-
-/// What a fork child needs to build one region again.
-#[derive(Default)]
-pub(crate) struct RegionImage {
-    /// Pages with data, and the slot of the child's device each was written to.
-    pages: Vec<(u32, SlotId)>,
-    /// Pages whose data is lost (poisoned in the parent, or unreadable): their accesses
-    /// fail in the child too.
-    poisoned: Vec<u32>,
-}
-
-impl RegionImage {
-    /// Gives the pages of a newly built child region their inherited states; pages outside
-    /// `owned` were unmapped by the parent.
-    pub(crate) fn apply(&self, mm: &Mm, owned: &[Range<usize>]) {
-        // The runs are sorted and do not overlap.
-        let in_owned = |p: usize| {
-            let i = owned.partition_point(|r| r.end <= p);
-            owned.get(i).is_some_and(|r| r.contains(&p))
-        };
-        for &(page, slot) in &self.pages {
-            let page = page as usize;
-            if in_owned(page) {
-                mm.pages().lock(page).inherit(slot);
-                mm.own_slot(slot, page);
-                mm.slots_taken(1);
-            } else {
-                mm.swap().free_slot(slot);
-            }
-        }
-        for &page in &self.poisoned {
-            mm.pages().lock(page as usize).poison();
-        }
-        // The gaps between the runs (which are in address order) were unmapped.
-        let mut next = 0;
-        let ends = owned.iter().map(|r| (r.start, r.end));
-        for (start, end) in ends.chain(std::iter::once((mm.pages().len(), 0))) {
-            for page in next..start {
-                mm.pages().lock(page).unmap();
-            }
-            next = end;
-        }
-    }
 }
 
 /// One region's copy for the child, or why it has none.
@@ -337,17 +294,17 @@ fn die(e: &Error) -> ! {
 
 /// A child's region made as `old` was, at the same address, from `image`.
 fn rebuild(
-    old: &Inner,
+    old: &Assembly,
     image: &RegionImage,
     owned: &[Range<usize>],
     device: Arc<SwapDevice>,
-) -> Result<Inner> {
+) -> Result<Assembly> {
     let mm = old.fault().mm();
     let mut cfg = old.config().clone();
     // A private group was the parent's alone; a tree's group is joined anew.
     cfg.memcg = cfg.memcg.filter(|cg| cg.is_shared());
     let map = crate::mapping::Mapping::fixed(mm.start(), mm.len(), owned)?;
-    Inner::build(cfg, device, map, owned, Some(image))
+    Assembly::build(cfg, device, map, owned, Some(image))
 }
 
 /// The child's devices: one made like each device of the parent's regions.
@@ -371,7 +328,7 @@ impl Devices {
 }
 
 /// Copies one region for the child, onto the child's device standing for its own.
-fn copy_region(inner: &Inner, devices: &mut Devices) -> Copy {
+fn copy_region(inner: &Assembly, devices: &mut Devices) -> Copy {
     let fault = inner.fault();
     let mm = fault.mm();
     let device = match devices.child_of(mm.swap()) {

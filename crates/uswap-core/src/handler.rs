@@ -139,7 +139,7 @@ fn serve(fault: &FaultPath, stop: i32, shared: &Arc<Shared>) {
         // it could sleep without a timeout while this one backs a fault out.
         let _busy = Busy::enter(&shared.busy);
         let event_read = fence.is_some();
-        let keep = event_read || fault.has_pending();
+        let keep = event_read || fault.vma().has_pending();
         LENDABLE.set(!keep);
         let is_fault = |e: &Event| matches!(e, Event::Fault { .. });
         for event in msgs[..n].iter().map(Msg::decode).filter(|e| !is_fault(e)) {
@@ -151,8 +151,8 @@ fn serve(fault: &FaultPath, stop: i32, shared: &Arc<Shared>) {
                 lock_std(&shared.retry).push((page, Instant::now()));
             }
         }
-        if fault.has_pending() {
-            fault.place_pending();
+        if fault.vma().has_pending() {
+            fault.vma().place_pending();
         }
         let now = Instant::now();
         for (page, since) in retrying {
@@ -241,14 +241,14 @@ fn handle_message(fault: &FaultPath, event: Event) -> Option<usize> {
         tid,
     } = event
     else {
-        if catch_unwind(AssertUnwindSafe(|| fault.handle_event(event))).is_err() {
+        if catch_unwind(AssertUnwindSafe(|| fault.vma().handle_event(event))).is_err() {
             fault.mm().vmstat().handler_panics.fetch_add(1, Relaxed);
             eprintln!("uswap: handling {event:?} panicked; the region may be inconsistent");
         }
         return None;
     };
     let Some(page) = fault.mm().page_of(address) else {
-        fault.foreign_fault(address);
+        fault.vma().foreign_fault(address);
         return None;
     };
     let outcome = catch_unwind(AssertUnwindSafe(|| {
@@ -320,7 +320,7 @@ fn next_messages<'a>(
     loop {
         let timeout = if Instant::now() < spin_until {
             0
-        } else if fault.has_pending()
+        } else if fault.vma().has_pending()
             || retrying
             || !lock_std(&shared.retry).is_empty()
             || shared.busy.load(Acquire) > 0
@@ -351,8 +351,8 @@ fn next_messages<'a>(
         if mm.shutting_down() {
             return None;
         }
-        if timeout > 0 && fault.has_pending() {
-            fault.place_pending();
+        if timeout > 0 && fault.vma().has_pending() {
+            fault.vma().place_pending();
         }
     }
 }

@@ -4,6 +4,7 @@
 //! resident. Cold pages go to a swap file and come back on access. Modules are named after
 //! the kernel parts they mirror; see `docs/architecture.md` for the map.
 
+mod assembly;
 mod breakdown;
 mod budget;
 pub mod config;
@@ -12,6 +13,7 @@ pub mod cpu;
 pub mod error;
 mod fault;
 pub mod fork;
+mod fork_image;
 mod gup;
 mod handler;
 mod list;
@@ -37,6 +39,7 @@ pub mod syscall_dispatch;
 pub mod uffd;
 mod vma;
 mod vmscan;
+mod walker;
 
 pub use breakdown::{PhaseSummary, PhaseTimes};
 pub use budget::StockStats;

@@ -12,7 +12,7 @@ use crate::gup::Pins;
 use crate::lru::Lru;
 use crate::mapping::Mapping;
 use crate::mmap_changing::MmapChanging;
-use crate::page::{Kind, PageTable};
+use crate::page::{Kind, PageLock, PageState, PageTable};
 use crate::staging::Staging;
 use crate::stats::{FaultKind, FaultLatency, VmStat};
 use crate::swapfile::swap_io::PageBuf;
@@ -359,6 +359,39 @@ impl Mm {
         self.swap.cache().delete(slot);
         self.swap.free_slot(slot);
         self.slots_held.fetch_sub(1, Relaxed);
+    }
+
+    /// Gives back what a page held: budget, staging frame, swap slot.
+    pub fn release_held(&self, held: PageState) {
+        if held.is_resident() {
+            self.budget().uncharge(1);
+        }
+        if let Some(frame) = held.frame() {
+            self.staging().release(frame);
+        }
+        if let Some(slot) = held.slot() {
+            self.release_slot(slot);
+        }
+    }
+
+    /// A locked resident page gives up its swap slot (swapoff, a discard). True when it had
+    /// one.
+    pub fn forget_slot(&self, lock: &mut PageLock<'_>) -> bool {
+        let page = lock.page();
+        let active = lock.kind() == Kind::Active;
+        match lock.forget_slot() {
+            Some(slot) => {
+                self.release_slot(slot);
+                if active && self.caps().write_protect {
+                    // Dirty from now on: its writes must not fault (in SIGBUS mode without
+                    // pagemap, a write fault on a page with no slot could not be told).
+                    let addr = self.page_addr(page);
+                    let _ = self.uffd().write_protect(addr, PAGE_SIZE, false);
+                }
+                true
+            }
+            None => false,
+        }
     }
 
     pub fn region_id(&self) -> u32 {

@@ -215,7 +215,7 @@ fn serve(s: &Served) {
                 events: libc::POLLIN,
                 revents: 0,
             });
-        let timeout = if s.fault.has_pending() { 1 } else { 1000 };
+        let timeout = if s.fault.vma().has_pending() { 1 } else { 1000 };
         // SAFETY: valid pollfd array.
         unsafe { libc::poll(fds.as_mut_ptr(), 3, timeout) };
         if fds[2].revents != 0 {
@@ -228,7 +228,9 @@ fn serve(s: &Served) {
                 Ok((n, _fence)) => {
                     for m in &msgs[..n] {
                         let event = m.decode();
-                        if catch_unwind(AssertUnwindSafe(|| s.fault.handle_event(event))).is_err() {
+                        if catch_unwind(AssertUnwindSafe(|| s.fault.vma().handle_event(event)))
+                            .is_err()
+                        {
                             mm.vmstat().handler_panics.fetch_add(1, Relaxed);
                             eprintln!("uswap: handling {event:?} panicked");
                         }
@@ -238,8 +240,8 @@ fn serve(s: &Served) {
                 Err(e) => crate::uffd::unreadable(mm.start(), &e),
             }
         }
-        if s.fault.has_pending() {
-            s.fault.place_pending();
+        if s.fault.vma().has_pending() {
+            s.fault.vma().place_pending();
         }
         if fds[1].revents != 0 {
             let mut count = 0u64;
@@ -540,7 +542,7 @@ fn moving_out(addr: usize) -> bool {
         IN_FLIGHT[i].fetch_add(1, SeqCst);
         // SAFETY: as in dispatch.
         let pending =
-            unsafe { entry.load(SeqCst).as_ref() }.is_some_and(|s| s.fault.is_pending(addr));
+            unsafe { entry.load(SeqCst).as_ref() }.is_some_and(|s| s.fault.vma().is_pending(addr));
         IN_FLIGHT[i].fetch_sub(1, SeqCst);
         pending
     })

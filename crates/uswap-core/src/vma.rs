@@ -20,12 +20,12 @@
 //! `Lazyfree`, so a fault on them refills zeros. uswap never takes a page out behind the
 //! kernel. Page locks are taken blocking, in address order.
 
-use crate::fault::FaultPath;
 use crate::lru::LruList;
+use crate::mm::Mm;
 use crate::page::{Kind, PageLock, PageState};
 use crate::uffd::Event;
 use crate::PAGE_SIZE;
-use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::Relaxed};
 
 /// Pages whose locks a discard holds at a time.
 const DISCARD_BATCH: usize = 512;
@@ -36,12 +36,40 @@ static MOVED_OUT_SAID: AtomicBool = AtomicBool::new(false);
 /// Pages mremap moved out of the region whose data uswap still has to put in place, and
 /// the ranges to hand to the kernel once they are.
 #[derive(Default)]
-pub(crate) struct Placements {
+struct Placements {
     pages: Vec<(usize, PageState)>,
     ranges: Vec<(usize, usize)>,
 }
 
-impl FaultPath {
+/// What a region keeps between vma events: pages mremap moved out, still to be put in
+/// place, and the bounds of the addresses they go to (read by the SIGBUS handler).
+pub(crate) struct VmaState {
+    placements: std::sync::Mutex<Placements>,
+    pending_lo: AtomicUsize,
+    pending_hi: AtomicUsize,
+}
+
+impl Default for VmaState {
+    fn default() -> VmaState {
+        VmaState {
+            placements: Default::default(),
+            pending_lo: AtomicUsize::new(usize::MAX),
+            pending_hi: AtomicUsize::new(0),
+        }
+    }
+}
+
+/// A region's vma events: its memory (`mm`) and what the events keep (`state`).
+pub(crate) struct Vma<'a> {
+    mm: &'a Mm,
+    state: &'a VmaState,
+}
+
+impl<'a> Vma<'a> {
+    pub fn new(mm: &'a Mm, state: &'a VmaState) -> Vma<'a> {
+        Vma { mm, state }
+    }
+
     /// Handles one non-fault event.
     pub fn handle_event(&self, event: Event) {
         match event {
@@ -63,12 +91,12 @@ impl FaultPath {
         let mut msgs = [crate::uffd::Msg::default(); 16];
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
         loop {
-            while let Ok((n @ 1.., _fence)) = self.mm().uffd().read_messages(&mut msgs) {
+            while let Ok((n @ 1.., _fence)) = self.mm.uffd().read_messages(&mut msgs) {
                 for m in &msgs[..n] {
                     match m.decode() {
                         Event::Fault { address, .. } => {
                             let page = address & !(PAGE_SIZE - 1);
-                            let _ = self.mm().uffd().wake(page, PAGE_SIZE);
+                            let _ = self.mm.uffd().wake(page, PAGE_SIZE);
                         }
                         event => self.handle_event(event),
                     }
@@ -94,7 +122,7 @@ impl FaultPath {
     /// in UFFDIO_MOVE), and keeps such a page charged until it learns which
     /// (`Kind::Lazyfree`).
     fn discard(&self, start: usize, end: usize) {
-        let mm = self.mm();
+        let mm = self.mm;
         let range = mm.pages_in(start, end);
         let mut first = range.start;
         while first < range.end {
@@ -111,7 +139,7 @@ impl FaultPath {
                     }
                     Kind::Lazyfree => lazy.push(lock.page()),
                     Kind::Active => {
-                        self.forget_slot_locked(lock);
+                        self.mm.forget_slot(lock);
                         lock.lazyfree();
                         lazy.push(lock.page());
                         mm.vmstat().pglazyfree.fetch_add(1, Relaxed);
@@ -119,7 +147,7 @@ impl FaultPath {
                     _ => {
                         mm.lru().remove(lock.page());
                         let held = lock.discard();
-                        self.release(held);
+                        self.mm.release_held(held);
                     }
                 }
             }
@@ -138,13 +166,13 @@ impl FaultPath {
 
     /// munmap: nothing is mapped in the range any more.
     fn unmap(&self, start: usize, end: usize) {
-        let mm = self.mm();
+        let mm = self.mm;
         for page in mm.pages_in(start, end) {
             let mut lock = mm.pages().lock(page);
             if lock.kind() != Kind::Unmapped {
                 mm.lru().remove(page);
                 let held = lock.unmap();
-                self.release(held);
+                self.mm.release_held(held);
                 mm.vmstat().pgunmap.fetch_add(1, Relaxed);
             }
         }
@@ -152,7 +180,7 @@ impl FaultPath {
 
     /// mremap moved `len` bytes from `from` to `to`.
     fn remap(&self, from: usize, to: usize, len: usize) {
-        let mm = self.mm();
+        let mm = self.mm;
         let inside = |addr: usize| mm.page_of(addr);
         let mut moved_out = 0usize;
         for i in 0..len / PAGE_SIZE {
@@ -187,7 +215,7 @@ impl FaultPath {
 
     /// The page at region page `a` now lives at region page `b`.
     fn move_page(&self, a: usize, b: usize) {
-        let mm = self.mm();
+        let mm = self.mm;
         let (first, second) = (mm.pages().lock(a.min(b)), mm.pages().lock(a.max(b)));
         let (mut src, mut dst) = if a < b {
             (first, second)
@@ -198,7 +226,7 @@ impl FaultPath {
             // The kernel unmapped the target first; its event was handled before this one.
             mm.lru().remove(b);
             let held = dst.unmap();
-            self.release(held);
+            self.mm.release_held(held);
         }
         let list = mm.lru().list_of(a);
         mm.lru().remove(a);
@@ -221,7 +249,7 @@ impl FaultPath {
     /// [`FaultPath::place_pending`], since the kernel refuses fills until the events of the
     /// same mremap that follow this one are read.
     fn move_out(&self, a: usize, dst: usize) {
-        let mm = self.mm();
+        let mm = self.mm;
         let mut lock = mm.pages().lock(a);
         mm.lru().remove(a);
         let held = lock.unmap();
@@ -233,30 +261,36 @@ impl FaultPath {
             Kind::Inactive | Kind::Swapped | Kind::Poisoned => {
                 self.placements().pages.push((dst, held));
             }
-            _ => self.release(held),
+            _ => self.mm.release_held(held),
         }
     }
 
-    fn placements(&self) -> std::sync::MutexGuard<'_, Placements> {
-        crate::sync::lock_std(&self.placements)
+    fn placements(&self) -> std::sync::MutexGuard<'a, Placements> {
+        crate::sync::lock_std(&self.state.placements)
     }
 
     /// Widens the range where faults wait for placements to cover `[lo, hi)`.
     fn pending_range(&self, lo: usize, hi: usize) {
-        self.pending_lo.fetch_min(lo, Relaxed);
-        self.pending_hi.fetch_max(hi, Relaxed);
+        self.state.pending_lo.fetch_min(lo, Relaxed);
+        self.state.pending_hi.fetch_max(hi, Relaxed);
+    }
+
+    /// Pages moved out by mremap that still wait to be put in place.
+    pub fn placing(&self) -> usize {
+        self.placements().pages.len()
     }
 
     /// Whether pages that left the region wait to be put in place.
     pub fn has_pending(&self) -> bool {
-        self.pending_hi.load(Relaxed) != 0
+        self.state.pending_hi.load(Relaxed) != 0
     }
 
     /// Whether a fault at `addr`, outside the region, must wait: pages that left the
     /// region are still to be put there, or an event is being read or handled.
     pub fn is_pending(&self, addr: usize) -> bool {
-        self.events_pending()
-            || (addr >= self.pending_lo.load(Relaxed) && addr < self.pending_hi.load(Relaxed))
+        self.mm.mmap_changing()
+            || (addr >= self.state.pending_lo.load(Relaxed)
+                && addr < self.state.pending_hi.load(Relaxed))
     }
 
     /// Puts the pages that mremap moved out of the region in place, then hands their ranges
@@ -268,21 +302,21 @@ impl FaultPath {
                 Err(()) => return false,
                 Ok(()) => {
                     p.pages.pop();
-                    self.release(held);
+                    self.mm.release_held(held);
                 }
             }
         }
         for (start, end) in std::mem::take(&mut p.ranges) {
             self.release_foreign(start, end);
         }
-        self.pending_hi.store(0, Relaxed);
-        self.pending_lo.store(usize::MAX, Relaxed);
+        self.state.pending_hi.store(0, Relaxed);
+        self.state.pending_lo.store(usize::MAX, Relaxed);
         true
     }
 
     /// Fills `dst` with the data `held` describes. `Err` when the kernel says to retry.
     fn place(&self, dst: usize, held: PageState) -> Result<(), ()> {
-        let mm = self.mm();
+        let mm = self.mm;
         let copy = |src: *const u8| match mm.uffd().copy(dst, src, PAGE_SIZE, false) {
             Err(p) if p.busy() => Err(()),
             Err(p) if !p.vanished() => {
@@ -319,7 +353,7 @@ impl FaultPath {
     }
 
     fn poison_at(&self, dst: usize) -> Result<(), ()> {
-        match self.mm().uffd().poison(dst, PAGE_SIZE) {
+        match self.mm.uffd().poison(dst, PAGE_SIZE) {
             Err(e) if e.raw_os_error() == Some(libc::EAGAIN) => Err(()),
             _ => Ok(()),
         }
@@ -328,7 +362,7 @@ impl FaultPath {
     /// Unregisters the parts of the mapping around `[start, end)` that lie outside the
     /// region: the kernel serves them from now on (a grown tail included).
     pub fn release_foreign(&self, start: usize, end: usize) {
-        let mm = self.mm();
+        let mm = self.mm;
         let (lo, hi) = vma_around(start).unwrap_or((start, end));
         let (rs, re) = (mm.start(), mm.start() + mm.len());
         for (a, b) in [(lo, hi.min(rs)), (lo.max(re), hi)] {
@@ -345,139 +379,12 @@ impl FaultPath {
         let page = addr & !(PAGE_SIZE - 1);
         // Pages that left the region go in place before any range is handed back.
         if self.has_pending() && !self.place_pending() {
-            let _ = self.mm().uffd().wake(page, PAGE_SIZE);
+            let _ = self.mm.uffd().wake(page, PAGE_SIZE);
             return;
         }
         self.release_foreign(page, page + PAGE_SIZE);
-        self.mm().vmstat().foreign_faults.fetch_add(1, Relaxed);
-        let _ = self.mm().uffd().wake(page, PAGE_SIZE);
-    }
-
-    /// Walks the region and checks that page states, LRU lists, budget, staging frames and
-    /// swap slots agree. For tests and debugging: it locks every page, so it waits for
-    /// faults and reclaim in progress and stops them while it runs.
-    pub fn check_invariants(&self) -> Result<(), String> {
-        let mm = self.mm();
-        mm.lru().drain_all();
-        let locks: Vec<PageLock<'_>> = (0..mm.pages().len()).map(|p| mm.pages().lock(p)).collect();
-        let mut errors = Vec::new();
-        let mut resident = 0u64;
-        let mut slots = std::collections::HashSet::new();
-        let mut frames = std::collections::HashSet::new();
-        let placing = self.placements().pages.len();
-        // With every page locked no page can join a batch: a drain must leave none waiting
-        // (one still waiting lost its batch entry).
-        mm.lru().drain_all();
-        for l in &locks {
-            if mm.lru().is_pending(l.page()) {
-                errors.push(format!("page {} waits in no LRU batch", l.page()));
-            }
-            let st = l.state();
-            if !st.is_well_formed() {
-                errors.push(format!("page {}: malformed state {st:?}", l.page()));
-            }
-            // The kernel's page tables must agree: mapped exactly when active, and
-            // write-protected when active and clean.
-            if let Some(e) = mm.pagemap_entry(l.page()) {
-                let active = st.kind() == Kind::Active;
-                let unknown = matches!(st.kind(), Kind::Poisoned | Kind::Unmapped | Kind::Lazyfree);
-                if e.present != active && !unknown {
-                    let not = if e.present { "" } else { "not " };
-                    errors.push(format!("page {} is {st:?} but {not}mapped", l.page()));
-                }
-                if active && st.slot().is_some() && mm.caps().write_protect && !e.write_protected {
-                    errors.push(format!("clean page {} is not write-protected", l.page()));
-                }
-            }
-            let want = match st.kind() {
-                Kind::Active | Kind::Lazyfree => Some(LruList::Active),
-                Kind::Inactive => Some(LruList::Inactive),
-                _ => None,
-            };
-            if mm.lru().list_of(l.page()) != want {
-                errors.push(format!(
-                    "page {} is {st:?} but on list {:?}",
-                    l.page(),
-                    mm.lru().list_of(l.page())
-                ));
-            }
-            resident += st.is_resident() as u64;
-            if let Some(slot) = st.slot() {
-                if !slots.insert(slot) {
-                    errors.push(format!("slot {slot} is held by two pages"));
-                }
-                // In memory with its slot: in the swap cache, as this page.
-                let cached = mm.swap().cache().peek(slot);
-                let want = st.is_resident().then(|| mm.cache_entry(l.page(), false));
-                if cached.map(|e| (e.region, e.page)) != want.map(|e| (e.region, e.page)) {
-                    errors.push(format!(
-                        "page {} is {st:?} but its slot's swap cache entry is {cached:?}",
-                        l.page()
-                    ));
-                }
-            }
-            if let Some(f) = st.frame() {
-                if !frames.insert(f) || f as usize >= mm.staging().frames() {
-                    errors.push(format!("frame {f} is held twice or does not exist"));
-                }
-            }
-        }
-        for (slot, e) in mm.swap().cache().entries_of(mm.region_id()) {
-            let st = locks.get(e.page as usize).map(|l| l.state());
-            if st.is_none_or(|st| st.slot() != Some(slot) || !st.is_resident()) {
-                errors.push(format!(
-                    "slot {slot} is cached as page {} which is {st:?}",
-                    e.page
-                ));
-            }
-        }
-        if placing > 0 {
-            errors.push(format!(
-                "{placing} pages moved out by mremap wait to be placed"
-            ));
-        }
-        for list in [LruList::Active, LruList::Inactive] {
-            if let Err(e) = mm.lru().members(list) {
-                errors.push(format!("{list:?} list: {e}"));
-            }
-        }
-        if resident != mm.budget().resident() {
-            errors.push(format!(
-                "{resident} pages are resident but the budget counts {}",
-                mm.budget().resident()
-            ));
-        }
-        if slots.len() as u64 != mm.slots_held() {
-            errors.push(format!(
-                "pages hold {} slots but the region counts {}",
-                slots.len(),
-                mm.slots_held()
-            ));
-        }
-        let free = mm.staging().free_frames();
-        let mut seen = std::collections::HashSet::new();
-        if let Some(f) = free
-            .iter()
-            .find(|&&f| frames.contains(&f) || !seen.insert(f))
-        {
-            errors.push(format!(
-                "frame {f} is free twice, or free and held by a page"
-            ));
-        }
-        if free.len() + frames.len() != mm.staging().frames() {
-            errors.push(format!(
-                "{} free + {} held staging frames != {}",
-                free.len(),
-                frames.len(),
-                mm.staging().frames()
-            ));
-        }
-        drop(locks);
-        if errors.is_empty() {
-            Ok(())
-        } else {
-            Err(errors.join("\n"))
-        }
+        self.mm.vmstat().foreign_faults.fetch_add(1, Relaxed);
+        let _ = self.mm.uffd().wake(page, PAGE_SIZE);
     }
 }
 

@@ -8,21 +8,11 @@ pub mod run;
 pub mod run_report;
 pub mod swapback;
 
+pub use crate::args::Backend;
 use crate::report;
 use anyhow::{ensure, Result};
-use clap::ValueEnum;
 use serde::Serialize;
 use uswap_core::PAGE_SIZE;
-
-/// Which swap runs the workload.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Backend {
-    /// uswap, in this process
-    Uswap,
-    /// The kernel's own swap, in a child process inside a memory cgroup (needs root)
-    Kernel,
-}
 
 /// The pages of a `--size` the workloads can address: at least one, and few enough for the
 /// page header's 32-bit page number.

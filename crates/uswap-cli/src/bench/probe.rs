@@ -239,7 +239,7 @@ fn print(r: &Report) {
         print_uswap(u);
     }
     if let Some(k) = &r.kernel {
-        report::kernel_environment(&k.environment);
+        k.environment.print();
         println!("kernel LRU counters over the measured interval (machine-wide):");
         report::named_counters(&k.vmstat);
     }

@@ -331,6 +331,6 @@ fn print(r: &Report) {
     if let Some(k) = &r.kernel {
         println!("kernel counters over the measured interval (/proc/vmstat, machine-wide):");
         report::named_counters(&k.vmstat);
-        report::kernel_environment(&k.environment);
+        k.environment.print();
     }
 }

@@ -100,7 +100,21 @@ pub fn run(a: &BenchRunArgs) -> Result<ExitCode> {
         }
     }
     progress.finish_and_clear();
-    let report = Report::new(a, logs, environment, records);
+    let report = Report {
+        bench: "run",
+        command: a
+            .command
+            .iter()
+            .map(|s| s.to_string_lossy().into_owned())
+            .collect(),
+        memory: a.memory,
+        rounds: a.rounds,
+        modes: a.modes.clone(),
+        log_dir: logs,
+        kernel: environment,
+        summary: run_report::summarize(&a.modes, &records),
+        runs: records,
+    };
     super::emit(&report, a.json, run_report::print)?;
     if let Some(signal) = interrupted {
         eprintln!("uswap bench run: interrupted (signal {signal}); the report has the runs done");

@@ -2,7 +2,6 @@
 //! time, and speed against the kernel: the kernel's wall time over the mode's, each round
 //! and their median), as tables or JSON.
 
-use super::run::BenchRunArgs;
 use crate::kernel::program::{self, Finished, Usage};
 use crate::kernel::{Environment, ProgramSwap};
 use crate::report;
@@ -116,30 +115,6 @@ pub struct Report {
 }
 
 impl Report {
-    pub fn new(
-        a: &BenchRunArgs,
-        log_dir: Option<PathBuf>,
-        kernel: Option<Environment>,
-        runs: Vec<Record>,
-    ) -> Report {
-        let summary = summarize(&a.modes, &runs);
-        Report {
-            bench: "run",
-            command: a
-                .command
-                .iter()
-                .map(|s| s.to_string_lossy().into_owned())
-                .collect(),
-            memory: a.memory,
-            rounds: a.rounds,
-            modes: a.modes.clone(),
-            log_dir,
-            kernel,
-            runs,
-            summary,
-        }
-    }
-
     pub fn failed(&self) -> usize {
         self.runs.iter().filter(|r| !r.ok).count()
     }
@@ -211,7 +186,7 @@ pub fn print(r: &Report) {
             .join(", ")
     );
     if let Some(k) = &r.kernel {
-        report::kernel_environment(k);
+        k.print();
     }
     if let Some(dir) = &r.log_dir {
         println!("logs (stdout and stderr of each run): {}", dir.display());

@@ -298,6 +298,6 @@ fn print(r: &Report) {
         report::vmstat(&u.vmstat);
     }
     if let Some(k) = &r.kernel {
-        report::kernel_environment(k);
+        k.print();
     }
 }

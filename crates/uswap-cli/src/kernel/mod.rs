@@ -70,6 +70,19 @@ pub struct Environment {
 }
 
 impl Environment {
+    /// Prints how the kernel backend was set up: cgroup, swap, what zram stored, swap
+    /// settings.
+    pub fn print(&self) {
+        println!("kernel: cgroup {}; swap: {}", self.cgroup, self.swap);
+        if let Some(z) = &self.zram {
+            println!("  {}", z.summary());
+        }
+        if !self.tunables.is_empty() {
+            let states: Vec<String> = self.tunables.iter().map(|t| t.to_string()).collect();
+            println!("  {}", states.join(", "));
+        }
+    }
+
     /// The swap readahead in effect, named as `--readahead` names it.
     pub fn readahead(&self) -> Option<String> {
         let value = |name: &str| {

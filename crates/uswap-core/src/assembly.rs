@@ -1,0 +1,314 @@
+//! A region's assembly: its memory (`mm`), reclaim, fault path and fault source, built in
+//! that order and held, with the swap space promised to it. Below the public handle
+//! (`region.rs`) and below `fork.rs`, which copies an assembly for a child and builds it
+//! again there.
+
+use crate::config::{Config, FaultMode, Watermarks};
+use crate::error::{Error, Result};
+use crate::fault::FaultPath;
+use crate::fork_image::RegionImage;
+use crate::handler::{HandlerConfig, Handlers};
+use crate::mapping::Mapping;
+use crate::mm::{Caps, Mm, Parts};
+use crate::mmap_changing::MmapChanging;
+use crate::page::MAX_FRAMES;
+use crate::sigbus;
+use crate::signals::Quiet;
+use crate::staging::Staging;
+use crate::swapfile::SwapDevice;
+use crate::uffd::{self, Uffd};
+use crate::vmscan::Reclaim;
+use crate::PAGE_SIZE;
+use std::sync::Arc;
+use std::thread::JoinHandle;
+
+/// Where faults come from.
+enum Source {
+    Handlers(Handlers),
+    Sigbus(sigbus::Service),
+}
+
+/// What a region is made of.
+pub(crate) struct Assembly {
+    pub(crate) fault: Arc<FaultPath>,
+    pub(crate) reservation: SwapReservation,
+    /// Watermarks the configuration fixed, kept when the memory limit changes.
+    pub(crate) watermarks: Option<Watermarks>,
+    kswapd: Option<JoinHandle<()>>,
+    source: Option<Source>,
+    /// The configuration it was made with, to make a fork child's copy the same way.
+    cfg: Config,
+    /// Set in a fork child for a region it did not inherit: its threads do not exist
+    /// there, so it is never dropped.
+    pub(crate) abandoned: std::sync::atomic::AtomicBool,
+}
+
+/// The userfaultfd features a region needs: the error names the first one missing.
+fn features(
+    probe: &uffd::Probe,
+    required: &[(u64, &'static str)],
+    optional: &[u64],
+) -> Result<u64> {
+    let mut features = 0;
+    for &(bit, feature) in required {
+        if !probe.has(bit) {
+            return Err(Error::UnsupportedFeature {
+                kernel: probe.kernel.clone(),
+                feature,
+            });
+        }
+        features |= bit;
+    }
+    Ok(features
+        | optional
+            .iter()
+            .filter(|&&b| probe.has(b))
+            .fold(0, |a, b| a | b))
+}
+
+const MOVE: (u64, &str) = (uffd::FEATURE_MOVE, "UFFDIO_MOVE (Linux 6.8 or later)");
+const SIGBUS: (u64, &str) = (
+    uffd::FEATURE_SIGBUS,
+    "UFFD_FEATURE_SIGBUS (Linux 4.14 or later)",
+);
+const EVENTS: [(u64, &str); 3] = [
+    (
+        uffd::FEATURE_EVENT_REMAP,
+        "UFFD_FEATURE_EVENT_REMAP (Linux 4.11 or later)",
+    ),
+    (
+        uffd::FEATURE_EVENT_REMOVE,
+        "UFFD_FEATURE_EVENT_REMOVE (Linux 4.11 or later)",
+    ),
+    (
+        uffd::FEATURE_EVENT_UNMAP,
+        "UFFD_FEATURE_EVENT_UNMAP (Linux 4.11 or later)",
+    ),
+];
+
+fn register(uffd: &Uffd, addr: usize, len: usize, mode: u64) -> Result<()> {
+    uffd.register(addr, len, mode).map_err(|source| Error::Os {
+        op: "UFFDIO_REGISTER",
+        source,
+    })
+}
+
+impl Assembly {
+    /// Builds a region on `map`, whose page runs `owned` are its own (all of it, but in a
+    /// fork child: the runs the parent had not unmapped). `image` gives the pages their
+    /// inherited data (a fork child's); without it every page is untouched.
+    pub(crate) fn build(
+        cfg: Config,
+        swap: Arc<SwapDevice>,
+        map: Mapping,
+        owned: &[std::ops::Range<usize>],
+        image: Option<&RegionImage>,
+    ) -> Result<Assembly> {
+        let mut cfg = cfg;
+        cfg.fault_mode = cfg.fault_mode.resolve();
+        let pages = (map.len() / PAGE_SIZE) as u64;
+        let limit = cfg.limit_pages();
+        let needed = cfg.commit_pages(pages).saturating_sub(limit);
+        if needed > swap.capacity_pages() {
+            return Err(Error::RegionTooLarge {
+                region: cfg.commit_pages(pages) * PAGE_SIZE as u64,
+                memory: limit * PAGE_SIZE as u64,
+                swap: swap.capacity_pages() * PAGE_SIZE as u64,
+            });
+        }
+        let reservation = SwapReservation::new(&swap, needed)?;
+
+        let probe = uffd::probe()?;
+        let optional = [
+            uffd::FEATURE_WP,
+            uffd::FEATURE_POISON,
+            uffd::FEATURE_THREAD_ID,
+        ];
+        let mut required = vec![MOVE];
+        required.extend(EVENTS);
+        if cfg.fault_mode == FaultMode::Sigbus {
+            required.push(SIGBUS);
+        }
+        let mmap_changing = Arc::new(MmapChanging::default());
+        let uffd = Uffd::open(
+            features(&probe, &required, &optional)?,
+            mmap_changing.clone(),
+        )?;
+        // Staging has a userfaultfd of its own, without events: freeing a staging frame must
+        // not raise an event that blocks reclaim until a handler reads it. Nothing should
+        // ever fault there; if something does, SIGBUS makes it loud.
+        // Its moves take pages out of the region, so they pass the region's fence too.
+        let staging_uffd = Uffd::open(
+            features(&probe, &[MOVE], &[uffd::FEATURE_WP, uffd::FEATURE_SIGBUS])?,
+            mmap_changing.clone(),
+        )?;
+        let caps = Caps {
+            write_protect: probe.has(uffd::FEATURE_WP),
+            poison: probe.has(uffd::FEATURE_POISON),
+        };
+        // No more pages can be parked than the region has, whatever the limit.
+        let cpus = if cfg.pcp { crate::cpu::count() } else { 0 };
+        let staging = Staging::new(limit, pages.min(MAX_FRAMES), cpus)?;
+        // Every range is registered with the same modes: UFFDIO_MOVE needs both sides with
+        // the same page protection, and the destination registered with the ioctl's fd.
+        let mode = uffd::REGISTER_MODE_MISSING
+            | if caps.write_protect {
+                uffd::REGISTER_MODE_WP
+            } else {
+                0
+            };
+        for run in owned {
+            let (addr, len) = (map.addr() + run.start * PAGE_SIZE, run.len() * PAGE_SIZE);
+            register(&uffd, addr, len, mode)?;
+        }
+        let staging_map = staging.mapping();
+        register(&staging_uffd, staging_map.addr(), staging_map.len(), mode)?;
+        let mm = Mm::new(Parts {
+            map,
+            staging,
+            mmap_changing,
+            uffd,
+            staging_uffd,
+            swap,
+            caps,
+            limit,
+            mode: cfg.fault_mode,
+            fault_around: cfg.fault_around,
+            bounce_buffers: cfg.handler_threads + 2,
+            pcp: cfg.pcp,
+            memcg: cfg.memcg.clone(),
+            lru_lock: cfg.lru_lock,
+            lru_batch: cfg.lru_batch,
+            breakdown: cfg.breakdown,
+        })?;
+        if let Some(image) = image {
+            image.apply(&mm, owned);
+        }
+        let reclaim = Reclaim::new(
+            mm,
+            cfg.watermarks,
+            cfg.inactive_percent,
+            cfg.reclaim_batch,
+            cfg.aging_block,
+        );
+        let fault = Arc::new(FaultPath::new(reclaim, cfg.fault_around, cfg.readahead));
+        let mut inner = Assembly {
+            reservation,
+            watermarks: cfg.watermarks,
+            kswapd: None,
+            source: None,
+            fault: fault.clone(),
+            cfg,
+            abandoned: Default::default(),
+        };
+        inner.kswapd = Some(crate::vmscan::spawn_kswapd(
+            fault.clone(),
+            FaultPath::reclaim,
+        )?);
+        inner.source = Some(match inner.cfg.fault_mode {
+            // `build` resolved auto.
+            FaultMode::Thread | FaultMode::Auto => Source::Handlers(Handlers::start(
+                &fault,
+                HandlerConfig {
+                    threads: inner.cfg.handler_threads,
+                    spin_us: inner.cfg.handler_spin_us,
+                },
+            )?),
+            FaultMode::Sigbus => Source::Sigbus(sigbus::register(&fault)?),
+        });
+        Ok(inner)
+    }
+
+    pub(crate) fn fault(&self) -> &Arc<FaultPath> {
+        &self.fault
+    }
+
+    pub(crate) fn config(&self) -> &Config {
+        &self.cfg
+    }
+
+    /// In a fork child, for the parent's region copied into the child's memory: closes the
+    /// descriptors that act on the parent (its userfaultfds and pagemap; its swap file and
+    /// rings, once per device, `closed` listing those done), and marks it never to be
+    /// dropped.
+    pub(crate) fn abandon_in_child(&self, closed: &mut Vec<*const SwapDevice>) {
+        if self.abandoned.load(std::sync::atomic::Ordering::Relaxed) {
+            return;
+        }
+        if let Some(Source::Sigbus(s)) = &self.source {
+            s.forget_in_child();
+        }
+        let mm = self.fault.mm();
+        mm.close_in_child();
+        let device = Arc::as_ptr(mm.swap());
+        if !closed.contains(&device) {
+            mm.swap().close_in_child();
+            closed.push(device);
+        }
+        self.abandoned
+            .store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+/// Swap space promised to one region, given back when the region is dropped.
+pub(crate) struct SwapReservation {
+    swap: Arc<SwapDevice>,
+    pages: std::sync::Mutex<u64>,
+}
+
+impl SwapReservation {
+    fn new(swap: &Arc<SwapDevice>, pages: u64) -> Result<Self> {
+        if !swap.reserve(pages) {
+            return Err(Error::SwapExhausted {
+                needed: pages,
+                free: swap.capacity_pages().saturating_sub(swap.reserved_pages()),
+                capacity: swap.capacity_pages(),
+            });
+        }
+        Ok(SwapReservation {
+            swap: swap.clone(),
+            pages: std::sync::Mutex::new(pages),
+        })
+    }
+
+    /// Makes the promise at least `pages` (a lowered memory limit needs more swap).
+    pub(crate) fn grow_to(&self, pages: u64) -> Result<()> {
+        let mut held = crate::sync::lock_std(&self.pages);
+        let more = pages.saturating_sub(*held);
+        if more > 0 {
+            SwapReservation::new(&self.swap, more)?.pages = std::sync::Mutex::new(0);
+            *held += more;
+        }
+        Ok(())
+    }
+}
+
+impl Drop for SwapReservation {
+    fn drop(&mut self) {
+        self.swap.unreserve(*crate::sync::lock_std(&self.pages));
+    }
+}
+
+impl Drop for Assembly {
+    fn drop(&mut self) {
+        let _quiet = Quiet::new();
+        match self.source.take() {
+            Some(Source::Handlers(h)) => h.stop(),
+            Some(Source::Sigbus(s)) => s.stop(),
+            None => {}
+        }
+        self.fault.vma().drain_events();
+        self.fault.reclaim().stop_kswapd();
+        if let Some(k) = self.kswapd.take() {
+            let _ = k.join();
+        }
+        let mm = self.fault.mm();
+        for p in 0..mm.pages().len() {
+            if let Some(slot) = mm.pages().peek(p).0.slot() {
+                mm.release_slot(slot);
+            }
+        }
+        // The mappings are unregistered and unmapped when the last reference to the fault
+        // path (held only here now) goes, just after this.
+    }
+}

@@ -1,0 +1,137 @@
+//! The invariant walker: checks that a region's page states, LRU lists, budget, staging
+//! frames, swap slots and swap cache agree with each other and with the kernel's page
+//! tables (mimalloc's `mi_page_is_valid` walks, for uswap's page word).
+//!
+//! It locks every page, so it waits for faults and reclaim in progress and stops them
+//! while it runs: for tests, debugging and debug builds, never a release hot path.
+
+use crate::lru::LruList;
+use crate::mm::Mm;
+use crate::page::{Kind, PageLock};
+use crate::vma::Vma;
+
+/// Walks the region and checks that page states, LRU lists, budget, staging frames and
+/// swap slots agree. For tests and debugging: it locks every page, so it waits for
+/// faults and reclaim in progress and stops them while it runs.
+pub(crate) fn check_region(mm: &Mm, vma: &Vma<'_>) -> Result<(), String> {
+    mm.lru().drain_all();
+    let locks: Vec<PageLock<'_>> = (0..mm.pages().len()).map(|p| mm.pages().lock(p)).collect();
+    let mut errors = Vec::new();
+    let mut resident = 0u64;
+    let mut slots = std::collections::HashSet::new();
+    let mut frames = std::collections::HashSet::new();
+    let placing = vma.placing();
+    // With every page locked no page can join a batch: a drain must leave none waiting
+    // (one still waiting lost its batch entry).
+    mm.lru().drain_all();
+    for l in &locks {
+        if mm.lru().is_pending(l.page()) {
+            errors.push(format!("page {} waits in no LRU batch", l.page()));
+        }
+        let st = l.state();
+        if !st.is_well_formed() {
+            errors.push(format!("page {}: malformed state {st:?}", l.page()));
+        }
+        // The kernel's page tables must agree: mapped exactly when active, and
+        // write-protected when active and clean.
+        if let Some(e) = mm.pagemap_entry(l.page()) {
+            let active = st.kind() == Kind::Active;
+            let unknown = matches!(st.kind(), Kind::Poisoned | Kind::Unmapped | Kind::Lazyfree);
+            if e.present != active && !unknown {
+                let not = if e.present { "" } else { "not " };
+                errors.push(format!("page {} is {st:?} but {not}mapped", l.page()));
+            }
+            if active && st.slot().is_some() && mm.caps().write_protect && !e.write_protected {
+                errors.push(format!("clean page {} is not write-protected", l.page()));
+            }
+        }
+        let want = match st.kind() {
+            Kind::Active | Kind::Lazyfree => Some(LruList::Active),
+            Kind::Inactive => Some(LruList::Inactive),
+            _ => None,
+        };
+        if mm.lru().list_of(l.page()) != want {
+            errors.push(format!(
+                "page {} is {st:?} but on list {:?}",
+                l.page(),
+                mm.lru().list_of(l.page())
+            ));
+        }
+        resident += st.is_resident() as u64;
+        if let Some(slot) = st.slot() {
+            if !slots.insert(slot) {
+                errors.push(format!("slot {slot} is held by two pages"));
+            }
+            // In memory with its slot: in the swap cache, as this page.
+            let cached = mm.swap().cache().peek(slot);
+            let want = st.is_resident().then(|| mm.cache_entry(l.page(), false));
+            if cached.map(|e| (e.region, e.page)) != want.map(|e| (e.region, e.page)) {
+                errors.push(format!(
+                    "page {} is {st:?} but its slot's swap cache entry is {cached:?}",
+                    l.page()
+                ));
+            }
+        }
+        if let Some(f) = st.frame() {
+            if !frames.insert(f) || f as usize >= mm.staging().frames() {
+                errors.push(format!("frame {f} is held twice or does not exist"));
+            }
+        }
+    }
+    for (slot, e) in mm.swap().cache().entries_of(mm.region_id()) {
+        let st = locks.get(e.page as usize).map(|l| l.state());
+        if st.is_none_or(|st| st.slot() != Some(slot) || !st.is_resident()) {
+            errors.push(format!(
+                "slot {slot} is cached as page {} which is {st:?}",
+                e.page
+            ));
+        }
+    }
+    if placing > 0 {
+        errors.push(format!(
+            "{placing} pages moved out by mremap wait to be placed"
+        ));
+    }
+    for list in [LruList::Active, LruList::Inactive] {
+        if let Err(e) = mm.lru().members(list) {
+            errors.push(format!("{list:?} list: {e}"));
+        }
+    }
+    if resident != mm.budget().resident() {
+        errors.push(format!(
+            "{resident} pages are resident but the budget counts {}",
+            mm.budget().resident()
+        ));
+    }
+    if slots.len() as u64 != mm.slots_held() {
+        errors.push(format!(
+            "pages hold {} slots but the region counts {}",
+            slots.len(),
+            mm.slots_held()
+        ));
+    }
+    let free = mm.staging().free_frames();
+    let mut seen = std::collections::HashSet::new();
+    if let Some(f) = free
+        .iter()
+        .find(|&&f| frames.contains(&f) || !seen.insert(f))
+    {
+        errors.push(format!(
+            "frame {f} is free twice, or free and held by a page"
+        ));
+    }
+    if free.len() + frames.len() != mm.staging().frames() {
+        errors.push(format!(
+            "{} free + {} held staging frames != {}",
+            free.len(),
+            frames.len(),
+            mm.staging().frames()
+        ));
+    }
+    drop(locks);
+    if errors.is_empty() {
+        Ok(())
+    } else {
+        Err(errors.join("\n"))
+    }
+}
