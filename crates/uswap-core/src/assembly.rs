@@ -8,6 +8,8 @@ use crate::error::{Error, Result};
 use crate::fault::FaultPath;
 use crate::fork_image::RegionImage;
 use crate::handler::{HandlerConfig, Handlers};
+use crate::lockdep::Rank;
+use crate::lockstat::{LockClass, StatMutex};
 use crate::mapping::Mapping;
 use crate::mm::{Caps, Mm, Parts};
 use crate::mmap_changing::MmapChanging;
@@ -223,6 +225,22 @@ impl Assembly {
         &self.fault
     }
 
+    /// The statistics of every lock class of the region and its swap device.
+    pub(crate) fn lockstat(&self) -> Vec<LockClass> {
+        let mm = self.fault.mm();
+        let mut classes = vec![mm.lru().lockstat(), mm.lru().batch_lockstat()];
+        classes.extend(mm.staging().lockstat());
+        classes.extend(mm.swap().lockstat());
+        classes.extend(self.fault.lockstat());
+        classes.push(self.fault.reclaim().lockstat());
+        if let Some(Source::Handlers(h)) = &self.source {
+            classes.extend(h.lockstat());
+        }
+        classes.push(mm.latency().lockstat());
+        classes.extend(mm.breakdown().map(|b| b.lockstat()));
+        classes
+    }
+
     pub(crate) fn config(&self) -> &Config {
         &self.cfg
     }
@@ -253,39 +271,45 @@ impl Assembly {
 /// Swap space promised to one region, given back when the region is dropped.
 pub(crate) struct SwapReservation {
     swap: Arc<SwapDevice>,
-    pages: std::sync::Mutex<u64>,
+    pages: StatMutex<u64>,
 }
 
 impl SwapReservation {
     fn new(swap: &Arc<SwapDevice>, pages: u64) -> Result<Self> {
-        if !swap.reserve(pages) {
-            return Err(Error::SwapExhausted {
-                needed: pages,
-                free: swap.capacity_pages().saturating_sub(swap.reserved_pages()),
-                capacity: swap.capacity_pages(),
-            });
-        }
+        reserve(swap, pages)?;
         Ok(SwapReservation {
             swap: swap.clone(),
-            pages: std::sync::Mutex::new(pages),
+            pages: StatMutex::new(Rank::Reservation, pages),
         })
     }
 
     /// Makes the promise at least `pages` (a lowered memory limit needs more swap).
     pub(crate) fn grow_to(&self, pages: u64) -> Result<()> {
-        let mut held = crate::sync::lock_std(&self.pages);
+        let mut held = self.pages.lock();
         let more = pages.saturating_sub(*held);
         if more > 0 {
-            SwapReservation::new(&self.swap, more)?.pages = std::sync::Mutex::new(0);
+            reserve(&self.swap, more)?;
             *held += more;
         }
         Ok(())
     }
 }
 
+/// Reserves `pages` of `swap`, or says how short it is.
+fn reserve(swap: &SwapDevice, pages: u64) -> Result<()> {
+    if swap.reserve(pages) {
+        return Ok(());
+    }
+    Err(Error::SwapExhausted {
+        needed: pages,
+        free: swap.capacity_pages().saturating_sub(swap.reserved_pages()),
+        capacity: swap.capacity_pages(),
+    })
+}
+
 impl Drop for SwapReservation {
     fn drop(&mut self) {
-        self.swap.unreserve(*crate::sync::lock_std(&self.pages));
+        self.swap.unreserve(*self.pages.lock());
     }
 }
 

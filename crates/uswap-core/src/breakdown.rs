@@ -4,10 +4,11 @@
 //! clock; on, one clock read per phase (about 25 ns against faults of 10 µs and more).
 //! The signal-handler path is not timed (it must not take the histogram locks).
 
+use crate::lockdep::Rank;
+use crate::lockstat::{LockClass, StatMutex};
 use crate::stats::{new_histogram, record};
 use hdrhistogram::Histogram;
 use serde::Serialize;
-use std::sync::Mutex;
 use std::time::Instant;
 
 /// The phases, in the order a fault or a reclaim pass goes through them.
@@ -65,7 +66,7 @@ impl Phase {
 
 /// The histograms of every phase, sharded by CPU.
 pub(crate) struct Breakdown {
-    shards: Vec<Mutex<Vec<Histogram<u64>>>>,
+    shards: Vec<StatMutex<Vec<Histogram<u64>>>>,
 }
 
 const SHARDS: usize = 8;
@@ -74,24 +75,31 @@ impl Breakdown {
     pub fn new() -> Self {
         Breakdown {
             shards: (0..SHARDS)
-                .map(|_| Mutex::new(PHASES.iter().map(|_| new_histogram()).collect()))
+                .map(|_| {
+                    StatMutex::new(
+                        Rank::Phases,
+                        PHASES.iter().map(|_| new_histogram()).collect(),
+                    )
+                })
                 .collect(),
         }
     }
 
     fn record(&self, phase: Phase, since: Instant, now: Instant) {
         let shard = crate::cpu::current() % SHARDS;
-        record(
-            &mut crate::sync::lock_std(&self.shards[shard])[phase as usize],
-            now - since,
-        );
+        record(&mut self.shards[shard].lock()[phase as usize], now - since);
+    }
+
+    /// The statistics of the shards' locks (`phases`).
+    pub fn lockstat(&self) -> LockClass {
+        LockClass::sum("phases", self.shards.iter())
     }
 
     /// Every phase's histogram so far.
     pub fn times(&self) -> PhaseTimes {
         let mut all: Vec<Histogram<u64>> = PHASES.iter().map(|_| new_histogram()).collect();
         for shard in &self.shards {
-            for (sum, h) in all.iter_mut().zip(crate::sync::lock_std(shard).iter()) {
+            for (sum, h) in all.iter_mut().zip(shard.lock().iter()) {
                 sum.add(h).expect("same bounds");
             }
         }

@@ -10,6 +10,7 @@
 
 use crate::breakdown::{Laps, Phase};
 use crate::config::Readahead;
+use crate::lockstat::LockClass;
 use crate::lru::LruList;
 use crate::mm::Mm;
 use crate::page::{Kind, PageLock};
@@ -62,6 +63,12 @@ impl FaultPath {
 
     pub fn mm(&self) -> &Mm {
         self.reclaim.mm()
+    }
+
+    /// The statistics of the fault path's own locks: readahead's last window and the
+    /// vma placements.
+    pub fn lockstat(&self) -> [LockClass; 2] {
+        [self.readahead.lockstat(), self.vma.lockstat()]
     }
 
     /// The region's vma events.

@@ -46,6 +46,7 @@
 use crate::assembly::Assembly;
 use crate::error::{Error, Result};
 use crate::fork_image::RegionImage;
+use crate::lockdep::{Rank, Ranked};
 use crate::mm::Mm;
 use crate::page::{Kind, PageLock};
 use crate::signals::Quiet;
@@ -69,6 +70,11 @@ unsafe impl Send for Entry {}
 
 /// Every region of the process.
 static REGIONS: Mutex<Vec<Entry>> = Mutex::new(Vec::new());
+
+/// The registry, held (first in the lock order, `lockdep.rs`).
+fn registry() -> Ranked<MutexGuard<'static, Vec<Entry>>> {
+    Ranked::take(Rank::ForkRegistry, || lock_std(&REGIONS))
+}
 
 /// Set when the embedding program calls [`prepare`], [`parent`] and [`child`] itself.
 static MANUAL: AtomicBool = AtomicBool::new(false);
@@ -108,11 +114,11 @@ pub(crate) fn register(inner: &UnsafeCell<Assembly>) {
             }
         });
     }
-    lock_std(&REGIONS).push(Entry(inner));
+    registry().push(Entry(inner));
 }
 
 pub(crate) fn unregister(inner: &UnsafeCell<Assembly>) {
-    lock_std(&REGIONS).retain(|e| !std::ptr::eq(e.0, inner));
+    registry().retain(|e| !std::ptr::eq(e.0, inner));
 }
 
 /// The embedding program (the preload library of `uswap run`) calls [`prepare`],
@@ -177,7 +183,7 @@ enum Copy {
 
 /// What the forking thread holds from `prepare` to `parent` or `child`.
 struct Held {
-    regions: MutexGuard<'static, Vec<Entry>>,
+    regions: Ranked<MutexGuard<'static, Vec<Entry>>>,
     copies: Vec<Copy>,
     /// The child's devices, one per device of the parent's regions (same order).
     devices: Vec<Arc<SwapDevice>>,
@@ -189,7 +195,7 @@ static mut HELD: Option<Held> = None;
 /// child. Holds the region registry until [`parent`] or [`child`].
 pub fn prepare() {
     let _quiet = Quiet::new();
-    let regions = lock_std(&REGIONS);
+    let regions = registry();
     let mut devices = Devices::default();
     let copies = regions
         .iter()

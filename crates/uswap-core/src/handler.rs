@@ -5,9 +5,11 @@
 
 use crate::error::{Error, Result};
 use crate::fault::{FaultPath, Outcome};
+use crate::lockdep::Rank;
+use crate::lockstat::{LockClass, StatMutex};
 use crate::mmap_changing::Raised;
 use crate::swapfile::swap_io::set_read_wait_hook;
-use crate::sync::lock_std;
+use crate::sync::Condvar;
 use crate::uffd::{Event, Msg};
 use std::cell::{Cell, RefCell};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
@@ -16,13 +18,14 @@ use std::sync::atomic::{
     AtomicUsize,
     Ordering::{Acquire, Relaxed, Release},
 };
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 pub(crate) struct Handlers {
     stop: OwnedFd,
     threads: Vec<JoinHandle<()>>,
+    shared: Arc<Shared>,
 }
 
 /// Settings of the handler threads.
@@ -38,11 +41,6 @@ impl Handlers {
         if fd < 0 {
             return Err(Error::os("eventfd"));
         }
-        let mut handlers = Handlers {
-            // SAFETY: the descriptor is new and ours.
-            stop: unsafe { OwnedFd::from_raw_fd(fd) },
-            threads: Vec::new(),
-        };
         let shared = Arc::new(Shared {
             // With several handlers each read takes one message, so a fault that arrives
             // during another's swap-in read goes to the next handler and their reads
@@ -51,8 +49,14 @@ impl Handlers {
             leader: Leadership::default(),
             busy: AtomicUsize::new(0),
             spin: Duration::from_micros(cfg.spin_us),
-            retry: Mutex::new(Vec::new()),
+            retry: StatMutex::new(Rank::RetryList, Vec::new()),
         });
+        let mut handlers = Handlers {
+            // SAFETY: the descriptor is new and ours.
+            stop: unsafe { OwnedFd::from_raw_fd(fd) },
+            threads: Vec::new(),
+            shared: shared.clone(),
+        };
         for i in 0..cfg.threads {
             let (fault, shared) = (fault.clone(), shared.clone());
             let t = crate::signals::spawn_quiet(&format!("uswap-fault-{i}"), move || {
@@ -72,6 +76,15 @@ impl Handlers {
             handlers.threads.push(t);
         }
         Ok(handlers)
+    }
+
+    /// The statistics of the handlers' locks: leadership (`handler_leader`) and the
+    /// list of faults to retry (`handler_retry`).
+    pub fn lockstat(&self) -> [LockClass; 2] {
+        [
+            LockClass::sum("handler_leader", [&self.shared.leader.taken]),
+            LockClass::sum("handler_retry", [&self.shared.retry]),
+        ]
     }
 
     /// Stops and joins the handler threads.
@@ -108,7 +121,7 @@ struct Shared {
     /// another thread discards memory), the event can wait behind them for seconds. They
     /// are woken after a read that returns an event or nothing, or once they have waited
     /// [`RETRY_PARK`].
-    retry: Mutex<Vec<(usize, Instant)>>,
+    retry: StatMutex<Vec<(usize, Instant)>>,
 }
 
 /// Leader/follower: one handler at a time waits for messages (spinning briefly, then in
@@ -128,7 +141,7 @@ fn serve(fault: &FaultPath, stop: i32, shared: &Arc<Shared>) {
         if !leading {
             shared.leader.take(shared.spin);
         }
-        let retrying = std::mem::take(&mut *lock_std(&shared.retry));
+        let retrying = std::mem::take(&mut *shared.retry.lock());
         let Some((n, fence)) = next_messages(fault, stop, msgs, shared, !retrying.is_empty())
         else {
             // The others see the stop (or the failure) once they lead.
@@ -148,7 +161,7 @@ fn serve(fault: &FaultPath, stop: i32, shared: &Arc<Shared>) {
         drop(fence);
         for event in msgs[..n].iter().map(Msg::decode).filter(is_fault) {
             if let Some(page) = handle_message(fault, event) {
-                lock_std(&shared.retry).push((page, Instant::now()));
+                shared.retry.lock().push((page, Instant::now()));
             }
         }
         if fault.vma().has_pending() {
@@ -159,7 +172,7 @@ fn serve(fault: &FaultPath, stop: i32, shared: &Arc<Shared>) {
             if event_read || n == 0 || now.duration_since(since) >= RETRY_PARK {
                 fault.mm().wake(page);
             } else {
-                lock_std(&shared.retry).push((page, since));
+                shared.retry.lock().push((page, since));
             }
         }
         // Still leading unless the batch lent leadership out while it waited for a read.
@@ -169,10 +182,18 @@ fn serve(fault: &FaultPath, stop: i32, shared: &Arc<Shared>) {
 
 /// Leadership of the handlers: taken by the thread that reads messages, waited for by the
 /// others.
-#[derive(Default)]
 struct Leadership {
-    taken: Mutex<bool>,
+    taken: StatMutex<bool>,
     free: Condvar,
+}
+
+impl Default for Leadership {
+    fn default() -> Leadership {
+        Leadership {
+            taken: StatMutex::new(Rank::Leadership, false),
+            free: Condvar::new(),
+        }
+    }
 }
 
 impl Leadership {
@@ -181,7 +202,7 @@ impl Leadership {
     fn take(&self, spin: Duration) {
         let spin_until = Instant::now() + spin;
         while Instant::now() < spin_until {
-            if let Ok(mut taken) = self.taken.try_lock() {
+            if let Some(mut taken) = self.taken.try_lock() {
                 if !*taken {
                     *taken = true;
                     return;
@@ -190,15 +211,15 @@ impl Leadership {
             // SAFETY: no arguments.
             unsafe { libc::sched_yield() };
         }
-        let mut taken = lock_std(&self.taken);
+        let mut taken = self.taken.lock();
         while *taken {
-            taken = self.free.wait(taken).unwrap_or_else(|e| e.into_inner());
+            taken = taken.wait_with(|g| self.free.wait(g).unwrap_or_else(|e| e.into_inner()));
         }
         *taken = true;
     }
 
     fn release(&self) {
-        *lock_std(&self.taken) = false;
+        *self.taken.lock() = false;
         self.free.notify_one();
     }
 }
@@ -322,7 +343,7 @@ fn next_messages<'a>(
             0
         } else if fault.vma().has_pending()
             || retrying
-            || !lock_std(&shared.retry).is_empty()
+            || !shared.retry.lock().is_empty()
             || shared.busy.load(Acquire) > 0
         {
             // A busy handler may back a fault out (the fence) and queue its thread to be
@@ -341,9 +362,7 @@ fn next_messages<'a>(
                 Err(e) if crate::uffd::transient(&e) => {}
                 Err(e) => crate::uffd::unreadable(mm.start(), &e),
             },
-            Readiness::TimedOut
-                if timeout > 0 && (retrying || !lock_std(&shared.retry).is_empty()) =>
-            {
+            Readiness::TimedOut if timeout > 0 && (retrying || !shared.retry.lock().is_empty()) => {
                 return Some((0, None))
             }
             Readiness::TimedOut => std::hint::spin_loop(),

@@ -17,6 +17,7 @@ mod fork_image;
 mod gup;
 mod handler;
 mod list;
+mod lockdep;
 pub mod lockstat;
 mod lru;
 mod mapping;

@@ -7,6 +7,7 @@
 //! the clock, twice. Counters live in each lock, not per lock class, so sharded locks do
 //! not share a counter line and contend on it; owners sum their locks' counters when asked.
 
+use crate::lockdep::{self, Rank, Ranked};
 use crate::sync::{AtomicBool, Mutex, MutexGuard, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use serde::Serialize;
 use std::sync::atomic::AtomicU64;
@@ -152,24 +153,43 @@ impl Counters {
     }
 }
 
-/// A mutex that keeps its [`LockStat`]. Poison is tolerated, as with `sync::lock_std`.
+/// A mutex that keeps its [`LockStat`], of a class in the lock table (`lockdep.rs`).
+/// Poison is tolerated, as with `sync::lock_std`.
 pub(crate) struct StatMutex<T> {
     inner: Mutex<T>,
     counters: Counters,
+    rank: Rank,
 }
 
+/// A held [`StatMutex`].
+pub(crate) type StatGuard<'a, T> = Ranked<MutexGuard<'a, T>>;
+
 impl<T> StatMutex<T> {
-    pub(crate) fn new(value: T) -> StatMutex<T> {
+    pub(crate) fn new(rank: Rank, value: T) -> StatMutex<T> {
         StatMutex {
             inner: Mutex::new(value),
             counters: Counters::default(),
+            rank,
         }
     }
 
     /// Takes the lock, waiting if it is held.
-    pub(crate) fn lock(&self) -> MutexGuard<'_, T> {
-        self.counters
-            .take(|| self.inner.try_lock(), || self.inner.lock())
+    pub(crate) fn lock(&self) -> StatGuard<'_, T> {
+        Ranked::take(self.rank, || {
+            self.counters
+                .take(|| self.inner.try_lock(), || self.inner.lock())
+        })
+    }
+
+    /// Takes the lock if it is free.
+    pub(crate) fn try_lock(&self) -> Option<StatGuard<'_, T>> {
+        let guard = match self.inner.try_lock() {
+            Ok(g) => g,
+            Err(std::sync::TryLockError::Poisoned(e)) => e.into_inner(),
+            Err(std::sync::TryLockError::WouldBlock) => return None,
+        };
+        self.counters.acquired();
+        Some(Ranked::taken(self.rank, guard))
     }
 }
 
@@ -184,6 +204,7 @@ impl<T> Counted for StatMutex<T> {
 pub(crate) struct StatSpin {
     held: AtomicBool,
     counters: Counters,
+    rank: Rank,
 }
 
 pub(crate) struct SpinGuard<'a>(&'a StatSpin);
@@ -191,18 +212,22 @@ pub(crate) struct SpinGuard<'a>(&'a StatSpin);
 impl Drop for SpinGuard<'_> {
     fn drop(&mut self) {
         self.0.held.store(false, Release);
+        lockdep::released(self.0.rank);
     }
 }
 
 impl StatSpin {
-    pub(crate) fn new() -> StatSpin {
+    pub(crate) fn new(rank: Rank) -> StatSpin {
         StatSpin {
             held: AtomicBool::new(false),
             counters: Counters::default(),
+            rank,
         }
     }
 
     pub(crate) fn lock(&self) -> SpinGuard<'_> {
+        lockdep::before_blocking(self.rank);
+        lockdep::acquired(self.rank);
         if !self.try_take() {
             let start = Instant::now();
             let mut round = 0;
@@ -237,24 +262,30 @@ impl Counted for StatSpin {
 pub(crate) struct StatRwLock {
     inner: RwLock<()>,
     counters: Counters,
+    rank: Rank,
 }
 
 impl StatRwLock {
-    pub(crate) fn new() -> StatRwLock {
+    pub(crate) fn new(rank: Rank) -> StatRwLock {
         StatRwLock {
             inner: RwLock::new(()),
             counters: Counters::default(),
+            rank,
         }
     }
 
-    pub(crate) fn shared(&self) -> RwLockReadGuard<'_, ()> {
-        self.counters
-            .take(|| self.inner.try_read(), || self.inner.read())
+    pub(crate) fn shared(&self) -> Ranked<RwLockReadGuard<'_, ()>> {
+        Ranked::take(self.rank, || {
+            self.counters
+                .take(|| self.inner.try_read(), || self.inner.read())
+        })
     }
 
-    pub(crate) fn exclusive(&self) -> RwLockWriteGuard<'_, ()> {
-        self.counters
-            .take(|| self.inner.try_write(), || self.inner.write())
+    pub(crate) fn exclusive(&self) -> Ranked<RwLockWriteGuard<'_, ()>> {
+        Ranked::take(self.rank, || {
+            self.counters
+                .take(|| self.inner.try_write(), || self.inner.write())
+        })
     }
 }
 
@@ -272,7 +303,7 @@ mod tests {
 
     #[test]
     fn uncontended_acquisitions_are_counted_without_waits() {
-        let m = StatMutex::new(0u32);
+        let m = StatMutex::new(Rank::Latency, 0u32);
         for _ in 0..5 {
             *m.lock() += 1;
         }
@@ -282,7 +313,7 @@ mod tests {
 
     #[test]
     fn a_taker_that_finds_the_lock_held_counts_its_wait() {
-        let m = Arc::new(StatMutex::new(()));
+        let m = Arc::new(StatMutex::new(Rank::Latency, ()));
         let held = Arc::new(Barrier::new(2));
         let guard = m.lock();
         let waiter = {
@@ -305,7 +336,7 @@ mod tests {
 
     #[test]
     fn classes_sum_their_locks_and_subtract_an_earlier_reading() {
-        let locks: Vec<StatMutex<()>> = (0..3).map(|_| StatMutex::new(())).collect();
+        let locks: Vec<StatMutex<()>> = (0..3).map(|_| StatMutex::new(Rank::Latency, ())).collect();
         drop(locks[0].lock());
         let before = LockClass::sum("t", &locks);
         drop(locks[1].lock());

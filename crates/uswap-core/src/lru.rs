@@ -1,7 +1,7 @@
 //! Active and inactive LRU lists of one region ([mm/swap.c], `lruvec`): circular doubly
 //! linked lists over page numbers, each with a sentinel node, under the LRU lock (the
 //! kernel's `lru_lock`). Heads are the most recently added; reclaim takes from the tails.
-//! Lock order: see `page.rs`.
+//! Lock order: `lockdep.rs`.
 //!
 //! The lock has three modes (`Config::lru_lock`, seed 001):
 //! - `mutex` and `spin`: every operation takes the lock exclusively (a sleeping mutex, or a
@@ -41,6 +41,7 @@
 //! Each batch has a mutex, so another CPU can drain it; lock order: batch, then LRU.
 
 use crate::config::LruLockMode;
+use crate::lockdep::Rank;
 use crate::lockstat::{LockClass, StatMutex, StatRwLock, StatSpin};
 use crate::page::{PageLock, PageTable};
 use crate::sync::{zeroed_slice, AtomicUsize, XorU32};
@@ -90,10 +91,10 @@ struct Held<'a> {
 
 #[allow(dead_code)] // the guards are held for their Drop
 enum Guard<'a> {
-    Mutex(crate::sync::MutexGuard<'a, ()>),
+    Mutex(crate::lockstat::StatGuard<'a, ()>),
     Spin(crate::lockstat::SpinGuard<'a>),
-    Shared(crate::sync::RwLockReadGuard<'a, ()>),
-    Exclusive(crate::sync::RwLockWriteGuard<'a, ()>),
+    Shared(crate::lockdep::Ranked<crate::sync::RwLockReadGuard<'a, ()>>),
+    Exclusive(crate::lockdep::Ranked<crate::sync::RwLockWriteGuard<'a, ()>>),
 }
 
 pub struct Lru {
@@ -137,12 +138,14 @@ impl Lru {
             pages,
             lens: [AtomicUsize::new(0), AtomicUsize::new(0)],
             lock: match mode {
-                LruLockMode::Mutex => LruLock::Mutex(StatMutex::new(())),
-                LruLockMode::Spin => LruLock::Spin(StatSpin::new()),
-                LruLockMode::RwLock => LruLock::TwoMode(StatRwLock::new()),
+                LruLockMode::Mutex => LruLock::Mutex(StatMutex::new(Rank::Lru, ())),
+                LruLockMode::Spin => LruLock::Spin(StatSpin::new(Rank::Lru)),
+                LruLockMode::RwLock => LruLock::TwoMode(StatRwLock::new(Rank::Lru)),
             },
             batches: (0..if batch > 1 { cpus.max(1) } else { 0 })
-                .map(|_| CachePadded::new(StatMutex::new(Vec::with_capacity(batch))))
+                .map(|_| {
+                    CachePadded::new(StatMutex::new(Rank::LruBatch, Vec::with_capacity(batch)))
+                })
                 .collect(),
             batch_size: batch,
         }

@@ -2,7 +2,7 @@
 //! vma, reduced to what uswap needs): the mapping, its page table and LRU lists, the
 //! resident budget, the staging frames, the swap slots it holds, the userfaultfds, and the
 //! counters. The bottom layer: reclaim (`vmscan`) and the fault path (`fault`) are built on
-//! it, and it knows neither. Lock order: see `page.rs`.
+//! it, and it knows neither. Lock order: `lockdep.rs`.
 
 use crate::breakdown::Breakdown;
 use crate::budget::Budget;

@@ -14,31 +14,15 @@
 //!
 //! # Locking
 //!
-//! What each lock protects, in the order they nest (take a later one while holding an
-//! earlier one, never the reverse):
-//!
-//! 1. **page lock** (the lock bit of a page's word): the page's kind, frame and slot, and the
-//!    page's presence in the region's page tables (no one maps or unmaps a page without it).
-//!    Held across swap I/O and across `charge` (which may reclaim directly), so **reclaim
-//!    never waits for a page lock**: it only try-locks (`Lru::isolate`, `try_claim_none`)
-//!    and skips pages it cannot take. Vma events (`vma.rs`) and the invariant walker take
-//!    page locks blocking, one page at a time in address order.
-//! 2. **per-CPU LRU batch** (`lru.rs`): pages waiting to be added to a list; held while
-//!    the batch is linked, which takes the `Lru` lock.
-//! 3. **`Lru` lock** (`lru.rs`): list membership and order. Taken with page locks held;
-//!    while holding it, only `try_lock` on pages. In rwlock mode the shared side also
-//!    locks list nodes, with try-locks only (see `lru.rs`).
-//! 4. **readahead's last window** (`readahead.rs`): held while the swap cache marks that
-//!    window's pages used; only swap cache locks are taken under it.
-//! 5. **staging free lists** (a per-CPU list, then the shared list), **bounce pool**,
-//!    **swap allocator** and **swap cache**
-//!    (`swap_state.rs`) locks: leaves; nothing is taken while holding them. A swap cache
-//!    entry changes only under the page lock of the page it names.
-//!
-//! The resident budget is a lock-free counter. The fault path may block (I/O, `charge`)
-//! while holding one page lock; reclaim holds many page locks (an isolated batch) but only
-//! blocks on I/O, never on another lock of this list except the leaves.
+//! The page lock (the lock bit of a page's word) guards the page's kind, frame and slot,
+//! and the page's presence in the region's page tables: no one maps or unmaps a page
+//! without it. It is held across swap I/O and across `charge` (which may reclaim
+//! directly), so **reclaim never waits for a page lock**: it only try-locks
+//! (`Lru::isolate`, `try_claim_none`) and skips pages it cannot take. Where it sits among
+//! uswap's other locks, and what each path takes under it, is the lock table of
+//! `lockdep.rs`; [`PageTable::lock`] and the guards report to it in debug builds.
 
+use crate::lockdep::{self, Rank};
 use crate::sync::{backoff, zeroed_slice, XorU64};
 use std::sync::atomic::Ordering::{Acquire, Relaxed, Release};
 
@@ -207,15 +191,19 @@ impl PageTable {
         }
         word.compare_exchange(w, w | LOCKED, Acquire, Relaxed)
             .ok()
-            .map(|_| PageLock {
-                word,
-                page,
-                state: PageState(w),
+            .map(|_| {
+                lockdep::acquired(Rank::Page);
+                PageLock {
+                    word,
+                    page,
+                    state: PageState(w),
+                }
             })
     }
 
     /// Takes the page lock, waiting for the holder (a fault or reclaim in progress).
     pub fn lock(&self, page: usize) -> PageLock<'_> {
+        lockdep::before_blocking(Rank::Page);
         let mut round = 0;
         loop {
             if let Some(l) = self.try_lock(page) {
@@ -230,21 +218,27 @@ impl PageTable {
     /// nothing; finish with [`PageTable::publish_active`] or [`PageTable::unclaim`].
     pub fn try_claim_none(&self, page: usize) -> bool {
         let none = PageState::NONE.0;
-        self.words[page]
+        let claimed = self.words[page]
             .compare_exchange(none, none | LOCKED, Acquire, Relaxed)
-            .is_ok()
+            .is_ok();
+        if claimed {
+            lockdep::acquired(Rank::Page);
+        }
+        claimed
     }
 
     /// A claimed page was filled with zeros: it is active now, and unlocked.
     pub fn publish_active(&self, page: usize) {
         debug_assert_eq!(self.words[page].load(Relaxed), PageState::NONE.0 | LOCKED);
         self.words[page].store(PageState::of(Kind::Active, None, None).0, Release);
+        lockdep::released(Rank::Page);
     }
 
     /// A claimed page was not filled after all: untouched again, and unlocked.
     pub fn unclaim(&self, page: usize) {
         debug_assert_eq!(self.words[page].load(Relaxed), PageState::NONE.0 | LOCKED);
         self.words[page].store(PageState::NONE.0, Release);
+        lockdep::released(Rank::Page);
     }
 }
 
@@ -416,6 +410,7 @@ impl PageLock<'_> {
 impl Drop for PageLock<'_> {
     fn drop(&mut self) {
         self.word.store(self.state.0, Release);
+        lockdep::released(Rank::Page);
     }
 }
 

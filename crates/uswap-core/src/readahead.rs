@@ -21,6 +21,8 @@
 //! kernel keeps the hit count per system for `scaling` and per vma for `vma`).
 
 use crate::config::{Readahead, ReadaheadPolicy};
+use crate::lockdep::Rank;
+use crate::lockstat::{LockClass, StatMutex};
 use crate::lru::LruList;
 use crate::page::{Kind, PageLock};
 use crate::swapfile::swap_io::SIGNAL_BATCH;
@@ -75,7 +77,7 @@ pub(crate) struct ReadaheadState {
     prev_window: AtomicU32,
     /// The last window read (for inferring the use of its pages). Taken with a page lock
     /// held; swap cache locks are taken under it, nothing else.
-    last: std::sync::Mutex<Window>,
+    last: StatMutex<Window>,
 }
 
 impl ReadaheadState {
@@ -89,10 +91,15 @@ impl ReadaheadState {
             prev_slot: AtomicU32::new(u32::MAX),
             prev_page: AtomicUsize::new(usize::MAX),
             prev_window: AtomicU32::new(0),
-            last: std::sync::Mutex::new(Window::None),
+            last: StatMutex::new(Rank::ReadaheadWindow, Window::None),
         };
         s.set(setting);
         s
+    }
+
+    /// The statistics of the last window's lock (`readahead_window`).
+    pub fn lockstat(&self) -> LockClass {
+        LockClass::sum("readahead_window", [&self.last])
     }
 
     /// Switches policy and page-cluster; what was learned starts over.
@@ -106,7 +113,7 @@ impl ReadaheadState {
         self.writable_windows.store(0, Relaxed);
         self.writable.store(false, Relaxed);
         self.prev_window.store(0, Relaxed);
-        *crate::sync::lock_std(&self.last) = Window::None;
+        *self.last.lock() = Window::None;
         self.setting
             .store(policy | (u32::from(setting.page_cluster) << 8), Relaxed);
     }
@@ -152,7 +159,7 @@ impl ReadaheadState {
         used: impl FnOnce(Window) -> u32,
     ) -> (Window, bool) {
         // Held throughout, so two swap-ins cannot both take credit for one window.
-        let mut last = crate::sync::lock_std(&self.last);
+        let mut last = self.last.lock();
         self.next(&mut last, slot, page, pages, used)
     }
 
@@ -169,12 +176,8 @@ impl ReadaheadState {
         room: impl FnOnce() -> bool,
         used: impl FnOnce(Window) -> u32,
     ) -> Option<(Window, bool)> {
-        let mut last = match self.last.try_lock() {
-            Ok(last) => last,
-            // As `lock_std` does: a panic elsewhere leaves a window, still a window.
-            Err(std::sync::TryLockError::Poisoned(e)) => e.into_inner(),
-            Err(std::sync::TryLockError::WouldBlock) => return None,
-        };
+        // A panic elsewhere leaves a window, still a window: poison is ignored.
+        let mut last = self.last.try_lock()?;
         if last.is_followed_by(slot, page) || self.would_read_ahead(slot, page) {
             let fits = self.largest_window() <= SIGNAL_BATCH;
             return (fits && room()).then(|| self.next(&mut last, slot, page, pages, used));
@@ -620,7 +623,7 @@ mod tests {
         }
         // While another swap-in sizes a window, the signal handler does not wait for it.
         let s = state(ReadaheadPolicy::Vma, 3);
-        let sizing = s.last.lock().unwrap();
+        let sizing = s.last.lock();
         assert_eq!(
             s.window_in_signal(1, 1, 10, || true, |_| 0).map(|(w, _)| w),
             None

@@ -106,11 +106,7 @@ impl Region {
             swap_cache: mm.swap().cache().stats(),
             readahead: self.inner().fault.readahead.get(),
             charge_stock: mm.budget().stock_stats(),
-            lockstat: [mm.lru().lockstat(), mm.lru().batch_lockstat()]
-                .into_iter()
-                .chain(mm.staging().lockstat())
-                .chain(mm.swap().lockstat())
-                .collect(),
+            lockstat: self.inner().lockstat(),
         }
     }
 

@@ -13,6 +13,7 @@
 //! Lock order: a per-CPU list, then the shared list.
 
 use crate::error::Result;
+use crate::lockdep::Rank;
 use crate::lockstat::{LockClass, StatMutex};
 use crate::mapping::Mapping;
 use crate::PAGE_SIZE;
@@ -48,11 +49,16 @@ impl Staging {
         free.extend((0..frames as u32).rev());
         Ok(Staging {
             map,
-            free: StatMutex::new(free),
+            free: StatMutex::new(Rank::Staging, free),
             pcp: (0..cpus)
-                .map(|_| CachePadded::new(StatMutex::new(Vec::with_capacity(PCP_HIGH + 1))))
+                .map(|_| {
+                    CachePadded::new(StatMutex::new(
+                        Rank::StagingPcp,
+                        Vec::with_capacity(PCP_HIGH + 1),
+                    ))
+                })
                 .collect(),
-            deferred: StatMutex::new(Vec::with_capacity(DEFERRED_BATCH)),
+            deferred: StatMutex::new(Rank::Staging, Vec::with_capacity(DEFERRED_BATCH)),
             frames: (frames as u32).into(),
         })
     }
@@ -226,7 +232,7 @@ impl Staging {
 
     /// The free list never grows past the frame count, so pushing onto it never allocates:
     /// it was created (or grown) holding every frame.
-    fn free_list(&self) -> crate::sync::MutexGuard<'_, Vec<u32>> {
+    fn free_list(&self) -> crate::lockstat::StatGuard<'_, Vec<u32>> {
         self.free.lock()
     }
 

@@ -1,9 +1,10 @@
 //! vmstat-style event counters and fault service-time histograms.
 
+use crate::lockdep::Rank;
+use crate::lockstat::{LockClass, StatMutex};
 use hdrhistogram::Histogram;
 use serde::Serialize;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
-use std::sync::Mutex;
 use std::time::Duration;
 
 macro_rules! vmstat {
@@ -153,7 +154,7 @@ impl Latency {
 /// Fault service times (from the moment uswap sees the fault until it is resolved), split by
 /// kind. Sharded so concurrent handlers rarely meet on one lock.
 pub struct FaultLatency {
-    shards: Vec<Mutex<[Histogram<u64>; 3]>>,
+    shards: Vec<StatMutex<[Histogram<u64>; 3]>>,
 }
 
 /// Most shards: one per CPU up to this many (each costs about 700 KB of histograms, paid
@@ -174,7 +175,12 @@ impl Default for FaultLatency {
     fn default() -> Self {
         FaultLatency {
             shards: (0..crate::cpu::configured().clamp(1, MAX_SHARDS))
-                .map(|_| Mutex::new([new_histogram(), new_histogram(), new_histogram()]))
+                .map(|_| {
+                    StatMutex::new(
+                        Rank::Latency,
+                        [new_histogram(), new_histogram(), new_histogram()],
+                    )
+                })
                 .collect(),
         }
     }
@@ -183,17 +189,18 @@ impl Default for FaultLatency {
 impl FaultLatency {
     pub fn record(&self, kind: FaultKind, took: Duration) {
         let shard = crate::cpu::current() % self.shards.len();
-        record(
-            &mut crate::sync::lock_std(&self.shards[shard])[kind as usize],
-            took,
-        );
+        record(&mut self.shards[shard].lock()[kind as usize], took);
+    }
+
+    /// The statistics of the shards' locks (`latency`).
+    pub(crate) fn lockstat(&self) -> LockClass {
+        LockClass::sum("latency", self.shards.iter())
     }
 
     pub fn merged(&self, kind: FaultKind) -> Histogram<u64> {
         let mut all = new_histogram();
         for shard in &self.shards {
-            all.add(&crate::sync::lock_std(shard)[kind as usize])
-                .expect("same bounds");
+            all.add(&shard.lock()[kind as usize]).expect("same bounds");
         }
         all
     }

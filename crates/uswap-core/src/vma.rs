@@ -20,6 +20,8 @@
 //! `Lazyfree`, so a fault on them refills zeros. uswap never takes a page out behind the
 //! kernel. Page locks are taken blocking, in address order.
 
+use crate::lockdep::Rank;
+use crate::lockstat::{LockClass, StatGuard, StatMutex};
 use crate::lru::LruList;
 use crate::mm::Mm;
 use crate::page::{Kind, PageLock, PageState};
@@ -44,7 +46,7 @@ struct Placements {
 /// What a region keeps between vma events: pages mremap moved out, still to be put in
 /// place, and the bounds of the addresses they go to (read by the SIGBUS handler).
 pub(crate) struct VmaState {
-    placements: std::sync::Mutex<Placements>,
+    placements: StatMutex<Placements>,
     pending_lo: AtomicUsize,
     pending_hi: AtomicUsize,
 }
@@ -52,10 +54,17 @@ pub(crate) struct VmaState {
 impl Default for VmaState {
     fn default() -> VmaState {
         VmaState {
-            placements: Default::default(),
+            placements: StatMutex::new(Rank::VmaPlacements, Placements::default()),
             pending_lo: AtomicUsize::new(usize::MAX),
             pending_hi: AtomicUsize::new(0),
         }
+    }
+}
+
+impl VmaState {
+    /// The statistics of the placements' lock (`vma_placements`).
+    pub fn lockstat(&self) -> LockClass {
+        LockClass::sum("vma_placements", [&self.placements])
     }
 }
 
@@ -265,8 +274,8 @@ impl<'a> Vma<'a> {
         }
     }
 
-    fn placements(&self) -> std::sync::MutexGuard<'a, Placements> {
-        crate::sync::lock_std(&self.state.placements)
+    fn placements(&self) -> StatGuard<'a, Placements> {
+        self.state.placements.lock()
     }
 
     /// Widens the range where faults wait for placements to cover `[lo, hi)`.

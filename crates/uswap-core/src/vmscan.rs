@@ -5,13 +5,15 @@
 use crate::breakdown::{Laps, Phase};
 use crate::config::Watermarks;
 use crate::error::{Error, Result};
+use crate::lockdep::Rank;
+use crate::lockstat::{LockClass, StatMutex};
 use crate::lru::LruList;
 use crate::mm::Mm;
 use crate::page::{Kind, PageLock};
-use crate::sync::lock_std;
+use crate::sync::Condvar;
 use crate::PAGE_SIZE;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// Direct reclaim gives up after this long without finding a free page.
@@ -25,20 +27,30 @@ const REFILL_BATCHES: usize = 4;
 const LOOK_AROUND_SHARE: usize = 4;
 
 /// Wake-up channel of the background reclaimer.
-#[derive(Default)]
 struct Kswapd {
     /// Test hook: the next wake-up panics (`Region::inject_kswapd_panic`).
     inject_panic: AtomicBool,
     pending: AtomicBool,
-    lock: Mutex<()>,
+    lock: StatMutex<()>,
     cv: Condvar,
+}
+
+impl Default for Kswapd {
+    fn default() -> Kswapd {
+        Kswapd {
+            inject_panic: AtomicBool::new(false),
+            pending: AtomicBool::new(false),
+            lock: StatMutex::new(Rank::Kswapd, ()),
+            cv: Condvar::new(),
+        }
+    }
 }
 
 impl Kswapd {
     /// Asks kswapd to run; cheap when a wake-up is already pending.
     fn wake(&self) {
         if !self.pending.load(Relaxed) {
-            let _g = lock_std(&self.lock);
+            let _g = self.lock.lock();
             self.pending.store(true, Relaxed);
             self.cv.notify_one();
         }
@@ -46,13 +58,12 @@ impl Kswapd {
 
     /// Sleeps until woken (or a periodic check is due).
     fn sleep(&self) {
-        let g = lock_std(&self.lock);
+        let g = self.lock.lock();
         if !self.pending.load(Relaxed) {
-            drop(
-                self.cv
-                    .wait_timeout(g, Duration::from_millis(100))
-                    .unwrap_or_else(|e| e.into_inner()),
-            );
+            drop(g.wait_with(|g| {
+                let waited = self.cv.wait_timeout(g, Duration::from_millis(100));
+                waited.unwrap_or_else(|e| e.into_inner()).0
+            }));
         }
         self.pending.store(false, Relaxed);
     }
@@ -554,6 +565,11 @@ pub(crate) fn spawn_kswapd<T: Send + Sync + 'static>(
 }
 
 impl Reclaim {
+    /// The statistics of kswapd's wake-up lock (`kswapd`).
+    pub fn lockstat(&self) -> LockClass {
+        LockClass::sum("kswapd", [&self.kswapd.lock])
+    }
+
     /// Test hook: kswapd's next wake-up panics, as a bug would.
     pub fn inject_kswapd_panic(&self) {
         self.kswapd.inject_panic.store(true, Relaxed);

@@ -33,6 +33,7 @@
 
 use crate::config::SlotAlloc;
 use crate::list::{Link, Links, ListHead};
+use crate::lockdep::Rank;
 use crate::lockstat::{LockClass, StatMutex};
 use crate::sync::AtomicU64;
 use crossbeam_utils::CachePadded;
@@ -163,7 +164,7 @@ impl ClusterTable {
         for segment in 0..=segment_of(last).0 {
             self.segments[segment].get_or_init(|| {
                 (0..1 << segment)
-                    .map(|_| StatMutex::new(Cluster::new(self.cluster_size)))
+                    .map(|_| StatMutex::new(Rank::SwapCluster, Cluster::new(self.cluster_size)))
                     .collect()
             });
         }
@@ -268,14 +269,19 @@ impl ClusterAllocator {
             mode,
             cluster_size,
             bases: (0..bases)
-                .map(|_| CachePadded::new(StatMutex::new(ScanBase { current: None })))
+                .map(|_| {
+                    CachePadded::new(StatMutex::new(Rank::SwapScan, ScanBase { current: None }))
+                })
                 .collect(),
             clusters: ClusterTable::new(cluster_size),
-            lists: StatMutex::new(Lists {
-                free: ListHead::EMPTY,
-                nonfull: ListHead::EMPTY,
-                nodes: ListNodes(Vec::new()),
-            }),
+            lists: StatMutex::new(
+                Rank::SwapLists,
+                Lists {
+                    free: ListHead::EMPTY,
+                    nonfull: ListHead::EMPTY,
+                    nodes: ListNodes(Vec::new()),
+                },
+            ),
             slots: AtomicU64::new(0),
             used: AtomicU64::new(0),
         };

@@ -17,6 +17,8 @@ pub use backing::Backing;
 pub use cluster::SlotId;
 pub use seal::speed as sealing_speed;
 
+use crate::lockdep::Rank;
+use crate::lockstat::{LockClass, StatMutex};
 use crate::{Error, IoMode, SlotAlloc, SwapConfig, SwapEncryption, SwapLocation, PAGE_SIZE};
 use arrayvec::ArrayVec;
 use cluster::ClusterAllocator;
@@ -27,7 +29,7 @@ use std::os::fd::AsRawFd;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering, Ordering::Relaxed};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 use swap_io::PageBuf;
 use swap_io::{IoEngine, PageOp, SignalBatch, SIGNAL_BATCH};
@@ -118,7 +120,7 @@ pub struct SwapDevice {
     cache: SwapCache,
     /// For a growing file: bytes allocated to it so far and when growing last failed.
     /// `None` for a fixed size.
-    grown: Option<Mutex<Growth>>,
+    grown: Option<StatMutex<Growth>>,
     /// Set while the file system refuses to let a growing file grow (ENOSPC).
     growth_failed: AtomicBool,
     /// Set once the file system said it cannot punch holes: freed clusters stay in the file.
@@ -158,7 +160,7 @@ impl SwapDevice {
             }
             None => (
                 free_space_slots(&file).map_err(create_error)?,
-                Some(Mutex::new(Growth::default())),
+                Some(StatMutex::new(Rank::SwapGrowth, Growth::default())),
             ),
         };
         let initial = if grown.is_some() { 0 } else { capacity };
@@ -544,11 +546,18 @@ impl SwapDevice {
         self.slots.mode()
     }
 
-    /// The statistics of the device's locks: the swap cache's (`swap_cache`) and the slot
-    /// allocator's (`swap_scan`, `swap_cluster`, `swap_lists`).
-    pub fn lockstat(&self) -> Vec<crate::lockstat::LockClass> {
+    /// The statistics of the device's locks: the swap cache's (`swap_cache`), the slot
+    /// allocator's (`swap_scan`, `swap_cluster`, `swap_lists`), the I/O rings' pool
+    /// (`io_rings`) and a growing file's size (`swap_growth`).
+    pub fn lockstat(&self) -> Vec<LockClass> {
         let mut classes = vec![self.cache.lockstat()];
         classes.extend(self.slots.lockstat());
+        classes.extend(self.io.lockstat());
+        classes.extend(
+            self.grown
+                .as_ref()
+                .map(|g| LockClass::sum("swap_growth", [g])),
+        );
         classes
     }
 
@@ -568,7 +577,7 @@ impl SwapDevice {
         let Some(growth) = &self.grown else {
             return false;
         };
-        let mut growth = growth.lock().unwrap_or_else(|e| e.into_inner());
+        let mut growth = growth.lock();
         if self.slots.used() < self.slots.slots() {
             return true; // another thread grew the file, or a slot was freed meanwhile
         }

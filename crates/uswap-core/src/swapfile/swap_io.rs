@@ -25,6 +25,8 @@ mod page_buf;
 mod signal_ring;
 
 use crate::config::FaultPlan;
+use crate::lockdep::Rank;
+use crate::lockstat::{LockClass, StatMutex};
 use crate::{IoMode, PAGE_SIZE};
 use io_uring::{opcode, types, IoUring, Probe};
 pub use page_buf::PageBuf;
@@ -35,7 +37,6 @@ use std::fs::File;
 use std::io;
 use std::os::fd::{AsRawFd, RawFd};
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
-use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 thread_local! {
@@ -127,11 +128,17 @@ impl IoEngine {
         }
     }
 
+    /// The statistics of the ring pool's lock (`io_rings`), when the engine has rings.
+    pub(crate) fn lockstat(&self) -> Option<LockClass> {
+        let pool = self.rings.as_ref()?;
+        Some(LockClass::sum("io_rings", [&pool.0]))
+    }
+
     /// In a fork child, for an engine it abandons: closes the rings' descriptors, which
     /// are the parent's rings. A pool its parent was using at the fork is left alone.
     pub(crate) fn close_in_child(&self) {
         if let Some(pool) = &self.rings {
-            if let Ok(rings) = pool.0.try_lock() {
+            if let Some(rings) = pool.0.try_lock() {
                 for ring in rings.iter() {
                     // SAFETY: the abandoned engine never uses its rings again.
                     unsafe { libc::close(ring.as_raw_fd()) };
@@ -501,7 +508,7 @@ unsafe fn run_sync(fd: RawFd, t: &mut Transfer, ctx: &Ctx<'_>) -> io::Result<()>
 }
 
 /// Rings not in use right now. A thread takes one for a batch and gives it back after.
-struct RingPool(Mutex<Vec<IoUring>>);
+struct RingPool(StatMutex<Vec<IoUring>>);
 
 impl RingPool {
     /// A pool holding one ring, or `None` when this kernel cannot do our reads and writes
@@ -512,18 +519,18 @@ impl RingPool {
         ring.submitter().register_probe(&mut probe).ok()?;
         let usable =
             probe.is_supported(opcode::Read::CODE) && probe.is_supported(opcode::Write::CODE);
-        usable.then(|| RingPool(Mutex::new(vec![ring])))
+        usable.then(|| RingPool(StatMutex::new(Rank::RingPool, vec![ring])))
     }
 
     /// A ring from the pool, or a new one; `None` if none can be made now (e.g. out of
     /// locked memory), in which case the caller does this batch with pread/pwrite.
     fn take(&self) -> Option<IoUring> {
-        let pooled = self.0.lock().unwrap_or_else(|e| e.into_inner()).pop();
+        let pooled = self.0.lock().pop();
         pooled.or_else(|| IoUring::new(RING_ENTRIES).ok())
     }
 
     fn give_back(&self, ring: IoUring) {
-        self.0.lock().unwrap_or_else(|e| e.into_inner()).push(ring);
+        self.0.lock().push(ring);
     }
 
     /// # Safety

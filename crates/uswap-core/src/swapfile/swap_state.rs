@@ -12,10 +12,12 @@
 //! The cache is split into address spaces of [`TRUNK_SLOTS`] slots (64 MiB of swap), each
 //! under its own lock, as the kernel split `swapper_spaces` in 4.11; [`SwapCacheMode::Single`]
 //! puts the whole device under one lock instead, to show what the split buys. A trunk's
-//! table is allocated on first use. Lock order: a leaf (see `page.rs`).
+//! table is allocated on first use. Lock order: `lockdep.rs` (under page locks and
+//! readahead's window; nothing under it).
 
 use super::cluster::SlotId;
 use crate::config::SwapCacheMode;
+use crate::lockdep::Rank;
 use crate::lockstat::{LockClass, StatMutex};
 use serde::Serialize;
 
@@ -112,9 +114,12 @@ impl SwapCache {
     pub fn new(mode: SwapCacheMode, slots: u64) -> SwapCache {
         let trunks = slots.div_ceil(TRUNK_SLOTS).max(1) as usize;
         let space = |n: usize| {
-            StatMutex::new(Space {
-                trunks: (0..n).map(|_| Trunk::default()).collect(),
-            })
+            StatMutex::new(
+                Rank::SwapCache,
+                Space {
+                    trunks: (0..n).map(|_| Trunk::default()).collect(),
+                },
+            )
         };
         let spaces = match mode {
             SwapCacheMode::Single => vec![space(trunks)],
