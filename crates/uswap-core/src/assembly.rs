@@ -206,6 +206,7 @@ impl Assembly {
         inner.kswapd = Some(crate::vmscan::spawn_kswapd(
             fault.clone(),
             FaultPath::reclaim,
+            crate::walker::after_reclaim,
         )?);
         inner.source = Some(match inner.cfg.fault_mode {
             // `build` resolved auto.

@@ -166,6 +166,8 @@ pub(crate) struct Mm {
     /// `/proc/self/pagemap`, to tell whether a page the table calls active is really mapped.
     pagemap: Option<std::fs::File>,
     shutdown: AtomicBool,
+    /// Set while the invariant walker holds every page lock (`walker.rs`).
+    walking: AtomicBool,
     /// This region's number in its swap device's swap cache and owner table.
     id: u32,
 }
@@ -220,6 +222,7 @@ impl Mm {
             breakdown: p.breakdown.then(Breakdown::new),
             slots_held: AtomicU64::new(0),
             shutdown: AtomicBool::new(false),
+            walking: AtomicBool::new(false),
             id: next_region_id(),
         })
     }
@@ -332,6 +335,17 @@ impl Mm {
         let lo = start.max(self.start()).min(self.start() + self.len());
         let hi = end.max(lo).min(self.start() + self.len());
         (lo - self.start()) / PAGE_SIZE..(hi - self.start()).div_ceil(PAGE_SIZE)
+    }
+
+    /// Whether the invariant walker holds every page lock: reclaim finds nothing to take
+    /// meanwhile, which is not a sign of being out of memory.
+    pub fn walking(&self) -> bool {
+        self.walking.load(Relaxed)
+    }
+
+    #[cfg(debug_assertions)]
+    pub(crate) fn set_walking(&self, walking: bool) {
+        self.walking.store(walking, Relaxed);
     }
 
     pub fn shutting_down(&self) -> bool {

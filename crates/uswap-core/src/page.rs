@@ -409,6 +409,13 @@ impl PageLock<'_> {
 
 impl Drop for PageLock<'_> {
     fn drop(&mut self) {
+        // The end of every page event: what it leaves must be a state a page can be in.
+        debug_assert!(
+            self.state.is_well_formed(),
+            "page {} left malformed: {:?}",
+            self.page,
+            self.state
+        );
         self.word.store(self.state.0, Release);
         lockdep::released(Rank::Page);
     }

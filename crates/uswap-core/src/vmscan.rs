@@ -216,6 +216,10 @@ impl Reclaim {
                 // may be waiting for the page lock this fault holds: back out.
                 return Err(ChargeFailure::EventsPending);
             }
+            if self.mm.walking() {
+                // The walker holds every page for a while: not out of memory.
+                deadline = None;
+            }
             // Only a charge that has to wait reads the clock.
             let give_up = *deadline.get_or_insert_with(|| Instant::now() + OOM_AFTER);
             if Instant::now() > give_up {
@@ -550,13 +554,15 @@ pub(crate) enum ChargeFailure {
 pub(crate) fn spawn_kswapd<T: Send + Sync + 'static>(
     owner: Arc<T>,
     reclaim: fn(&T) -> &Reclaim,
+    after_balancing: fn(&T),
 ) -> Result<std::thread::JoinHandle<()>> {
     let supervised = move || {
         let r = reclaim(&owner);
         let panicked = || {
             r.mm.vmstat().handler_panics.fetch_add(1, Relaxed);
         };
-        crate::signals::supervise("kswapd", || kswapd(r), panicked);
+        let balanced = || after_balancing(&owner);
+        crate::signals::supervise("kswapd", || kswapd(r, balanced), panicked);
     };
     crate::signals::spawn_quiet("uswap-kswapd", supervised).map_err(|source| Error::Os {
         op: "spawn kswapd",
@@ -583,8 +589,8 @@ impl Reclaim {
 }
 
 /// Balances the region: whenever free pages drop under the low watermark, reclaim until
-/// they reach the high one.
-fn kswapd(r: &Reclaim) {
+/// they reach the high one, then calls `balanced`.
+fn kswapd(r: &Reclaim, balanced: impl Fn()) {
     let budget = r.mm.budget();
     while !r.mm.shutting_down() {
         r.kswapd.sleep();
@@ -603,5 +609,6 @@ fn kswapd(r: &Reclaim) {
                 break;
             }
         }
+        balanced();
     }
 }

@@ -4,11 +4,58 @@
 //!
 //! It locks every page, so it waits for faults and reclaim in progress and stops them
 //! while it runs: for tests, debugging and debug builds, never a release hot path.
+//!
+//! Debug builds run it inside the code too: kswapd walks its region at the end of each
+//! balancing run (one walk per [`WALK_EVERY`] in the process, regions of up to
+//! [`WALK_MAX_PAGES`] pages),
+//! and a disagreement aborts the process with the walker's report, so the test that
+//! caused it fails where it happened. Release builds do neither.
 
+use crate::fault::FaultPath;
 use crate::lru::LruList;
 use crate::mm::Mm;
 use crate::page::{Kind, PageLock};
 use crate::vma::Vma;
+
+/// Debug builds: the least time between two walks by kswapd, in the process.
+#[cfg(debug_assertions)]
+pub(crate) const WALK_EVERY: std::time::Duration = std::time::Duration::from_millis(100);
+
+/// Debug builds: kswapd walks regions of at most this many pages (1 GiB); a walk reads
+/// pagemap once per page.
+#[cfg(debug_assertions)]
+pub(crate) const WALK_MAX_PAGES: usize = 1 << 18;
+
+/// Called by kswapd at the end of each balancing run: in debug builds, walks the region
+/// (see the module's text) and aborts on a disagreement; nothing in release builds.
+pub(crate) fn after_reclaim(fault: &FaultPath) {
+    #[cfg(debug_assertions)]
+    {
+        use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+        use std::sync::OnceLock;
+        use std::time::Instant;
+        static START: OnceLock<Instant> = OnceLock::new();
+        static LAST_WALK_MS: AtomicU64 = AtomicU64::new(0);
+        let mm = fault.mm();
+        let now = START.get_or_init(Instant::now).elapsed().as_millis() as u64;
+        let last = LAST_WALK_MS.load(Relaxed);
+        let due = last == 0 || now.saturating_sub(last) >= WALK_EVERY.as_millis() as u64;
+        if !due || mm.pages().len() > WALK_MAX_PAGES {
+            return;
+        }
+        LAST_WALK_MS.store(now.max(1), Relaxed);
+        if let Some(Err(report)) = try_check_region(mm, &fault.vma()) {
+            // Straight to the descriptor: a test harness would capture `eprintln!`, and
+            // lose it with the process.
+            let msg = format!("uswap: the invariant walker found, after reclaim:\n{report}\n");
+            // SAFETY: writing a buffer we own to stderr.
+            unsafe { libc::write(2, msg.as_ptr().cast(), msg.len()) };
+            std::process::abort();
+        }
+    }
+    #[cfg(not(debug_assertions))]
+    let _ = fault;
+}
 
 /// Walks the region and checks that page states, LRU lists, budget, staging frames and
 /// swap slots agree. For tests and debugging: it locks every page, so it waits for
@@ -16,6 +63,27 @@ use crate::vma::Vma;
 pub(crate) fn check_region(mm: &Mm, vma: &Vma<'_>) -> Result<(), String> {
     mm.lru().drain_all();
     let locks: Vec<PageLock<'_>> = (0..mm.pages().len()).map(|p| mm.pages().lock(p)).collect();
+    check_locked(mm, vma, locks)
+}
+
+/// [`check_region`] from inside the code (kswapd): it only try-locks, and gives up
+/// (`None`, nothing checked) at the first page another thread holds. A thread holding a
+/// page lock may be waiting for memory, which reclaim cannot free while the walker holds
+/// the rest; reclaim's out-of-memory clock stops while the walker runs (`Mm::walking`).
+#[cfg(debug_assertions)]
+fn try_check_region(mm: &Mm, vma: &Vma<'_>) -> Option<Result<(), String>> {
+    mm.lru().drain_all();
+    mm.set_walking(true);
+    let locks: Option<Vec<PageLock<'_>>> = (0..mm.pages().len())
+        .map(|p| mm.pages().try_lock(p))
+        .collect();
+    let checked = locks.map(|locks| check_locked(mm, vma, locks));
+    mm.set_walking(false);
+    checked
+}
+
+/// The checks, on a region whose pages `locks` holds, every one.
+fn check_locked(mm: &Mm, vma: &Vma<'_>, locks: Vec<PageLock<'_>>) -> Result<(), String> {
     let mut errors = Vec::new();
     let mut resident = 0u64;
     let mut slots = std::collections::HashSet::new();
