@@ -15,7 +15,7 @@ use crate::lru::LruList;
 use crate::mm::Mm;
 use crate::page::{Kind, PageLock};
 use crate::readahead::{read_around, read_around_in_signal, Destination, ReadaheadState, Window};
-use crate::stats::FaultKind;
+use crate::stats::{FaultKind, VmEvent};
 use crate::vma::{Vma, VmaState};
 use crate::vmscan::{ChargeFailure, Reclaim};
 use crate::PAGE_SIZE;
@@ -129,7 +129,7 @@ impl FaultPath {
     /// [`FaultPath::resolve_in_signal`]).
     pub fn handle_fault(&self, page: usize, write_protect: Option<bool>, write: bool) -> Outcome {
         let mm = self.mm();
-        mm.vmstat().pgfault.fetch_add(1, Relaxed);
+        mm.count(VmEvent::pgfault, 1);
         let start = Instant::now();
         let lock = mm.pages().lock(page);
         let mut laps = Laps::new(mm.breakdown(), start);
@@ -188,7 +188,7 @@ impl FaultPath {
             },
             _ => return None,
         };
-        mm.vmstat().pgfault.fetch_add(1, Relaxed);
+        mm.count(VmEvent::pgfault, 1);
         Some(outcome)
     }
 
@@ -222,7 +222,7 @@ impl FaultPath {
         if self.events_pending() {
             return Outcome::Retry;
         }
-        mm.vmstat().unexplained_faults.fetch_add(1, Relaxed);
+        mm.count(VmEvent::unexplained_faults, 1);
         let mut lock = lock;
         let held = lock.poison();
         self.mm().release_held(held);
@@ -256,15 +256,11 @@ impl FaultPath {
         let zeros = mm.zeros() as *const u8;
         let len = (1 + after.len()) * PAGE_SIZE;
         // Counted before the fill, which wakes the thread (see `first_touch`).
-        mm.vmstat()
-            .pgzerofill
-            .fetch_add(1 + after.len() as u64, Relaxed);
+        mm.count(VmEvent::pgzerofill, 1 + after.len() as u64);
         let mut filled = mm.uffd().copy(mm.page_addr(page), zeros, len, false);
         if !after.is_empty() && matches!(&filled, Err(p) if p.failed_whole()) {
             // The window may span two mappings: the page alone.
-            mm.vmstat()
-                .pgzerofill
-                .fetch_sub(after.len() as u64, Relaxed);
+            mm.uncount(VmEvent::pgzerofill, after.len() as u64);
             after.clear();
             filled = mm.uffd().copy(mm.page_addr(page), zeros, PAGE_SIZE, false);
         }
@@ -272,9 +268,7 @@ impl FaultPath {
             Ok(()) => 1 + after.len(),
             Err(p) => p.done / PAGE_SIZE,
         };
-        mm.vmstat()
-            .pgzerofill
-            .fetch_sub((1 + after.len() - done) as u64, Relaxed);
+        mm.uncount(VmEvent::pgzerofill, (1 + after.len() - done) as u64);
         if done > 0 {
             mm.lru().cache_add(LruList::Active, page, false);
             for l in &after[..done - 1] {
@@ -324,7 +318,7 @@ impl FaultPath {
             // see it (a sequential rewrite's windows stayed at two pages without this).
             if mm.swap().cache().mark_used(slot, mm.region_id()) {
                 self.readahead.written_hit(lock.page());
-                mm.vmstat().swap_ra_hit.fetch_add(1, Relaxed);
+                mm.count(VmEvent::swap_ra_hit, 1);
             }
             mm.release_slot(slot);
         }
@@ -377,7 +371,7 @@ impl FaultPath {
         }
         // Counters move before the fill, which wakes the faulting thread: a caller that
         // reads them right after its access must see this fault.
-        mm.vmstat().pgzerofill.fetch_add((hi - lo) as u64, Relaxed);
+        mm.count(VmEvent::pgzerofill, (hi - lo) as u64);
         let zeros = mm.zeros() as *const u8;
         let mut filled = mm
             .uffd()
@@ -390,7 +384,7 @@ impl FaultPath {
             }
             let others = (hi - lo - 1) as u64;
             mm.budget().uncharge(others);
-            mm.vmstat().pgzerofill.fetch_sub(others, Relaxed);
+            mm.uncount(VmEvent::pgzerofill, others);
             (lo, hi) = (page, page + 1);
             filled = mm.uffd().copy(mm.page_addr(page), zeros, PAGE_SIZE, false);
         }
@@ -412,7 +406,7 @@ impl FaultPath {
         let unfilled = (hi - lo - done) as u64;
         if unfilled > 0 {
             mm.budget().uncharge(unfilled);
-            mm.vmstat().pgzerofill.fetch_sub(unfilled, Relaxed);
+            mm.uncount(VmEvent::pgzerofill, unfilled);
         }
         let mut lock = lock;
         if page < lo + done {
@@ -456,7 +450,7 @@ impl FaultPath {
             }
             return self.fail(lock, &format!("zero-fill failed: {p}"), false);
         }
-        mm.vmstat().pgzerofill.fetch_add(1, Relaxed);
+        mm.count(VmEvent::pgzerofill, 1);
         lock.map_new();
         mm.lru().cache_add(LruList::Active, lock.page(), false);
         drop(lock);
@@ -500,7 +494,7 @@ impl FaultPath {
         let st = lock.state();
         let clean = st.slot().is_some() && mm.caps().write_protect;
         let mut copied = clean;
-        mm.vmstat().pgactivate.fetch_add(1, Relaxed);
+        mm.count(VmEvent::pgactivate, 1);
         let mut back = if clean {
             mm.uffd().copy(dst, src as *const u8, PAGE_SIZE, true)
         } else {
@@ -511,7 +505,7 @@ impl FaultPath {
             back = mm.uffd().copy(dst, src as *const u8, PAGE_SIZE, false);
         }
         if let Err(p) = back {
-            mm.vmstat().pgactivate.fetch_sub(1, Relaxed);
+            mm.uncount(VmEvent::pgactivate, 1);
             if p.vanished() || p.busy() {
                 return Some(Outcome::Retry);
             }
@@ -590,19 +584,19 @@ impl FaultPath {
         };
         if let Err(e) = read {
             drop(buf);
-            let counter = match e {
+            let event = match e {
                 crate::swapfile::ReadError::Checksum { .. }
-                | crate::swapfile::ReadError::Tag { .. } => &mm.vmstat().verify_errors,
-                _ => &mm.vmstat().io_errors,
+                | crate::swapfile::ReadError::Tag { .. } => VmEvent::verify_errors,
+                _ => VmEvent::io_errors,
             };
-            counter.fetch_add(1, Relaxed);
+            mm.count(event, 1);
             let held = lock.poison();
             self.mm().release_held(held);
             let why = format!("swap-in from slot {slot} failed: {e}; the page's data is lost");
             return self.fail(lock, &why, false);
         }
         laps.lap(Phase::Read);
-        mm.vmstat().pswpin.fetch_add(1, Relaxed);
+        mm.count(VmEvent::pswpin, 1);
         // Keep the swap copy (and write-protect to learn of the first write) unless swap
         // space is getting short, as the kernel frees the slot when vm_swap_full(), or the
         // access is a write. A page of a window the walk writes is mapped dirty too, but
@@ -616,26 +610,24 @@ impl FaultPath {
         // slot; a page whose slot is already freed waits for memory as before.
         match self.reclaim.charge(1, keep) {
             Ok(_) => {}
-            Err(ChargeFailure::EventsPending) => {
-                mm.vmstat().pswpin.fetch_sub(1, Relaxed);
-                return Outcome::Retry;
-            }
+            // The read stays counted: the retry reads the page again.
+            Err(ChargeFailure::EventsPending) => return Outcome::Retry,
             Err(ChargeFailure::OutOfMemory) if keep || self.write_back(&mut lock, buf.as_ptr()) => {
                 drop(buf);
                 return self.fail(lock, OOM, true);
             }
             Err(_) => {
                 mm.budget().overdraw(1);
-                mm.vmstat().overdraft.fetch_add(1, Relaxed);
+                mm.count(VmEvent::overdraft, 1);
             }
         }
-        mm.vmstat().pgmajfault.fetch_add(1, Relaxed);
+        mm.count(VmEvent::pgmajfault, 1);
         laps.lap(Phase::Charge);
         let addr = mm.page_addr(lock.page());
         let mapped = mm.uffd().copy(addr, buf.as_ptr(), PAGE_SIZE, clean);
         laps.lap(Phase::Map);
         if let Err(p) = mapped {
-            mm.vmstat().pgmajfault.fetch_sub(1, Relaxed);
+            mm.uncount(VmEvent::pgmajfault, 1);
             mm.budget().uncharge(1);
             let written = keep || self.write_back(&mut lock, buf.as_ptr());
             drop(buf);
@@ -738,14 +730,13 @@ impl FaultPath {
                 .cache()
                 .add(slot, mm.cache_entry(lock.page(), false));
         }
-        mm.vmstat().pswpin.fetch_add(1, Relaxed);
-        mm.vmstat().pgmajfault.fetch_add(1, Relaxed);
+        mm.count(VmEvent::pswpin, 1);
+        mm.count(VmEvent::pgmajfault, 1);
         let mapped = mm
             .uffd()
             .copy(mm.page_addr(lock.page()), data, PAGE_SIZE, keep);
         if let Err(p) = mapped {
-            mm.vmstat().pswpin.fetch_sub(1, Relaxed);
-            mm.vmstat().pgmajfault.fetch_sub(1, Relaxed);
+            mm.uncount(VmEvent::pgmajfault, 1);
             mm.budget().uncharge(1);
             if keep {
                 mm.swap().cache().delete(slot);
@@ -796,7 +787,7 @@ impl FaultPath {
                 .filter(|&s| cache.mark_used(s, region))
                 .count(),
         };
-        mm.vmstat().swap_ra_hit.fetch_add(used as u64, Relaxed);
+        mm.count(VmEvent::swap_ra_hit, used as u64);
         used as u32
     }
 
@@ -807,7 +798,7 @@ impl FaultPath {
         if let Some(e) = found {
             self.readahead.cache_hit(e.page as usize, e.readahead);
             if e.readahead {
-                self.mm().vmstat().swap_ra_hit.fetch_add(1, Relaxed);
+                self.mm().count(VmEvent::swap_ra_hit, 1);
             }
         }
         found
@@ -819,11 +810,11 @@ impl FaultPath {
         let mm = self.mm();
         let page = lock.page();
         let addr = mm.page_addr(page);
-        mm.vmstat().failed_faults.fetch_add(1, Relaxed);
+        mm.count(VmEvent::failed_faults, 1);
         let poisoned = lock.kind() == Kind::Poisoned;
         drop(lock);
         let detail = if oom {
-            let unmovable = mm.vmstat().pgskip_unmovable.load(Relaxed);
+            let unmovable = mm.vmstat().get(VmEvent::pgskip_unmovable);
             format!(
                 " (memory limit {} pages, swap {} of {} pages used{}; raise the memory limit \
                  or the swap size)",

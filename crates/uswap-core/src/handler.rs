@@ -8,6 +8,7 @@ use crate::fault::{FaultPath, Outcome};
 use crate::lockdep::Rank;
 use crate::lockstat::{LockClass, StatMutex};
 use crate::mmap_changing::Raised;
+use crate::stats::VmEvent;
 use crate::swapfile::swap_io::set_read_wait_hook;
 use crate::sync::Condvar;
 use crate::uffd::{Event, Msg};
@@ -263,7 +264,7 @@ fn handle_message(fault: &FaultPath, event: Event) -> Option<usize> {
     } = event
     else {
         if catch_unwind(AssertUnwindSafe(|| fault.vma().handle_event(event))).is_err() {
-            fault.mm().vmstat().handler_panics.fetch_add(1, Relaxed);
+            fault.mm().count(VmEvent::handler_panics, 1);
             eprintln!("uswap: handling {event:?} panicked; the region may be inconsistent");
         }
         return None;
@@ -288,7 +289,7 @@ fn handle_message(fault: &FaultPath, event: Event) -> Option<usize> {
         Err(_) => {
             // The page lock was released as the panic unwound; the fault it held fails
             // loudly instead of hanging, and the handler goes on serving.
-            fault.mm().vmstat().handler_panics.fetch_add(1, Relaxed);
+            fault.mm().count(VmEvent::handler_panics, 1);
             eprintln!(
                 "uswap: a fault handler panicked on the access to {address:#x}; that access \
                  fails with SIGBUS"

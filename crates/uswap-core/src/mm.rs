@@ -14,7 +14,7 @@ use crate::mapping::Mapping;
 use crate::mmap_changing::MmapChanging;
 use crate::page::{Kind, PageLock, PageState, PageTable};
 use crate::staging::Staging;
-use crate::stats::{FaultKind, FaultLatency, VmStat};
+use crate::stats::{FaultKind, FaultLatency, VmEvent, VmStat};
 use crate::swapfile::swap_io::PageBuf;
 use crate::swapfile::swap_state::CacheEntry;
 use crate::swapfile::SwapDevice;
@@ -263,6 +263,16 @@ impl Mm {
 
     pub fn caps(&self) -> Caps {
         self.caps
+    }
+
+    /// Counts `n` events of one kind in this region's vmstat; returns the count before.
+    pub fn count(&self, event: VmEvent, n: u64) -> u64 {
+        self.vmstat.count(event, n)
+    }
+
+    /// Takes back `n` events counted ahead of a fill that failed (see `stats::VmStat`).
+    pub fn uncount(&self, event: VmEvent, n: u64) {
+        self.vmstat.uncount(event, n);
     }
 
     pub fn vmstat(&self) -> &VmStat {

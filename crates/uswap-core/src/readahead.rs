@@ -25,6 +25,7 @@ use crate::lockdep::Rank;
 use crate::lockstat::{LockClass, StatMutex};
 use crate::lru::LruList;
 use crate::page::{Kind, PageLock};
+use crate::stats::VmEvent;
 use crate::swapfile::swap_io::SIGNAL_BATCH;
 use crate::swapfile::ReadError;
 use crate::vmscan::Reclaim;
@@ -515,7 +516,7 @@ unsafe fn map_ahead(
         if dest != Destination::Clean {
             // Its use will raise no fault to tell: counted now.
             state.cache_hit(page, true);
-            mm.vmstat().swap_ra_hit.fetch_add(1, Relaxed);
+            mm.count(VmEvent::swap_ra_hit, 1);
         }
     };
     let mut i = 0;
@@ -549,8 +550,8 @@ unsafe fn map_ahead(
         }
         i = end;
     }
-    mm.vmstat().swap_ra.fetch_add(read, Relaxed);
-    mm.vmstat().pswpin.fetch_add(read, Relaxed);
+    mm.count(VmEvent::swap_ra, read);
+    mm.count(VmEvent::pswpin, read);
 }
 
 /// `__swapin_nr_pages`: two more than the hits, rounded up to a power of two (from 4),

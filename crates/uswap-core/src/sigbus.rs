@@ -16,6 +16,7 @@ use crate::error::{Error, Result};
 use crate::fault::{FaultPath, Outcome};
 use crate::gup::Pin;
 use crate::page::Kind;
+use crate::stats::VmEvent;
 use crate::sud::{self, raw_syscall, KernelSigaction, SA_RESTORER};
 use crate::uffd::Msg;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
@@ -139,12 +140,7 @@ pub(crate) fn register(fault: &Arc<FaultPath>) -> Result<Service> {
     };
     let supervised = move || {
         let panicked = || {
-            served
-                .fault
-                .mm()
-                .vmstat()
-                .handler_panics
-                .fetch_add(1, Relaxed);
+            served.fault.mm().count(VmEvent::handler_panics, 1);
         };
         crate::signals::supervise("SIGBUS service", || serve(&served), panicked);
     };
@@ -231,7 +227,7 @@ fn serve(s: &Served) {
                         if catch_unwind(AssertUnwindSafe(|| s.fault.vma().handle_event(event)))
                             .is_err()
                         {
-                            mm.vmstat().handler_panics.fetch_add(1, Relaxed);
+                            mm.count(VmEvent::handler_panics, 1);
                             eprintln!("uswap: handling {event:?} panicked");
                         }
                     }
@@ -260,7 +256,7 @@ fn serve_requests(s: &Served) {
         let page = r.page.load(Relaxed);
         let outcome = catch_unwind(AssertUnwindSafe(|| s.fault.handle_fault(page, None, false)))
             .unwrap_or_else(|_| {
-                s.fault.mm().vmstat().handler_panics.fetch_add(1, Relaxed);
+                s.fault.mm().count(VmEvent::handler_panics, 1);
                 eprintln!("uswap: the SIGBUS service panicked on page {page}; that access fails");
                 Outcome::Fatal
             });
@@ -595,7 +591,7 @@ fn resolve(s: &Served, page: usize) -> Outcome {
         }
         Some(outcome) => outcome,
         None => {
-            s.fault.mm().vmstat().sigbus_handovers.fetch_add(1, Relaxed);
+            s.fault.mm().count(VmEvent::sigbus_handovers, 1);
             hand_over(s, page)
         }
     }
@@ -693,7 +689,7 @@ impl CallPins {
             } else if !made_usable(served, pages, write) {
                 self.missed = true;
             }
-            mm.vmstat().syscall_pins.fetch_add(1, Relaxed);
+            mm.count(VmEvent::syscall_pins, 1);
             self.hold(i, pin);
         }
         true

@@ -9,17 +9,52 @@ use std::time::Duration;
 
 macro_rules! vmstat {
     ($($(#[$doc:meta])* $name:ident,)*) => {
-        /// Live counters, updated with relaxed atomics on the hot paths.
-        #[derive(Default)]
-        pub struct VmStat { $($(#[$doc])* pub $name: AtomicU64,)* }
+        /// The events counted, one per counter, named as the counters are (the kernel's
+        /// `vm_event_item`, in lower case).
+        #[allow(non_camel_case_types)]
+        #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+        pub(crate) enum VmEvent { $($(#[$doc])* $name,)* }
+
+        const EVENTS: usize = [$(VmEvent::$name,)*].len();
+
+        /// Live counters, one per [`VmEvent`], bumped only through [`VmStat::count`].
+        ///
+        /// An event is counted when it has happened, with one exception: a fault's own
+        /// counters (`pgzerofill`, `pgactivate`, `pgmajfault`) are counted just before the
+        /// fill that maps its page, because the fill
+        /// wakes the faulting thread, and a program that reads the counters after its
+        /// access must find that access counted. A fill that then fails takes them back
+        /// ([`VmStat::uncount`]).
+        pub struct VmStat { counters: [AtomicU64; EVENTS] }
+
+        impl Default for VmStat {
+            fn default() -> VmStat {
+                VmStat { counters: [const { AtomicU64::new(0) }; EVENTS] }
+            }
+        }
 
         /// A copy of the counters at one moment.
         #[derive(Clone, Copy, Debug, Default, Serialize, serde::Deserialize, PartialEq, Eq)]
         pub struct VmStatSnapshot { $($(#[$doc])* pub $name: u64,)* }
 
         impl VmStat {
+            /// Counts `n` events of one kind (a relaxed add); returns the count before.
+            pub(crate) fn count(&self, event: VmEvent, n: u64) -> u64 {
+                self.counters[event as usize].fetch_add(n, Relaxed)
+            }
+
+            /// Takes back `n` events counted ahead of a fill that failed (see [`VmStat`]).
+            pub(crate) fn uncount(&self, event: VmEvent, n: u64) {
+                self.counters[event as usize].fetch_sub(n, Relaxed);
+            }
+
+            /// The events of one kind so far.
+            pub(crate) fn get(&self, event: VmEvent) -> u64 {
+                self.counters[event as usize].load(Relaxed)
+            }
+
             pub fn snapshot(&self) -> VmStatSnapshot {
-                VmStatSnapshot { $($name: self.$name.load(Relaxed),)* }
+                VmStatSnapshot { $($name: self.get(VmEvent::$name),)* }
             }
         }
 
@@ -261,10 +296,12 @@ mod tests {
     #[test]
     fn snapshot_difference_and_fields() {
         let v = VmStat::default();
-        v.pswpin.fetch_add(3, Relaxed);
+        assert_eq!(v.count(VmEvent::pswpin, 3), 0);
         let a = v.snapshot();
-        v.pswpin.fetch_add(4, Relaxed);
-        v.pgfault.fetch_add(1, Relaxed);
+        assert_eq!(v.count(VmEvent::pswpin, 4), 3, "the count before");
+        v.count(VmEvent::pgfault, 1);
+        v.count(VmEvent::pgfault, 2);
+        v.uncount(VmEvent::pgfault, 2);
         let d = v.snapshot().since(&a);
         assert_eq!((d.pswpin, d.pgfault, d.pswpout), (4, 1, 0));
         assert!(d.fields().contains(&("pswpin", 4)));

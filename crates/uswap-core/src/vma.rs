@@ -25,6 +25,7 @@ use crate::lockstat::{LockClass, StatGuard, StatMutex};
 use crate::lru::LruList;
 use crate::mm::Mm;
 use crate::page::{Kind, PageLock, PageState};
+use crate::stats::VmEvent;
 use crate::uffd::Event;
 use crate::PAGE_SIZE;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::Relaxed};
@@ -151,7 +152,7 @@ impl<'a> Vma<'a> {
                         self.mm.forget_slot(lock);
                         lock.lazyfree();
                         lazy.push(lock.page());
-                        mm.vmstat().pglazyfree.fetch_add(1, Relaxed);
+                        mm.count(VmEvent::pglazyfree, 1);
                     }
                     _ => {
                         mm.lru().remove(lock.page());
@@ -162,7 +163,7 @@ impl<'a> Vma<'a> {
             }
             // Like the kernel's lazy-free list: reclaim takes them first.
             mm.lru().add_tail(LruList::Active, lazy);
-            mm.vmstat().pgdiscard.fetch_add(chunk.len() as u64, Relaxed);
+            mm.count(VmEvent::pgdiscard, chunk.len() as u64);
             first = chunk.end;
         }
     }
@@ -182,7 +183,7 @@ impl<'a> Vma<'a> {
                 mm.lru().remove(page);
                 let held = lock.unmap();
                 self.mm.release_held(held);
-                mm.vmstat().pgunmap.fetch_add(1, Relaxed);
+                mm.count(VmEvent::pgunmap, 1);
             }
         }
     }
@@ -250,7 +251,7 @@ impl<'a> Vma<'a> {
         if let Some(list) = list {
             mm.lru().add(list, [b]);
         }
-        mm.vmstat().pgremap.fetch_add(1, Relaxed);
+        mm.count(VmEvent::pgremap, 1);
     }
 
     /// The page at region page `a` moved to `dst`, outside the region. A mapped page moved
@@ -350,7 +351,7 @@ impl<'a> Vma<'a> {
                             "uswap: page moved by mremap to {dst:#x} could not be read back \
                              from slot {slot}: {e}; it is poisoned"
                         );
-                        mm.vmstat().failed_faults.fetch_add(1, Relaxed);
+                        mm.count(VmEvent::failed_faults, 1);
                         self.poison_at(dst)
                     }
                 };
@@ -392,7 +393,7 @@ impl<'a> Vma<'a> {
             return;
         }
         self.release_foreign(page, page + PAGE_SIZE);
-        self.mm.vmstat().foreign_faults.fetch_add(1, Relaxed);
+        self.mm.count(VmEvent::foreign_faults, 1);
         let _ = self.mm.uffd().wake(page, PAGE_SIZE);
     }
 }

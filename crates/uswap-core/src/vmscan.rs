@@ -10,6 +10,7 @@ use crate::lockstat::{LockClass, StatMutex};
 use crate::lru::LruList;
 use crate::mm::Mm;
 use crate::page::{Kind, PageLock};
+use crate::stats::VmEvent;
 use crate::sync::Condvar;
 use crate::PAGE_SIZE;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
@@ -197,7 +198,7 @@ impl Reclaim {
                 budget.drain_stocks();
             }
             if budget.free() < self.marks.min() {
-                self.mm.vmstat().direct_reclaim.fetch_add(1, Relaxed);
+                self.mm.count(VmEvent::direct_reclaim, 1);
                 if self.shrink() > 0 {
                     // Reclaim is making progress (a lowered limit being reached, say):
                     // out of memory is only declared when it stops.
@@ -361,14 +362,12 @@ impl Reclaim {
             }
             spared += 1;
         }
-        mm.vmstat().pgreferenced.fetch_add(spared as u64, Relaxed);
-        mm.vmstat()
-            .pgskip_pinned
-            .fetch_add(pinned.len() as u64, Relaxed);
+        mm.count(VmEvent::pgreferenced, spared as u64);
+        mm.count(VmEvent::pgskip_pinned, pinned.len() as u64);
         let moving = movable - spared;
         self.move_to_staging(&mut locks[..moving]);
         let inactive = locks.iter().filter(|l| l.kind() == Kind::Inactive).count();
-        mm.vmstat().pgdeactivate.fetch_add(inactive as u64, Relaxed);
+        mm.count(VmEvent::pgdeactivate, inactive as u64);
         let list_of = |l: &PageLock<'_>| match l.kind() {
             Kind::Inactive => Some(LruList::Inactive),
             Kind::Discarded => None,
@@ -424,13 +423,13 @@ impl Reclaim {
                         let stuck = &mut locks[start + partial.done / PAGE_SIZE];
                         match partial.error.raw_os_error() {
                             Some(libc::EINVAL) => {
-                                mm.vmstat().pgskip_unmovable.fetch_add(1, Relaxed);
+                                mm.count(VmEvent::pgskip_unmovable, 1);
                             }
                             // Nothing mapped: the kernel zapped the lazily freed page.
                             Some(libc::ENOENT) if stuck.kind() == Kind::Lazyfree => {
                                 stuck.discard();
                                 mm.budget().uncharge(1);
-                                mm.vmstat().pglazyfreed.fetch_add(1, Relaxed);
+                                mm.count(VmEvent::pglazyfreed, 1);
                             }
                             _ => {}
                         }
@@ -454,7 +453,7 @@ impl Reclaim {
     /// cannot be written (swap full, I/O error) stay in memory on the inactive list.
     pub fn evict(&self, locks: &mut [PageLock<'_>]) -> u64 {
         let mm = &self.mm;
-        mm.vmstat().pgscan.fetch_add(locks.len() as u64, Relaxed);
+        mm.count(VmEvent::pgscan, locks.len() as u64);
         let mut freed_frames = Vec::with_capacity(locks.len());
         let mut writes = Vec::new();
         for (i, lock) in locks.iter_mut().enumerate() {
@@ -464,16 +463,16 @@ impl Reclaim {
                 if let Some(slot) = lock.drop_zero().slot() {
                     mm.release_slot(slot);
                 }
-                mm.vmstat().pgzero_dropped.fetch_add(1, Relaxed);
+                mm.count(VmEvent::pgzero_dropped, 1);
             } else if let Some(slot) = st.slot() {
                 mm.swap().cache().delete(slot);
                 lock.drop_clean();
-                mm.vmstat().pgclean_dropped.fetch_add(1, Relaxed);
+                mm.count(VmEvent::pgclean_dropped, 1);
             } else {
                 match mm.swap().alloc_slot() {
                     Some(slot) => writes.push((i, slot)),
                     None => {
-                        mm.vmstat().swap_full.fetch_add(1, Relaxed);
+                        mm.count(VmEvent::swap_full, 1);
                     }
                 }
                 continue;
@@ -494,7 +493,7 @@ impl Reclaim {
             .map(|l| l.page());
         mm.lru().add(LruList::Inactive, still_inactive);
         mm.budget().uncharge(freed);
-        mm.vmstat().pgsteal.fetch_add(freed, Relaxed);
+        mm.count(VmEvent::pgsteal, freed);
         freed
     }
 
@@ -529,13 +528,13 @@ impl Reclaim {
                 }
                 Err(e) => {
                     mm.swap().free_slot(slot);
-                    if mm.vmstat().io_errors.fetch_add(1, Relaxed) == 0 {
+                    if mm.count(VmEvent::io_errors, 1) == 0 {
                         eprintln!("uswap: swap write to slot {slot} failed: {e}; the page stays in memory");
                     }
                 }
             }
         }
-        mm.vmstat().pswpout.fetch_add(written, Relaxed);
+        mm.count(VmEvent::pswpout, written);
         mm.slots_taken(written);
     }
 }
@@ -559,7 +558,7 @@ pub(crate) fn spawn_kswapd<T: Send + Sync + 'static>(
     let supervised = move || {
         let r = reclaim(&owner);
         let panicked = || {
-            r.mm.vmstat().handler_panics.fetch_add(1, Relaxed);
+            r.mm.count(VmEvent::handler_panics, 1);
         };
         let balanced = || after_balancing(&owner);
         crate::signals::supervise("kswapd", || kswapd(r, balanced), panicked);
@@ -597,7 +596,7 @@ fn kswapd(r: &Reclaim, balanced: impl Fn()) {
         if r.mm.shutting_down() || budget.free() >= r.marks.low() {
             continue;
         }
-        r.mm.vmstat().kswapd_wake.fetch_add(1, Relaxed);
+        r.mm.count(VmEvent::kswapd_wake, 1);
         if r.kswapd.inject_panic.swap(false, Relaxed) {
             panic!("injected kswapd panic (test hook)");
         }
