@@ -385,6 +385,30 @@ impl Mm {
         self.slots_held.fetch_sub(1, Relaxed);
     }
 
+    /// Page event: the page leaves the region's address space (munmap, or the target of
+    /// an mremap): off its list, `Unmapped`, and what it held given back.
+    pub fn unmap_page(&self, lock: &mut PageLock<'_>) {
+        self.lru().remove(lock.page());
+        let held = lock.unmap();
+        self.release_held(held);
+    }
+
+    /// Page event: the page's data goes elsewhere (the source of an mremap): off its list
+    /// and `Unmapped`; what it held is returned for its new place, not given back.
+    pub fn take_out(&self, lock: &mut PageLock<'_>) -> PageState {
+        self.lru().remove(lock.page());
+        lock.unmap()
+    }
+
+    /// Page event: the program discarded a page that is not mapped (MADV_DONTNEED or
+    /// MADV_FREE on an inactive, swapped or poisoned page): off its list, `Discarded`
+    /// (zeros from now on), and what it held given back.
+    pub fn discard_page(&self, lock: &mut PageLock<'_>) {
+        self.lru().remove(lock.page());
+        let held = lock.discard();
+        self.release_held(held);
+    }
+
     /// Gives back what a page held: budget, staging frame, swap slot.
     pub fn release_held(&self, held: PageState) {
         if held.is_resident() {

@@ -149,16 +149,12 @@ impl<'a> Vma<'a> {
                     }
                     Kind::Lazyfree => lazy.push(lock.page()),
                     Kind::Active => {
-                        self.mm.forget_slot(lock);
+                        mm.forget_slot(lock);
                         lock.lazyfree();
                         lazy.push(lock.page());
                         mm.count(VmEvent::pglazyfree, 1);
                     }
-                    _ => {
-                        mm.lru().remove(lock.page());
-                        let held = lock.discard();
-                        self.mm.release_held(held);
-                    }
+                    _ => mm.discard_page(lock),
                 }
             }
             // Like the kernel's lazy-free list: reclaim takes them first.
@@ -180,9 +176,7 @@ impl<'a> Vma<'a> {
         for page in mm.pages_in(start, end) {
             let mut lock = mm.pages().lock(page);
             if lock.kind() != Kind::Unmapped {
-                mm.lru().remove(page);
-                let held = lock.unmap();
-                self.mm.release_held(held);
+                mm.unmap_page(&mut lock);
                 mm.count(VmEvent::pgunmap, 1);
             }
         }
@@ -234,13 +228,10 @@ impl<'a> Vma<'a> {
         };
         if !matches!(dst.kind(), Kind::Unmapped | Kind::None | Kind::Discarded) {
             // The kernel unmapped the target first; its event was handled before this one.
-            mm.lru().remove(b);
-            let held = dst.unmap();
-            self.mm.release_held(held);
+            mm.unmap_page(&mut dst);
         }
         let list = mm.lru().list_of(a);
-        mm.lru().remove(a);
-        let moved = src.unmap();
+        let moved = mm.take_out(&mut src);
         if let Some(slot) = moved.slot() {
             mm.own_slot(slot, b);
             if moved.is_resident() {
@@ -261,8 +252,7 @@ impl<'a> Vma<'a> {
     fn move_out(&self, a: usize, dst: usize) {
         let mm = self.mm;
         let mut lock = mm.pages().lock(a);
-        mm.lru().remove(a);
-        let held = lock.unmap();
+        let held = mm.take_out(&mut lock);
         if let (Kind::Inactive, Some(slot)) = (held.kind(), held.slot()) {
             // No longer a page of the region; the slot is freed once the page is placed.
             mm.swap().cache().delete(slot);
@@ -271,7 +261,7 @@ impl<'a> Vma<'a> {
             Kind::Inactive | Kind::Swapped | Kind::Poisoned => {
                 self.placements().pages.push((dst, held));
             }
-            _ => self.mm.release_held(held),
+            _ => mm.release_held(held),
         }
     }
 
