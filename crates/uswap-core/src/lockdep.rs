@@ -48,10 +48,21 @@
 //! `gup.rs` and the SIGBUS handler's tables are lock-free. The fill gate of
 //! `mmap_changing.rs` is not a lock: a fill waits on it only while a read is in progress.
 
-/// Every lock class, in the order they nest (see the module's text).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
-#[repr(u8)]
-pub(crate) enum Rank {
+/// Declares [`Rank`] and the list of every rank, from one list of names.
+macro_rules! ranks {
+    ($($name:ident,)*) => {
+        /// Every lock class, in the order they nest (see the module's text).
+        #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+        #[repr(u8)]
+        pub(crate) enum Rank { $($name,)* }
+
+        /// Every rank, by number.
+        #[cfg(all(debug_assertions, not(loom)))]
+        const ALL: &[Rank] = &[$(Rank::$name,)*];
+    };
+}
+
+ranks! {
     ForkRegistry,
     Page,
     VmaPlacements,
@@ -76,10 +87,10 @@ pub(crate) enum Rank {
 
 #[cfg(all(debug_assertions, not(loom)))]
 mod checked {
-    use super::Rank;
+    use super::{Rank, ALL};
     use std::cell::Cell;
 
-    const RANKS: usize = Rank::Phases as usize + 1;
+    const RANKS: usize = ALL.len();
 
     impl Rank {
         /// Whether a thread may hold several locks of this rank (taking them in address
@@ -127,30 +138,6 @@ mod checked {
     pub(super) fn held(rank: Rank) -> u32 {
         HELD.with(|held| held[rank as usize].get())
     }
-
-    /// Every rank by number, for messages.
-    const ALL: [Rank; RANKS] = [
-        Rank::ForkRegistry,
-        Rank::Page,
-        Rank::VmaPlacements,
-        Rank::LruBatch,
-        Rank::Lru,
-        Rank::ReadaheadWindow,
-        Rank::StagingPcp,
-        Rank::Staging,
-        Rank::SwapGrowth,
-        Rank::SwapScan,
-        Rank::SwapCluster,
-        Rank::SwapLists,
-        Rank::SwapCache,
-        Rank::RingPool,
-        Rank::Reservation,
-        Rank::Leadership,
-        Rank::RetryList,
-        Rank::Kswapd,
-        Rank::Latency,
-        Rank::Phases,
-    ];
 }
 
 /// Before a blocking acquisition of a `rank` lock: asserts (debug builds) that the thread
