@@ -610,8 +610,10 @@ impl FaultPath {
         // slot; a page whose slot is already freed waits for memory as before.
         match self.reclaim.charge(1, keep) {
             Ok(_) => {}
-            // The read stays counted: the retry reads the page again.
-            Err(ChargeFailure::EventsPending) => return Outcome::Retry,
+            Err(ChargeFailure::EventsPending) => {
+                mm.uncount(VmEvent::pswpin, 1);
+                return Outcome::Retry;
+            }
             Err(ChargeFailure::OutOfMemory) if keep || self.write_back(&mut lock, buf.as_ptr()) => {
                 drop(buf);
                 return self.fail(lock, OOM, true);
@@ -736,6 +738,7 @@ impl FaultPath {
             .uffd()
             .copy(mm.page_addr(lock.page()), data, PAGE_SIZE, keep);
         if let Err(p) = mapped {
+            mm.uncount(VmEvent::pswpin, 1);
             mm.uncount(VmEvent::pgmajfault, 1);
             mm.budget().uncharge(1);
             if keep {

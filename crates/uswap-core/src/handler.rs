@@ -429,7 +429,7 @@ fn kill_faulting_thread(tid: u32) {
     }
 }
 
-#[cfg(test)]
+#[cfg(all(test, not(loom)))]
 mod tests {
     use super::*;
     use std::sync::atomic::AtomicBool;

@@ -192,11 +192,21 @@ impl<G> Ranked<G> {
     /// Passes the lock's own guard through `f`, a condition variable's wait, which
     /// gives it back held. As far as the order goes it stays held throughout.
     pub(crate) fn wait_with(self, f: impl FnOnce(G) -> G) -> Ranked<G> {
+        /// Reports the lock released should `f` unwind (the guard it owns goes with it).
+        struct OnUnwind(Rank);
+        impl Drop for OnUnwind {
+            fn drop(&mut self) {
+                released(self.0);
+            }
+        }
         let this = std::mem::ManuallyDrop::new(self);
         // SAFETY: `this` is never dropped, so the guard read out of it is the only one.
         let guard = unsafe { std::ptr::read(&this.guard) };
+        let on_unwind = OnUnwind(this.rank);
+        let guard = f(guard);
+        std::mem::forget(on_unwind);
         Ranked {
-            guard: f(guard),
+            guard,
             rank: this.rank,
         }
     }

@@ -581,7 +581,7 @@ fn slot_block(slot: u32, win: u32) -> Window {
     }
 }
 
-#[cfg(test)]
+#[cfg(all(test, not(loom)))]
 mod tests {
     use super::*;
 

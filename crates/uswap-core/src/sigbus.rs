@@ -405,7 +405,6 @@ fn handler_is_ours() -> bool {
     }
 }
 
-/// Installs uswap's handler again over one that replaced it, which becomes the one that
 /// Has uswap's SIGBUS handler return through the range's signal return: through the C
 /// library's, each fault of a dispatching thread would cost a second signal. Called when
 /// either handler is installed.
@@ -431,6 +430,7 @@ pub(crate) fn return_through_range() {
     }
 }
 
+/// Installs uswap's handler again over one that replaced it, which becomes the one that
 /// other SIGBUS signals are passed to.
 fn reinstall() {
     // SAFETY: as in install_handler.

@@ -40,11 +40,14 @@ pub(crate) fn after_reclaim(fault: &FaultPath) {
         let now = START.get_or_init(Instant::now).elapsed().as_millis() as u64;
         let last = LAST_WALK_MS.load(Relaxed);
         let due = last == 0 || now.saturating_sub(last) >= WALK_EVERY.as_millis() as u64;
-        if !due || mm.pages().len() > WALK_MAX_PAGES {
+        // While vma events are read or handled, or pages mremap moved out wait to be
+        // placed, the region is between two states: not walked then.
+        let vma = fault.vma();
+        if !due || mm.pages().len() > WALK_MAX_PAGES || mm.mmap_changing() || vma.has_pending() {
             return;
         }
         LAST_WALK_MS.store(now.max(1), Relaxed);
-        if let Some(Err(report)) = try_check_region(mm, &fault.vma()) {
+        if let Some(Err(report)) = try_check_region(mm, &vma) {
             // Straight to the descriptor: a test harness would capture `eprintln!`, and
             // lose it with the process.
             let msg = format!("uswap: the invariant walker found, after reclaim:\n{report}\n");
@@ -63,11 +66,12 @@ pub(crate) fn after_reclaim(fault: &FaultPath) {
 pub(crate) fn check_region(mm: &Mm, vma: &Vma<'_>) -> Result<(), String> {
     mm.lru().drain_all();
     let locks: Vec<PageLock<'_>> = (0..mm.pages().len()).map(|p| mm.pages().lock(p)).collect();
-    check_locked(mm, vma, locks)
+    check_locked(mm, vma, locks, true)
 }
 
-/// [`check_region`] from inside the code (kswapd): it only try-locks, and gives up
-/// (`None`, nothing checked) at the first page another thread holds. A thread holding a
+/// [`check_region`] from inside the code (kswapd), without the kernel's page tables
+/// (the program may be changing them): it only try-locks, and gives up (`None`, nothing
+/// checked) at the first page another thread holds. A thread holding a
 /// page lock may be waiting for memory, which reclaim cannot free while the walker holds
 /// the rest; reclaim's out-of-memory clock stops while the walker runs (`Mm::walking`).
 #[cfg(debug_assertions)]
@@ -77,13 +81,20 @@ fn try_check_region(mm: &Mm, vma: &Vma<'_>) -> Option<Result<(), String>> {
     let locks: Option<Vec<PageLock<'_>>> = (0..mm.pages().len())
         .map(|p| mm.pages().try_lock(p))
         .collect();
-    let checked = locks.map(|locks| check_locked(mm, vma, locks));
+    let checked = locks.map(|locks| check_locked(mm, vma, locks, false));
     mm.set_walking(false);
     checked
 }
 
-/// The checks, on a region whose pages `locks` holds, every one.
-fn check_locked(mm: &Mm, vma: &Vma<'_>, locks: Vec<PageLock<'_>>) -> Result<(), String> {
+/// The checks, on a region whose pages `locks` holds, every one; against the kernel's
+/// page tables too when `kernel_tables` (only where the program is quiet: an munmap or a
+/// discard changes them before uswap reads its event).
+fn check_locked(
+    mm: &Mm,
+    vma: &Vma<'_>,
+    locks: Vec<PageLock<'_>>,
+    kernel_tables: bool,
+) -> Result<(), String> {
     let mut errors = Vec::new();
     let mut resident = 0u64;
     let mut slots = std::collections::HashSet::new();
@@ -102,7 +113,7 @@ fn check_locked(mm: &Mm, vma: &Vma<'_>, locks: Vec<PageLock<'_>>) -> Result<(), 
         }
         // The kernel's page tables must agree: mapped exactly when active, and
         // write-protected when active and clean.
-        if let Some(e) = mm.pagemap_entry(l.page()) {
+        if let Some(e) = kernel_tables.then(|| mm.pagemap_entry(l.page())).flatten() {
             let active = st.kind() == Kind::Active;
             let unknown = matches!(st.kind(), Kind::Poisoned | Kind::Unmapped | Kind::Lazyfree);
             if e.present != active && !unknown {

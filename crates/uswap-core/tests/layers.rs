@@ -13,6 +13,11 @@ use std::path::{Path, PathBuf};
 /// A module path inside its crate, `""` for the crate root (`a::b` for `src/a/b.rs`).
 type Module = String;
 
+/// What `imports` finds for `use crate::*` and `use crate as …`: imports of no one module,
+/// which the test cannot place, so it refuses them.
+const GLOB_OF_ROOT: &str = "crate::*";
+const ALIAS_OF_ROOT: &str = "crate as";
+
 #[test]
 fn imports_run_one_way_in_every_crate() {
     let workspace = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
@@ -40,7 +45,8 @@ fn imports_run_one_way_in_every_crate() {
 }
 
 /// A tree with an upward import (which also makes its directories import in a cycle), a
-/// module in no layer and a table entry with no module is refused, each with its own
+/// module in no layer, a table entry with no module, an import hidden behind forms a
+/// simple reader could miss, and globs of the crate root is refused, each with its own
 /// problem: the check can fail.
 #[test]
 fn an_upward_import_a_cycle_an_unplaced_module_and_a_stale_entry_are_each_found() {
@@ -49,7 +55,7 @@ fn an_upward_import_a_cycle_an_unplaced_module_and_a_stale_entry_are_each_found(
     std::fs::create_dir_all(src.join("low")).unwrap();
     std::fs::write(
         src.join("lib.rs"),
-        "mod low;\nmod high;\nmod stray;\npub use high::Thing;\n",
+        "mod low;\nmod high;\nmod stray;\npub use high::Thing;\npub use low::*;\n",
     )
     .unwrap();
     std::fs::write(
@@ -57,14 +63,25 @@ fn an_upward_import_a_cycle_an_unplaced_module_and_a_stale_entry_are_each_found(
         "use crate::low::{leaf::Leaf, Low};\npub struct Thing;\n",
     )
     .unwrap();
-    std::fs::write(src.join("low/mod.rs"), "pub mod leaf;\npub struct Low;\n").unwrap();
+    std::fs::write(
+        src.join("low/mod.rs"),
+        "pub mod leaf;\npub mod other;\npub struct Low;\n",
+    )
+    .unwrap();
+    // Forms that must not hide an import: a raw identifier, a block comment holding a
+    // quote, a module compiled outside tests, a glob of the crate root.
+    std::fs::write(
+        src.join("low/other.rs"),
+        "fn f(r#type: u8) -> u8 { r#type }\n/* \" */\n#[cfg(not(test))]\nmod real { use crate::high::Thing; }\nuse crate::*;\n",
+    )
+    .unwrap();
     std::fs::write(
         src.join("low/leaf.rs"),
         "pub struct Leaf;\nfn f() { let _ = crate::Thing; }\n#[cfg(test)]\nmod tests { use crate::high::Thing; }\n",
     )
     .unwrap();
     std::fs::write(src.join("stray.rs"), "").unwrap();
-    let doc = "```layers uswap-test\n2 top: high gone\n1 bottom: low low::leaf\n```\n";
+    let doc = "```layers uswap-test\n2 top: high gone\n1 bottom: low low::leaf low::other\n```\n";
     let tables = layer_tables(doc);
     let problems = check_crate(dir.path(), "uswap-test", &tables["uswap-test"]);
     let has = |needle: &str| problems.iter().any(|p| p.contains(needle));
@@ -75,9 +92,15 @@ fn an_upward_import_a_cycle_an_unplaced_module_and_a_stale_entry_are_each_found(
     assert!(has("stray is in no layer"), "{problems:?}");
     assert!(has("gone names no module"), "{problems:?}");
     assert!(has("in a cycle: high -> low -> high"), "{problems:?}");
+    assert!(
+        has("low::other (layer 1) imports high (layer 2)"),
+        "{problems:?}"
+    );
+    assert!(has("low::other uses `crate::*`"), "{problems:?}");
+    assert!(has("re-exports `low::*`"), "{problems:?}");
     assert_eq!(
         problems.len(),
-        4,
+        7,
         "nothing else (a test module may import anything): {problems:?}"
     );
 }
@@ -113,6 +136,12 @@ fn check_crate(dir: &Path, krate: &str, layers: &BTreeMap<Module, u32>) -> Vec<S
     let root_file = files.get("").expect("a crate root");
     let reexports = reexports(root_file, &modules);
     let mut problems = Vec::new();
+    if let Some(from) = reexports.get("*") {
+        problems.push(format!(
+            "{krate}: the crate root re-exports `{from}::*`: name what it re-exports, so \
+             that an import of it can be placed"
+        ));
+    }
     for m in &modules {
         if !layers.contains_key(m) {
             problems.push(format!("{krate}: module {m} is in no layer"));
@@ -137,6 +166,12 @@ fn check_crate(dir: &Path, krate: &str, layers: &BTreeMap<Module, u32>) -> Vec<S
             continue;
         };
         for target in targets {
+            if target == GLOB_OF_ROOT || target == ALIAS_OF_ROOT {
+                problems.push(format!(
+                    "{krate}: {module} uses `{target}`: name the modules it imports from"
+                ));
+                continue;
+            }
             match layers.get(&target) {
                 Some(&to) if to < rank => {}
                 Some(&to) => problems.push(format!(
@@ -224,7 +259,7 @@ fn sources(src: &Path) -> BTreeMap<Module, PathBuf> {
 /// comes from.
 fn reexports(root: &Path, modules: &BTreeSet<Module>) -> BTreeMap<String, Module> {
     let text = std::fs::read_to_string(root).unwrap();
-    let tokens = tokenize(&strip_comments(&text));
+    let tokens = tokenize(&text);
     let mut names = BTreeMap::new();
     let mut i = 0;
     while i + 2 < tokens.len() {
@@ -248,7 +283,7 @@ fn imports(
     modules: &BTreeSet<Module>,
     reexports: &BTreeMap<String, Module>,
 ) -> BTreeSet<Module> {
-    let tokens = tokenize(&strip_comments(text));
+    let tokens = tokenize(text);
     let here: Vec<String> = match module {
         "" => Vec::new(),
         m => m.split("::").map(String::from).collect(),
@@ -285,8 +320,12 @@ fn imports(
                     && (i == 0 || tokens[i - 1] != "::") =>
             {
                 let (paths, next) = use_tree(&tokens, i, Vec::new());
-                for (path, _) in paths {
+                for (path, name) in paths {
                     if let Some(absolute) = absolute(&path, &here, inline.len()) {
+                        if absolute.is_empty() && name == "*" {
+                            found.insert(GLOB_OF_ROOT.into());
+                            continue;
+                        }
                         let target = match absolute.first() {
                             Some(first) if !modules.contains(first.as_str()) => {
                                 reexports.get(first).cloned().unwrap_or_default()
@@ -300,6 +339,9 @@ fn imports(
                 }
                 i = next;
                 continue;
+            }
+            "crate" if tokens.get(i + 1).is_some_and(|t| t == "as") => {
+                found.insert(ALIAS_OF_ROOT.into());
             }
             // A path from a child module of this one (`use cluster::SlotId`).
             word if tokens.get(i + 1).is_some_and(|t| t == "::")
@@ -316,14 +358,29 @@ fn imports(
 }
 
 /// Whether the attributes before a `mod` (`#[cfg(test)]`, `#[cfg(all(test, loom))]`)
-/// compile it only for tests.
+/// compile it only for tests: `test` is required, not negated (`cfg(not(test))`).
 fn test_only(before: &[String]) -> bool {
     let start = before
         .iter()
         .rposition(|t| t == ";" || t == "}")
         .map_or(0, |p| p + 1);
     let attrs = &before[start..];
-    attrs.windows(2).any(|w| w[0] == "cfg" && w[1] == "(") && attrs.iter().any(|t| t == "test")
+    // The predicates `test` sits inside, innermost last.
+    let mut inside: Vec<&str> = Vec::new();
+    let mut required = false;
+    for (i, t) in attrs.iter().enumerate() {
+        match t.as_str() {
+            "(" => inside.push(if i > 0 { attrs[i - 1].as_str() } else { "" }),
+            ")" => {
+                inside.pop();
+            }
+            "test" if inside.first() == Some(&"cfg") && !inside.contains(&"not") => {
+                required = !inside.contains(&"any");
+            }
+            _ => {}
+        }
+    }
+    required
 }
 
 fn child(module: &str, name: &str) -> Module {
@@ -437,8 +494,13 @@ fn tokenize(text: &str) -> Vec<String> {
                 i += 1;
             }
             let word: String = chars[start..i].iter().collect();
-            if (word == "r" || word == "br") && matches!(chars.get(i), Some('#' | '"')) {
+            let hashes = chars[i..].iter().take_while(|&&c| c == '#').count();
+            let raw_string = chars.get(i + hashes) == Some(&'"');
+            if (word == "r" || word == "br") && raw_string {
                 i = after_raw_string(&chars, i);
+            } else if word == "r" && hashes == 1 {
+                // A raw identifier (`r#type`): the identifier follows.
+                i += 1;
             } else {
                 tokens.push(word);
             }
@@ -451,6 +513,13 @@ fn tokenize(text: &str) -> Vec<String> {
                 (Some(_), Some('\'')) => 3,
                 _ => 1,
             };
+        } else if c == '/' && chars.get(i + 1) == Some(&'/') {
+            // A comment, doc comments included (their paths are links, not imports).
+            while i < chars.len() && chars[i] != '\n' {
+                i += 1;
+            }
+        } else if c == '/' && chars.get(i + 1) == Some(&'*') {
+            i = after_block_comment(&chars, i);
         } else if c == ':' && chars.get(i + 1) == Some(&':') {
             tokens.push("::".into());
             i += 2;
@@ -490,13 +559,24 @@ fn after_raw_string(chars: &[char], mut i: usize) -> usize {
     i
 }
 
-/// The text without `//` comments (doc comments included: their paths are links).
-fn strip_comments(text: &str) -> String {
-    text.lines()
-        .map(|line| match line.find("//") {
-            Some(at) if !line[..at].contains('"') => &line[..at],
-            _ => line,
-        })
-        .collect::<Vec<_>>()
-        .join("\n")
+/// The index after the block comment (nested ones included) that starts at `i`.
+fn after_block_comment(chars: &[char], mut i: usize) -> usize {
+    let mut depth = 0;
+    while i < chars.len() {
+        match (chars[i], chars.get(i + 1)) {
+            ('/', Some('*')) => {
+                depth += 1;
+                i += 2;
+            }
+            ('*', Some('/')) => {
+                depth -= 1;
+                i += 2;
+                if depth == 0 {
+                    return i;
+                }
+            }
+            _ => i += 1,
+        }
+    }
+    i
 }
