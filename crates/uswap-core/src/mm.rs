@@ -607,3 +607,87 @@ pub(crate) fn check_page_size() -> Result<()> {
     }
     Ok(())
 }
+
+/// The page events, each on a real region (thread mode, nothing reclaimed unless asked):
+/// what a page held goes where the event says, in the word, the lists, the budget, the
+/// staging frames and the swap slots together.
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use crate::lru::LruList;
+    use crate::page::Kind;
+    use crate::region::{Advice, Region};
+    use crate::{Config, FaultMode, PAGE_SIZE};
+
+    /// A region of 64 pages, all resident and written.
+    fn region() -> Region {
+        let mut cfg = Config::new(1 << 20);
+        cfg.fault_mode = FaultMode::Thread;
+        let region = Region::new(64 * PAGE_SIZE as u64, cfg).unwrap();
+        for page in 0..64 {
+            // SAFETY: inside the region.
+            unsafe {
+                region
+                    .as_ptr()
+                    .add(page * PAGE_SIZE)
+                    .write_volatile(page as u8 + 1)
+            };
+        }
+        region.mm().lru().drain_all();
+        region
+    }
+
+    #[test]
+    fn unmapping_an_active_page_gives_back_its_charge_and_its_place_on_the_list() {
+        let region = region();
+        let mm = region.mm();
+        let resident = mm.budget().resident();
+        let mut lock = mm.pages().lock(5);
+        assert_eq!(lock.kind(), Kind::Active);
+        mm.unmap_page(&mut lock);
+        assert_eq!(lock.kind(), Kind::Unmapped);
+        drop(lock);
+        assert_eq!(mm.budget().resident(), resident - 1);
+        assert_eq!(mm.lru().list_of(5), None);
+    }
+
+    #[test]
+    fn a_page_taken_out_keeps_its_frame_until_what_it_held_is_released() {
+        let region = region();
+        region.advise(0, 8 * PAGE_SIZE, Advice::Cold).unwrap();
+        let mm = region.mm();
+        let free = mm.staging().free_frames().len();
+        let mut lock = mm.pages().lock(3);
+        assert_eq!(lock.kind(), Kind::Inactive);
+        let held = mm.take_out(&mut lock);
+        assert_eq!((lock.kind(), held.kind()), (Kind::Unmapped, Kind::Inactive));
+        assert_eq!(mm.lru().list_of(3), None);
+        assert_eq!(
+            mm.staging().free_frames().len(),
+            free,
+            "the frame goes with the data"
+        );
+        mm.release_held(held);
+        drop(lock);
+        assert_eq!(mm.staging().free_frames().len(), free + 1);
+        assert_eq!(
+            mm.lru().list_of(4),
+            Some(LruList::Inactive),
+            "its neighbour stays"
+        );
+    }
+
+    #[test]
+    fn discarding_a_swapped_page_frees_its_slot() {
+        let region = region();
+        region.advise(0, 8 * PAGE_SIZE, Advice::PageOut).unwrap();
+        let mm = region.mm();
+        let slots = mm.slots_held();
+        let mut lock = mm.pages().lock(2);
+        assert_eq!(lock.kind(), Kind::Swapped);
+        mm.discard_page(&mut lock);
+        assert_eq!((lock.kind(), lock.state().slot()), (Kind::Discarded, None));
+        drop(lock);
+        assert_eq!(mm.slots_held(), slots - 1);
+        region.check_invariants().unwrap();
+    }
+}

@@ -68,6 +68,12 @@ impl Region {
         unsafe { &*self.inner.get() }
     }
 
+    /// The region's memory, for unit tests of the layers under it.
+    #[cfg(all(test, not(loom)))]
+    pub(crate) fn mm(&self) -> &crate::mm::Mm {
+        self.inner().fault().mm()
+    }
+
     /// Start of the region. Its pages read as zeros until written.
     pub fn as_ptr(&self) -> *mut u8 {
         self.inner().fault.mm().start() as *mut u8
