@@ -12,6 +12,7 @@ use crate::breakdown::{Laps, Phase};
 use crate::config::Readahead;
 use crate::lockstat::LockClass;
 use crate::lru::LruList;
+use crate::mm::events::{MappedBack, SlotAfter};
 use crate::mm::Mm;
 use crate::page::{Kind, PageLock};
 use crate::readahead::{read_around, read_around_in_signal, Destination, ReadaheadState, Window};
@@ -224,8 +225,7 @@ impl FaultPath {
         }
         mm.count(VmEvent::unexplained_faults, 1);
         let mut lock = lock;
-        let held = lock.poison();
-        self.mm().release_held(held);
+        mm.poisoned(&mut lock);
         self.fail(
             lock,
             "the page was mapped and is gone (unmapped behind uswap's back, or a hardware \
@@ -312,15 +312,12 @@ impl FaultPath {
         // The slot goes first: clearing the protection wakes the thread, which must find the
         // page dirty by then. A page whose protection then stays is made writable by its
         // next write fault.
-        if let Some(slot) = lock.dirty() {
+        if mm.dirtied(&mut lock) {
             // The first use of a page readahead mapped, when it is a write: credited here,
             // since its slot (and marker) go now and the next window's inference cannot
             // see it (a sequential rewrite's windows stayed at two pages without this).
-            if mm.swap().cache().mark_used(slot, mm.region_id()) {
-                self.readahead.written_hit(lock.page());
-                mm.count(VmEvent::swap_ra_hit, 1);
-            }
-            mm.release_slot(slot);
+            self.readahead.written_hit(lock.page());
+            mm.count(VmEvent::swap_ra_hit, 1);
         }
         let addr = mm.page_addr(lock.page());
         match mm.uffd().write_protect(addr, PAGE_SIZE, false) {
@@ -379,43 +376,17 @@ impl FaultPath {
         if hi - lo > 1 && matches!(&filled, Err(p) if p.failed_whole()) {
             // The window may span two mappings: the faulting page alone, not zero pages
             // mapped into a neighbouring reservation.
-            for p in (lo..hi).filter(|&p| p != page) {
-                mm.pages().unclaim(p);
-            }
-            let others = (hi - lo - 1) as u64;
-            mm.budget().uncharge(others);
-            mm.uncount(VmEvent::pgzerofill, others);
+            mm.unclaim((lo..hi).filter(|&p| p != page));
             (lo, hi) = (page, page + 1);
             filled = mm.uffd().copy(mm.page_addr(page), zeros, PAGE_SIZE, false);
         }
-        // A partial fill maps a prefix of the window: those pages are active, the rest go
-        // back to untouched. They join the active list while still claimed, so a vma event
-        // waiting for one finds it on its list.
+        // A partial fill maps a prefix of the window.
         let done = match &filled {
             Ok(()) => hi - lo,
             Err(p) => p.done / PAGE_SIZE,
         };
-        mm.lru().add(LruList::Active, lo..lo + done);
-        for p in (lo..hi).filter(|&p| p != page) {
-            if p < lo + done {
-                mm.pages().publish_active(p);
-            } else {
-                mm.pages().unclaim(p);
-            }
-        }
-        let unfilled = (hi - lo - done) as u64;
-        if unfilled > 0 {
-            mm.budget().uncharge(unfilled);
-            mm.uncount(VmEvent::pgzerofill, unfilled);
-        }
         let mut lock = lock;
-        if page < lo + done {
-            let discarded = lock.kind() == Kind::Discarded;
-            lock.map_new();
-            if discarded {
-                // The zap of the discard may still be running: see `refill_lazyfree`.
-                lock.lazyfree();
-            }
+        if mm.zero_filled(&mut lock, lo..hi, done) {
             drop(lock);
             mm.record(FaultKind::FirstTouch, start);
             return Some(Outcome::Resolved);
@@ -440,19 +411,20 @@ impl FaultPath {
             Err(ChargeFailure::OutOfMemory) => return self.fail(lock, OOM, true),
         }
         let addr = mm.page_addr(lock.page());
+        mm.count(VmEvent::pgzerofill, 1);
         if let Err(p) = mm
             .uffd()
             .copy(addr, mm.zeros() as *const u8, PAGE_SIZE, false)
         {
             mm.budget().uncharge(1);
+            mm.uncount(VmEvent::pgzerofill, 1);
             if p.vanished() || p.busy() {
                 return Outcome::Retry;
             }
             return self.fail(lock, &format!("zero-fill failed: {p}"), false);
         }
-        mm.count(VmEvent::pgzerofill, 1);
-        lock.map_new();
-        mm.lru().cache_add(LruList::Active, lock.page(), false);
+        let page = lock.page();
+        mm.zero_filled(&mut lock, page..page + 1, 1);
         drop(lock);
         mm.record(FaultKind::FirstTouch, start);
         Outcome::Resolved
@@ -485,11 +457,9 @@ impl FaultPath {
                 lock.page()
             );
         }
-        if write && st.slot().is_some() {
+        if write {
             // Written at once: dirty, its swap copy stale.
-            if let Some(slot) = lock.forget_slot() {
-                mm.release_slot(slot);
-            }
+            mm.forget_slot(&mut lock);
         }
         let st = lock.state();
         let clean = st.slot().is_some() && mm.caps().write_protect;
@@ -519,17 +489,14 @@ impl FaultPath {
             });
         }
         laps.lap(Phase::Map);
-        mm.lru().cache_add(LruList::Active, lock.page(), false);
-        lock.activate();
-        drop(lock);
-        if copied && report {
-            mm.staging().release_later(frame);
-        } else if copied {
+        let how = match (copied, report) {
+            (false, _) => MappedBack::Moved,
+            (true, true) => MappedBack::Copied,
             // In a signal handler, which must not allocate (a flush does).
-            mm.staging().release(frame);
-        } else {
-            mm.staging().release_empty(frame);
-        }
+            (true, false) => MappedBack::CopiedInSignal,
+        };
+        mm.mapped_back(&mut lock, how);
+        drop(lock);
         laps.lap(Phase::Finish);
         mm.record(FaultKind::Minor, start);
         Some(Outcome::Resolved)
@@ -590,8 +557,7 @@ impl FaultPath {
                 _ => VmEvent::io_errors,
             };
             mm.count(event, 1);
-            let held = lock.poison();
-            self.mm().release_held(held);
+            mm.poisoned(&mut lock);
             let why = format!("swap-in from slot {slot} failed: {e}; the page's data is lost");
             return self.fail(lock, &why, false);
         }
@@ -634,6 +600,8 @@ impl FaultPath {
             let written = keep || self.write_back(&mut lock, buf.as_ptr());
             drop(buf);
             if !written {
+                // Its slot was freed before the charge, which was given back: it holds
+                // nothing more (what `Mm::poisoned` would give back is gone already).
                 lock.poison();
                 return self.fail(
                     lock,
@@ -647,15 +615,12 @@ impl FaultPath {
             return self.fail(lock, &format!("cannot map the swapped-in page: {p}"), false);
         }
         drop(buf);
-        if clean {
-            mm.swap()
-                .cache()
-                .add(slot, mm.cache_entry(lock.page(), false));
-        } else if keep {
-            mm.release_slot(slot);
-        }
-        mm.lru().cache_add(LruList::Active, lock.page(), false);
-        lock.swap_in(clean.then_some(slot));
+        let after = match (clean, keep) {
+            (true, _) => SlotAfter::Cached,
+            (false, true) => SlotAfter::Freed,
+            (false, false) => SlotAfter::FreedBefore,
+        };
+        mm.swapped_in(&mut lock, after, false);
         drop(lock);
         laps.lap(Phase::Finish);
         mm.record(FaultKind::Major, start);
@@ -688,7 +653,7 @@ impl FaultPath {
             let mut buf = mm.take_bounce(false)?;
             // SAFETY: the buffer is one aligned page we own.
             let read = unsafe { mm.swap().read_page_in_place(slot, buf.as_mut_ptr()) };
-            read.then(|| self.map_in_signal(&mut lock, slot, buf.as_ptr(), false))?
+            read.then(|| self.map_in_signal(&mut lock, buf.as_ptr(), false))?
         } else {
             let dest = match writable {
                 true => Destination::Writable,
@@ -702,7 +667,7 @@ impl FaultPath {
                     (page, slot),
                     window,
                     dest,
-                    |data| self.map_in_signal(&mut lock, slot, data, writable),
+                    |data| self.map_in_signal(&mut lock, data, writable),
                 )
             }
         }?;
@@ -720,18 +685,12 @@ impl FaultPath {
     fn map_in_signal(
         &self,
         lock: &mut PageLock<'_>,
-        slot: u32,
         data: *const u8,
         writable: bool,
     ) -> Option<Outcome> {
         let mm = self.mm();
         self.reclaim.charge_without_reclaim(1)?;
         let keep = mm.caps().write_protect && !mm.swap().nearly_full() && !writable;
-        if keep {
-            mm.swap()
-                .cache()
-                .add(slot, mm.cache_entry(lock.page(), false));
-        }
         mm.count(VmEvent::pswpin, 1);
         mm.count(VmEvent::pgmajfault, 1);
         let mapped = mm
@@ -741,16 +700,14 @@ impl FaultPath {
             mm.uncount(VmEvent::pswpin, 1);
             mm.uncount(VmEvent::pgmajfault, 1);
             mm.budget().uncharge(1);
-            if keep {
-                mm.swap().cache().delete(slot);
-            }
             return (p.vanished() || p.busy()).then_some(Outcome::Retry);
         }
-        if !keep {
-            mm.release_slot(slot);
-        }
-        mm.lru().cache_add(LruList::Active, lock.page(), false);
-        lock.swap_in(keep.then_some(slot));
+        let after = if keep {
+            SlotAfter::Cached
+        } else {
+            SlotAfter::Freed
+        };
+        mm.swapped_in(lock, after, false);
         Some(Outcome::Resolved)
     }
 
@@ -769,9 +726,7 @@ impl FaultPath {
             mm.swap().free_slot(slot);
             return false;
         }
-        mm.slots_taken(1);
-        mm.own_slot(slot, lock.page());
-        lock.rehome(slot);
+        mm.rehomed(lock, slot);
         true
     }
 
@@ -847,5 +802,142 @@ impl FaultPath {
             return Outcome::Resolved;
         }
         Outcome::Fatal
+    }
+}
+
+/// Fault resolution called directly on pages put in each state, on a real region (the
+/// handler thread serves only the test's own accesses): what each fault maps, what the
+/// page keeps, and what it counts. No root needed (see `uffd.rs`).
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+    use crate::config::FaultPlan;
+    use crate::region::{testing, Advice, Region};
+
+    fn count(mm: &Mm, event: VmEvent) -> u64 {
+        mm.vmstat().get(event)
+    }
+
+    /// 64 written pages, the first 8 out on swap.
+    fn swapped(change: impl FnOnce(&mut crate::Config)) -> Region {
+        let region = testing::region(64, 64, change);
+        region.advise(0, 8 * PAGE_SIZE, Advice::PageOut).unwrap();
+        region
+    }
+
+    #[test]
+    fn a_read_fault_on_a_swapped_page_maps_it_clean_and_keeps_its_slot() {
+        let region = swapped(|_| {});
+        let (mm, fault) = (region.mm(), region.fault_path());
+        let (majflt, resident) = (count(mm, VmEvent::pgmajfault), mm.budget().resident());
+        assert_eq!(fault.handle_fault(3, None, false), Outcome::Resolved);
+        let st = mm.pages().peek(3).0;
+        assert_eq!(st.kind(), Kind::Active);
+        assert_eq!(count(mm, VmEvent::pgmajfault), majflt + 1);
+        assert_eq!(mm.budget().resident(), resident + 1);
+        let mapped = mm.pagemap_entry(3).expect("pagemap");
+        assert!(mapped.present);
+        if mm.caps().write_protect {
+            let slot = st.slot().expect("clean: its swap copy is kept");
+            assert_eq!(mm.swap().cache().peek(slot).map(|e| e.page), Some(3));
+            assert!(mapped.write_protected, "its first write must be seen");
+        }
+        assert_eq!(testing::read(&region, 3), 4, "its data");
+        region.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn a_write_fault_on_a_swapped_page_maps_it_dirty_and_frees_its_slot() {
+        let region = swapped(|_| {});
+        let (mm, fault) = (region.mm(), region.fault_path());
+        let slots = mm.slots_held();
+        assert_eq!(fault.handle_fault(5, None, true), Outcome::Resolved);
+        let st = mm.pages().peek(5).0;
+        assert_eq!((st.kind(), st.slot()), (Kind::Active, None));
+        assert_eq!(mm.slots_held(), slots - 1);
+        assert!(!mm.pagemap_entry(5).unwrap().write_protected);
+        assert_eq!(testing::read(&region, 5), 6);
+        region.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn a_touch_of_an_inactive_page_maps_it_back_without_reading_swap() {
+        let region = testing::region(64, 64, |_| {});
+        region.advise(0, 8 * PAGE_SIZE, Advice::Cold).unwrap();
+        let (mm, fault) = (region.mm(), region.fault_path());
+        let (pswpin, activate) = (count(mm, VmEvent::pswpin), count(mm, VmEvent::pgactivate));
+        let free = mm.staging().free_frames().len();
+        assert_eq!(mm.pages().peek(2).0.kind(), Kind::Inactive);
+        assert_eq!(fault.handle_fault(2, None, false), Outcome::Resolved);
+        let st = mm.pages().peek(2).0;
+        assert_eq!(st.kind(), Kind::Active);
+        assert!(
+            st.referenced(),
+            "a touch while inactive is the reference signal"
+        );
+        assert_eq!(count(mm, VmEvent::pswpin), pswpin);
+        assert_eq!(count(mm, VmEvent::pgactivate), activate + 1);
+        assert_eq!(mm.staging().free_frames().len(), free + 1);
+        assert_eq!(testing::read(&region, 2), 3);
+        region.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn a_first_touch_zero_fills_its_fault_around_window() {
+        let region = testing::region(64, 0, |c| c.fault_around = 8);
+        let (mm, fault) = (region.mm(), region.fault_path());
+        assert_eq!(fault.handle_fault(10, None, false), Outcome::Resolved);
+        for page in 0..64 {
+            let want = if (8..16).contains(&page) {
+                Kind::Active
+            } else {
+                Kind::None
+            };
+            assert_eq!(mm.pages().peek(page).0.kind(), want, "page {page}");
+        }
+        assert_eq!(count(mm, VmEvent::pgzerofill), 8);
+        assert_eq!(mm.budget().resident(), 8);
+        assert_eq!(testing::read(&region, 15), 0);
+        region.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn a_page_whose_swap_copy_cannot_be_read_is_poisoned_and_gives_back_its_slot() {
+        let region = swapped(|c| {
+            c.swap.faults = Some(FaultPlan {
+                read_eio_persistent: 1.0,
+                ..FaultPlan::default()
+            })
+        });
+        let (mm, fault) = (region.mm(), region.fault_path());
+        let slots = mm.slots_held();
+        let outcome = fault.handle_fault(4, None, false);
+        // With UFFDIO_POISON the retried access finds a poison marker and fails by itself.
+        let want = match mm.caps().poison {
+            true => Outcome::Resolved,
+            false => Outcome::Fatal,
+        };
+        assert_eq!(outcome, want);
+        assert_eq!(mm.pages().peek(4).0.kind(), Kind::Poisoned);
+        assert_eq!(mm.slots_held(), slots - 1);
+        assert_eq!(count(mm, VmEvent::io_errors), 1);
+        assert_eq!(count(mm, VmEvent::failed_faults), 1);
+        region.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn a_mapped_page_lost_behind_uswaps_back_fails_loudly_and_leaves_its_list() {
+        let region = testing::region(64, 64, |_| {});
+        let (mm, fault) = (region.mm(), region.fault_path());
+        let resident = mm.budget().resident();
+        region.simulate_lost_page(5 * PAGE_SIZE);
+        let outcome = fault.handle_fault(5, Some(false), false);
+        assert_ne!(outcome, Outcome::Retry, "never loops");
+        assert_eq!(mm.pages().peek(5).0.kind(), Kind::Poisoned);
+        assert_eq!(count(mm, VmEvent::unexplained_faults), 1);
+        assert_eq!(mm.budget().resident(), resident - 1);
+        mm.lru().drain_all();
+        assert_eq!(mm.lru().list_of(5), None);
+        region.check_invariants().unwrap();
     }
 }

@@ -28,22 +28,20 @@ impl RegionImage {
         for &(page, slot) in &self.pages {
             let page = page as usize;
             if in_owned(page) {
-                mm.pages().lock(page).inherit(slot);
-                mm.own_slot(slot, page);
-                mm.slots_taken(1);
+                mm.inherited(&mut mm.pages().lock(page), slot);
             } else {
                 mm.swap().free_slot(slot);
             }
         }
         for &page in &self.poisoned {
-            mm.pages().lock(page as usize).poison();
+            mm.poisoned(&mut mm.pages().lock(page as usize));
         }
         // The gaps between the runs (which are in address order) were unmapped.
         let mut next = 0;
         let ends = owned.iter().map(|r| (r.start, r.end));
         for (start, end) in ends.chain(std::iter::once((mm.pages().len(), 0))) {
             for page in next..start {
-                mm.pages().lock(page).unmap();
+                mm.unmap_page(&mut mm.pages().lock(page));
             }
             next = end;
         }

@@ -23,7 +23,7 @@
 use crate::config::{Readahead, ReadaheadPolicy};
 use crate::lockdep::Rank;
 use crate::lockstat::{LockClass, StatMutex};
-use crate::lru::LruList;
+use crate::mm::events::SlotAfter;
 use crate::page::{Kind, PageLock};
 use crate::stats::VmEvent;
 use crate::swapfile::swap_io::SIGNAL_BATCH;
@@ -502,17 +502,15 @@ unsafe fn map_ahead(
             return;
         }
         read += 1;
-        let (page, ra_slot) = (lock.page(), lock.state().slot().expect("swapped"));
+        let page = lock.page();
         // Speculative pages wait at the tail, first in line to be aged, as the kernel puts
         // them on the inactive list; a use keeps them mapped.
-        mm.lru().cache_add(LruList::Active, page, true);
-        if clean {
-            mm.swap().cache().add(ra_slot, mm.cache_entry(page, true));
-            lock.swap_in(Some(ra_slot));
+        let after = if clean {
+            SlotAfter::Cached
         } else {
-            mm.release_slot(ra_slot);
-            lock.swap_in(None);
-        }
+            SlotAfter::Freed
+        };
+        mm.swapped_in(lock, after, true);
         if dest != Destination::Clean {
             // Its use will raise no fault to tell: counted now.
             state.cache_hit(page, true);

@@ -74,6 +74,13 @@ impl Region {
         self.inner().fault().mm()
     }
 
+    /// The region's fault path (with its reclaim and vma events), for unit tests of the
+    /// layers under it.
+    #[cfg(all(test, not(loom)))]
+    pub(crate) fn fault_path(&self) -> &crate::fault::FaultPath {
+        self.inner().fault()
+    }
+
     /// Start of the region. Its pages read as zeros until written.
     pub fn as_ptr(&self) -> *mut u8 {
         self.inner().fault.mm().start() as *mut u8
@@ -417,5 +424,44 @@ impl Drop for Region {
             // SAFETY: dropped once, here; the region is not used after.
             unsafe { ManuallyDrop::drop(&mut self.inner) };
         }
+    }
+}
+
+/// Regions for the unit tests of the layers under the region: real ones, in thread mode,
+/// that need no root (see `uffd.rs`).
+#[cfg(all(test, not(loom)))]
+pub(crate) mod testing {
+    use super::Region;
+    use crate::config::ReadaheadPolicy;
+    use crate::{Config, FaultMode, PAGE_SIZE};
+
+    /// A thread-mode region of `pages` pages under a 1 MiB limit, without readahead, with
+    /// `change` made to its configuration; each of its first `written` pages holds its
+    /// number plus one in its first byte, and no page waits in an LRU batch.
+    pub fn region(pages: usize, written: usize, change: impl FnOnce(&mut Config)) -> Region {
+        let mut cfg = Config::new(1 << 20);
+        cfg.fault_mode = FaultMode::Thread;
+        cfg.readahead.policy = ReadaheadPolicy::None;
+        change(&mut cfg);
+        let region = Region::new((pages * PAGE_SIZE) as u64, cfg).unwrap();
+        for page in 0..written {
+            // SAFETY: inside the region.
+            unsafe { byte_at(&region, page).write_volatile(page as u8 + 1) };
+        }
+        region.mm().lru().drain_all();
+        region
+    }
+
+    /// The first byte of `page`; reading it is an access like the program's.
+    pub fn byte_at(region: &Region, page: usize) -> *mut u8 {
+        assert!(page * PAGE_SIZE < region.len());
+        // SAFETY: inside the region.
+        unsafe { region.as_ptr().add(page * PAGE_SIZE) }
+    }
+
+    /// Reads the first byte of `page` as the program would (a fault if it is not mapped).
+    pub fn read(region: &Region, page: usize) -> u8 {
+        // SAFETY: inside the region.
+        unsafe { byte_at(region, page).read_volatile() }
     }
 }

@@ -245,6 +245,10 @@ fn open_raw() -> Result<OwnedFd> {
         return Ok(unsafe { OwnedFd::from_raw_fd(fd) });
     }
     let syscall_err = io::Error::last_os_error();
+    #[cfg(test)]
+    if let Some(fd) = open_user_mode_only(flags) {
+        return Ok(fd);
+    }
     match syscall_err.raw_os_error() {
         Some(libc::EPERM) | Some(libc::EACCES) => {
             open_dev(flags).map_err(|dev_err| Error::UffdNotPermitted {
@@ -263,6 +267,19 @@ fn open_raw() -> Result<OwnedFd> {
         ))),
         _ => Err(Error::UffdUnavailable(syscall_err.to_string())),
     }
+}
+
+/// Unit tests without root: the descriptor an unprivileged user may have, which sees only
+/// faults of user-mode accesses (a system call's access to a missing page gets EFAULT).
+/// The unit tests touch region memory from user mode only; a program's system calls do
+/// not, so `uswap run` and the library never take this mode.
+#[cfg(test)]
+fn open_user_mode_only(flags: i32) -> Option<OwnedFd> {
+    const UFFD_USER_MODE_ONLY: i32 = 1;
+    // SAFETY: plain system call.
+    let fd = unsafe { libc::syscall(libc::SYS_userfaultfd, flags | UFFD_USER_MODE_ONLY) } as RawFd;
+    // SAFETY: we own the new descriptor.
+    (fd >= 0).then(|| unsafe { OwnedFd::from_raw_fd(fd) })
 }
 
 fn open_dev(flags: i32) -> io::Result<OwnedFd> {

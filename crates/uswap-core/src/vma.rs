@@ -144,15 +144,11 @@ impl<'a> Vma<'a> {
                     Kind::Unmapped | Kind::Discarded => {}
                     // Holds nothing, but the zap may still follow: a touch before it must
                     // fill this page alone and keep it lazily freed, as for a discarded one.
-                    Kind::None => {
-                        lock.discard();
-                    }
+                    Kind::None => mm.discard_page(lock),
                     Kind::Lazyfree => lazy.push(lock.page()),
                     Kind::Active => {
-                        mm.forget_slot(lock);
-                        lock.lazyfree();
+                        mm.lazyfreed(lock);
                         lazy.push(lock.page());
-                        mm.count(VmEvent::pglazyfree, 1);
                     }
                     _ => mm.discard_page(lock),
                 }
@@ -232,17 +228,7 @@ impl<'a> Vma<'a> {
         }
         let list = mm.lru().list_of(a);
         let moved = mm.take_out(&mut src);
-        if let Some(slot) = moved.slot() {
-            mm.own_slot(slot, b);
-            if moved.is_resident() {
-                mm.swap().cache().rehome(slot, b as u32);
-            }
-        }
-        dst.install(moved);
-        if let Some(list) = list {
-            mm.lru().add(list, [b]);
-        }
-        mm.count(VmEvent::pgremap, 1);
+        mm.moved_in(&mut dst, moved, list);
     }
 
     /// The page at region page `a` moved to `dst`, outside the region. A mapped page moved
@@ -400,4 +386,103 @@ fn vma_around(addr: usize) -> Option<(usize, usize)> {
         );
         (a <= addr && addr < b).then_some((a, b))
     })
+}
+
+/// Vma events handled directly on a real region whose affected pages are not mapped (so
+/// the kernel has nothing to zap or move): what the pages give back and where their data
+/// goes. No root needed (see `uffd.rs`).
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use crate::page::Kind;
+    use crate::region::{testing, Advice};
+    use crate::stats::VmEvent;
+    use crate::uffd::Event;
+    use crate::PAGE_SIZE;
+
+    #[test]
+    fn a_discard_of_pages_out_of_memory_gives_back_their_slots_and_frames() {
+        let region = testing::region(64, 64, |_| {});
+        region.advise(0, 4 * PAGE_SIZE, Advice::PageOut).unwrap();
+        region
+            .advise(4 * PAGE_SIZE, 4 * PAGE_SIZE, Advice::Cold)
+            .unwrap();
+        let mm = region.mm();
+        let (slots, resident) = (mm.slots_held(), mm.budget().resident());
+        let free = mm.staging().free_frames().len();
+        let (start, end) = (mm.page_addr(0), mm.page_addr(8));
+        region
+            .fault_path()
+            .vma()
+            .handle_event(Event::Remove { start, end });
+        for page in 0..8 {
+            assert_eq!(
+                mm.pages().peek(page).0.kind(),
+                Kind::Discarded,
+                "page {page}"
+            );
+        }
+        assert_eq!(mm.slots_held(), slots - 4);
+        assert_eq!(mm.budget().resident(), resident - 4);
+        assert_eq!(mm.staging().free_frames().len(), free + 4);
+        assert_eq!(mm.vmstat().get(VmEvent::pgdiscard), 8);
+        region.check_invariants().unwrap();
+        assert_eq!(testing::read(&region, 1), 0, "zeros from now on");
+        assert_eq!(testing::read(&region, 6), 0);
+    }
+
+    #[test]
+    fn a_swapped_page_moved_inside_the_region_takes_its_slot_and_data_along() {
+        // Pages 0..16 are written (one fault-around window); 48 is untouched.
+        let region = testing::region(64, 8, |_| {});
+        region
+            .advise(2 * PAGE_SIZE, PAGE_SIZE, Advice::PageOut)
+            .unwrap();
+        let mm = region.mm();
+        let slot = mm.pages().peek(2).0.slot().expect("swapped");
+        assert_eq!(mm.pages().peek(48).0.kind(), Kind::None);
+        let (from, to) = (mm.page_addr(2), mm.page_addr(48));
+        region.fault_path().vma().handle_event(Event::Remap {
+            from,
+            to,
+            len: PAGE_SIZE,
+        });
+        assert_eq!(mm.pages().peek(2).0.kind(), Kind::Unmapped);
+        let moved = mm.pages().peek(48).0;
+        assert_eq!((moved.kind(), moved.slot()), (Kind::Swapped, Some(slot)));
+        assert_eq!(mm.vmstat().get(VmEvent::pgremap), 1);
+        region.check_invariants().unwrap();
+        assert_eq!(
+            testing::read(&region, 48),
+            3,
+            "page 2's data, at its new place"
+        );
+    }
+
+    #[test]
+    fn an_unmap_gives_back_what_every_kind_of_page_held() {
+        let region = testing::region(64, 64, |_| {});
+        region.advise(0, 4 * PAGE_SIZE, Advice::PageOut).unwrap();
+        region
+            .advise(4 * PAGE_SIZE, 4 * PAGE_SIZE, Advice::Cold)
+            .unwrap();
+        let mm = region.mm();
+        let (slots, resident) = (mm.slots_held(), mm.budget().resident());
+        let (start, end) = (mm.page_addr(0), mm.page_addr(12));
+        region
+            .fault_path()
+            .vma()
+            .handle_event(Event::Unmap { start, end });
+        for page in 0..12 {
+            assert_eq!(
+                mm.pages().peek(page).0.kind(),
+                Kind::Unmapped,
+                "page {page}"
+            );
+        }
+        assert_eq!(mm.slots_held(), slots - 4);
+        // 4 inactive and 4 active pages were charged.
+        assert_eq!(mm.budget().resident(), resident - 8);
+        mm.lru().drain_all();
+        assert_eq!(mm.lru().list_of(10), None);
+    }
 }

@@ -366,22 +366,12 @@ impl Reclaim {
         mm.count(VmEvent::pgskip_pinned, pinned.len() as u64);
         let moving = movable - spared;
         self.move_to_staging(&mut locks[..moving]);
-        let inactive = locks.iter().filter(|l| l.kind() == Kind::Inactive).count();
-        mm.count(VmEvent::pgdeactivate, inactive as u64);
-        let list_of = |l: &PageLock<'_>| match l.kind() {
-            Kind::Inactive => Some(LruList::Inactive),
-            Kind::Discarded => None,
-            _ => Some(LruList::Active),
-        };
-        for list in [LruList::Inactive, LruList::Active] {
-            mm.lru().add(
-                list,
-                locks
-                    .iter()
-                    .filter(|l| list_of(l) == Some(list))
-                    .map(|l| l.page()),
-            );
-        }
+        // The pages parked are on the inactive list now, and a lazily freed one found
+        // zapped on none; the rest stayed as they were and go back to the active list.
+        let stayed = locks
+            .iter()
+            .filter(|l| matches!(l.kind(), Kind::Active | Kind::Lazyfree));
+        mm.lru().add(LruList::Active, stayed.map(|l| l.page()));
         laps.lap(Phase::Deactivate);
     }
 
@@ -427,18 +417,15 @@ impl Reclaim {
                             }
                             // Nothing mapped: the kernel zapped the lazily freed page.
                             Some(libc::ENOENT) if stuck.kind() == Kind::Lazyfree => {
-                                stuck.discard();
-                                mm.budget().uncharge(1);
-                                mm.count(VmEvent::pglazyfreed, 1);
+                                mm.lazyfree_zapped(stuck);
                             }
                             _ => {}
                         }
                         partial.done / PAGE_SIZE
                     }
                 };
-            for (lock, &frame) in locks[start..start + moved].iter_mut().zip(&frames[start..]) {
-                lock.deactivate(frame);
-            }
+            let run = start..start + moved;
+            mm.parked(&mut locks[run.clone()], &frames[run]);
             if start + moved < end {
                 mm.staging().release_empty(frames[start + moved]);
                 start += moved + 1;
@@ -460,40 +447,27 @@ impl Reclaim {
             let st = lock.state();
             let frame = st.frame().expect("an inactive page has a staging frame");
             if is_zero_page(mm.staging().addr(frame)) {
-                if let Some(slot) = lock.drop_zero().slot() {
-                    mm.release_slot(slot);
-                }
-                mm.count(VmEvent::pgzero_dropped, 1);
-            } else if let Some(slot) = st.slot() {
-                mm.swap().cache().delete(slot);
-                lock.drop_clean();
-                mm.count(VmEvent::pgclean_dropped, 1);
+                freed_frames.push(mm.dropped_zero(lock));
+            } else if st.slot().is_some() {
+                freed_frames.push(mm.dropped_clean(lock));
+            } else if let Some(slot) = mm.swap().alloc_slot() {
+                writes.push((i, slot));
             } else {
-                match mm.swap().alloc_slot() {
-                    Some(slot) => writes.push((i, slot)),
-                    None => {
-                        mm.count(VmEvent::swap_full, 1);
-                    }
-                }
-                continue;
+                mm.count(VmEvent::swap_full, 1);
             }
-            freed_frames.push(frame);
         }
         let mut laps = Laps::new(mm.breakdown(), Instant::now());
         self.write_out(locks, &writes, &mut freed_frames);
         if !writes.is_empty() {
             laps.lap(Phase::WriteOut);
         }
-        let freed = freed_frames.len() as u64;
-        mm.staging().release_all(freed_frames);
+        let freed = mm.reclaimed(freed_frames);
         laps.lap(Phase::FrameRelease);
         let still_inactive = locks
             .iter()
             .filter(|l| l.kind() == Kind::Inactive)
             .map(|l| l.page());
         mm.lru().add(LruList::Inactive, still_inactive);
-        mm.budget().uncharge(freed);
-        mm.count(VmEvent::pgsteal, freed);
         freed
     }
 
@@ -518,15 +492,11 @@ impl Reclaim {
             .collect();
         // SAFETY: each source is a populated staging frame, held by its page lock.
         let results = unsafe { mm.swap().write_pages(&batch) };
-        let mut written = 0;
         for (&(i, slot), result) in writes.iter().zip(results) {
-            mm.swap().cache().delete(slot);
             match result {
-                Ok(()) => {
-                    freed.push(locks[i].swap_out(slot));
-                    written += 1;
-                }
+                Ok(()) => freed.push(mm.swapped_out(&mut locks[i], slot)),
                 Err(e) => {
+                    mm.swap().cache().delete(slot);
                     mm.swap().free_slot(slot);
                     if mm.count(VmEvent::io_errors, 1) == 0 {
                         eprintln!("uswap: swap write to slot {slot} failed: {e}; the page stays in memory");
@@ -534,8 +504,6 @@ impl Reclaim {
                 }
             }
         }
-        mm.count(VmEvent::pswpout, written);
-        mm.slots_taken(written);
     }
 }
 
@@ -609,5 +577,100 @@ fn kswapd(r: &Reclaim, balanced: impl Fn()) {
             }
         }
         balanced();
+    }
+}
+
+/// Aging and reclaim called directly on locked pages of a real region: where each page
+/// goes, what it keeps, and that its data comes back intact. No root needed (see
+/// `uffd.rs`).
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+    use crate::region::{testing, Advice};
+
+    fn count(mm: &Mm, event: VmEvent) -> u64 {
+        mm.vmstat().get(event)
+    }
+
+    #[test]
+    fn aged_pages_are_parked_then_written_out_and_come_back_intact() {
+        let region = testing::region(64, 64, |_| {});
+        let (mm, reclaim) = (region.mm(), region.fault_path().reclaim());
+        let resident = mm.budget().resident();
+        let mut locks = reclaim.lock_kind(0..8, Kind::Active);
+        assert_eq!(locks.len(), 8);
+        reclaim.deactivate(&mut locks);
+        assert!(locks.iter().all(|l| l.kind() == Kind::Inactive));
+        drop(locks);
+        assert_eq!(count(mm, VmEvent::pgdeactivate), 8);
+        assert_eq!(mm.lru().list_of(3), Some(LruList::Inactive));
+        assert!(!mm.pagemap_entry(3).unwrap().present, "unmapped, data kept");
+        let mut locks = reclaim.lock_kind(0..8, Kind::Inactive);
+        assert_eq!(reclaim.evict(&mut locks), 8);
+        assert!(locks.iter().all(|l| l.kind() == Kind::Swapped));
+        drop(locks);
+        assert_eq!(count(mm, VmEvent::pswpout), 8);
+        assert_eq!(mm.slots_held(), 8);
+        assert_eq!(mm.budget().resident(), resident - 8);
+        region.check_invariants().unwrap();
+        for page in 0..8 {
+            assert_eq!(testing::read(&region, page), page as u8 + 1);
+        }
+    }
+
+    #[test]
+    fn reclaim_forgets_zero_pages_and_drops_clean_ones_without_writing() {
+        let region = testing::region(64, 64, |_| {});
+        let (mm, reclaim) = (region.mm(), region.fault_path().reclaim());
+        // SAFETY: inside the region.
+        unsafe { testing::byte_at(&region, 0).write_volatile(0) };
+        region
+            .advise(PAGE_SIZE, PAGE_SIZE, Advice::PageOut)
+            .unwrap();
+        assert_eq!(testing::read(&region, 1), 2, "back in, clean");
+        mm.lru().drain_all();
+        let written = count(mm, VmEvent::pswpout);
+        let clean_slot = mm.pages().peek(1).0.slot();
+        let mut locks = reclaim.lock_kind(0..2, Kind::Active);
+        reclaim.deactivate(&mut locks);
+        drop(locks);
+        let mut locks = reclaim.lock_kind(0..2, Kind::Inactive);
+        assert_eq!(reclaim.evict(&mut locks), 2);
+        drop(locks);
+        assert_eq!(mm.pages().peek(0).0.kind(), Kind::None);
+        let clean = mm.pages().peek(1).0;
+        assert_eq!(clean.kind(), Kind::Swapped);
+        if mm.caps().write_protect {
+            assert_eq!(clean.slot(), clean_slot, "its swap copy was still good");
+            assert_eq!(count(mm, VmEvent::pgclean_dropped), 1);
+            assert_eq!(count(mm, VmEvent::pswpout), written);
+        }
+        assert_eq!(count(mm, VmEvent::pgzero_dropped), 1);
+        region.check_invariants().unwrap();
+        assert_eq!(testing::read(&region, 0), 0);
+        assert_eq!(testing::read(&region, 1), 2);
+    }
+
+    #[test]
+    fn a_page_touched_while_inactive_stays_active_once_more() {
+        let region = testing::region(64, 64, |_| {});
+        let (mm, reclaim) = (region.mm(), region.fault_path().reclaim());
+        region
+            .advise(2 * PAGE_SIZE, PAGE_SIZE, Advice::Cold)
+            .unwrap();
+        assert_eq!(testing::read(&region, 2), 3, "promoted, referenced");
+        mm.lru().drain_all();
+        let mut locks = reclaim.lock_kind(2..3, Kind::Active);
+        reclaim.deactivate(&mut locks);
+        assert_eq!(locks[0].kind(), Kind::Active);
+        assert!(!locks[0].state().referenced(), "its second chance is spent");
+        drop(locks);
+        assert_eq!(count(mm, VmEvent::pgreferenced), 1);
+        assert_eq!(mm.lru().list_of(2), Some(LruList::Active));
+        let mut locks = reclaim.lock_kind(2..3, Kind::Active);
+        reclaim.deactivate(&mut locks);
+        assert_eq!(locks[0].kind(), Kind::Inactive);
+        drop(locks);
+        region.check_invariants().unwrap();
     }
 }

@@ -108,8 +108,9 @@ fn check_locked(
             errors.push(format!("page {} waits in no LRU batch", l.page()));
         }
         let st = l.state();
-        if !st.is_well_formed() {
-            errors.push(format!("page {}: malformed state {st:?}", l.page()));
+        // The word, its slot's swap cache entry, its frame: what every page event leaves.
+        if let Err(e) = mm.check_page(l) {
+            errors.push(e);
         }
         // The kernel's page tables must agree: mapped exactly when active, and
         // write-protected when active and clean.
@@ -141,19 +142,10 @@ fn check_locked(
             if !slots.insert(slot) {
                 errors.push(format!("slot {slot} is held by two pages"));
             }
-            // In memory with its slot: in the swap cache, as this page.
-            let cached = mm.swap().cache().peek(slot);
-            let want = st.is_resident().then(|| mm.cache_entry(l.page(), false));
-            if cached.map(|e| (e.region, e.page)) != want.map(|e| (e.region, e.page)) {
-                errors.push(format!(
-                    "page {} is {st:?} but its slot's swap cache entry is {cached:?}",
-                    l.page()
-                ));
-            }
         }
         if let Some(f) = st.frame() {
-            if !frames.insert(f) || f as usize >= mm.staging().frames() {
-                errors.push(format!("frame {f} is held twice or does not exist"));
+            if !frames.insert(f) {
+                errors.push(format!("frame {f} is held by two pages"));
             }
         }
     }

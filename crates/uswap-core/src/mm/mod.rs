@@ -4,6 +4,8 @@
 //! counters. The bottom layer: reclaim (`vmscan`) and the fault path (`fault`) are built on
 //! it, and it knows neither. Lock order: `lockdep.rs`.
 
+pub(crate) mod events;
+
 use crate::breakdown::Breakdown;
 use crate::budget::Budget;
 use crate::config::FaultMode;
@@ -12,7 +14,7 @@ use crate::gup::Pins;
 use crate::lru::Lru;
 use crate::mapping::Mapping;
 use crate::mmap_changing::MmapChanging;
-use crate::page::{Kind, PageLock, PageState, PageTable};
+use crate::page::{Kind, PageTable};
 use crate::staging::Staging;
 use crate::stats::{FaultKind, FaultLatency, VmEvent, VmStat};
 use crate::swapfile::swap_io::PageBuf;
@@ -385,63 +387,6 @@ impl Mm {
         self.slots_held.fetch_sub(1, Relaxed);
     }
 
-    /// Page event: the page leaves the region's address space (munmap, or the target of
-    /// an mremap): off its list, `Unmapped`, and what it held given back.
-    pub fn unmap_page(&self, lock: &mut PageLock<'_>) {
-        self.lru().remove(lock.page());
-        let held = lock.unmap();
-        self.release_held(held);
-    }
-
-    /// Page event: the page's data goes elsewhere (the source of an mremap): off its list
-    /// and `Unmapped`; what it held is returned for its new place, not given back.
-    pub fn take_out(&self, lock: &mut PageLock<'_>) -> PageState {
-        self.lru().remove(lock.page());
-        lock.unmap()
-    }
-
-    /// Page event: the program discarded a page that is not mapped (MADV_DONTNEED or
-    /// MADV_FREE on an inactive, swapped or poisoned page): off its list, `Discarded`
-    /// (zeros from now on), and what it held given back.
-    pub fn discard_page(&self, lock: &mut PageLock<'_>) {
-        self.lru().remove(lock.page());
-        let held = lock.discard();
-        self.release_held(held);
-    }
-
-    /// Gives back what a page held: budget, staging frame, swap slot.
-    pub fn release_held(&self, held: PageState) {
-        if held.is_resident() {
-            self.budget().uncharge(1);
-        }
-        if let Some(frame) = held.frame() {
-            self.staging().release(frame);
-        }
-        if let Some(slot) = held.slot() {
-            self.release_slot(slot);
-        }
-    }
-
-    /// A locked resident page gives up its swap slot (swapoff, a discard). True when it had
-    /// one.
-    pub fn forget_slot(&self, lock: &mut PageLock<'_>) -> bool {
-        let page = lock.page();
-        let active = lock.kind() == Kind::Active;
-        match lock.forget_slot() {
-            Some(slot) => {
-                self.release_slot(slot);
-                if active && self.caps().write_protect {
-                    // Dirty from now on: its writes must not fault (in SIGBUS mode without
-                    // pagemap, a write fault on a page with no slot could not be told).
-                    let addr = self.page_addr(page);
-                    let _ = self.uffd().write_protect(addr, PAGE_SIZE, false);
-                }
-                true
-            }
-            None => false,
-        }
-    }
-
     pub fn region_id(&self) -> u32 {
         self.id
     }
@@ -606,88 +551,4 @@ pub(crate) fn check_page_size() -> Result<()> {
         });
     }
     Ok(())
-}
-
-/// The page events, each on a real region (thread mode, nothing reclaimed unless asked):
-/// what a page held goes where the event says, in the word, the lists, the budget, the
-/// staging frames and the swap slots together.
-#[cfg(all(test, not(loom)))]
-mod tests {
-    use crate::lru::LruList;
-    use crate::page::Kind;
-    use crate::region::{Advice, Region};
-    use crate::{Config, FaultMode, PAGE_SIZE};
-
-    /// A region of 64 pages, all resident and written.
-    fn region() -> Region {
-        let mut cfg = Config::new(1 << 20);
-        cfg.fault_mode = FaultMode::Thread;
-        let region = Region::new(64 * PAGE_SIZE as u64, cfg).unwrap();
-        for page in 0..64 {
-            // SAFETY: inside the region.
-            unsafe {
-                region
-                    .as_ptr()
-                    .add(page * PAGE_SIZE)
-                    .write_volatile(page as u8 + 1)
-            };
-        }
-        region.mm().lru().drain_all();
-        region
-    }
-
-    #[test]
-    fn unmapping_an_active_page_gives_back_its_charge_and_its_place_on_the_list() {
-        let region = region();
-        let mm = region.mm();
-        let resident = mm.budget().resident();
-        let mut lock = mm.pages().lock(5);
-        assert_eq!(lock.kind(), Kind::Active);
-        mm.unmap_page(&mut lock);
-        assert_eq!(lock.kind(), Kind::Unmapped);
-        drop(lock);
-        assert_eq!(mm.budget().resident(), resident - 1);
-        assert_eq!(mm.lru().list_of(5), None);
-    }
-
-    #[test]
-    fn a_page_taken_out_keeps_its_frame_until_what_it_held_is_released() {
-        let region = region();
-        region.advise(0, 8 * PAGE_SIZE, Advice::Cold).unwrap();
-        let mm = region.mm();
-        let free = mm.staging().free_frames().len();
-        let mut lock = mm.pages().lock(3);
-        assert_eq!(lock.kind(), Kind::Inactive);
-        let held = mm.take_out(&mut lock);
-        assert_eq!((lock.kind(), held.kind()), (Kind::Unmapped, Kind::Inactive));
-        assert_eq!(mm.lru().list_of(3), None);
-        assert_eq!(
-            mm.staging().free_frames().len(),
-            free,
-            "the frame goes with the data"
-        );
-        mm.release_held(held);
-        drop(lock);
-        assert_eq!(mm.staging().free_frames().len(), free + 1);
-        assert_eq!(
-            mm.lru().list_of(4),
-            Some(LruList::Inactive),
-            "its neighbour stays"
-        );
-    }
-
-    #[test]
-    fn discarding_a_swapped_page_frees_its_slot() {
-        let region = region();
-        region.advise(0, 8 * PAGE_SIZE, Advice::PageOut).unwrap();
-        let mm = region.mm();
-        let slots = mm.slots_held();
-        let mut lock = mm.pages().lock(2);
-        assert_eq!(lock.kind(), Kind::Swapped);
-        mm.discard_page(&mut lock);
-        assert_eq!((lock.kind(), lock.state().slot()), (Kind::Discarded, None));
-        drop(lock);
-        assert_eq!(mm.slots_held(), slots - 1);
-        region.check_invariants().unwrap();
-    }
 }
