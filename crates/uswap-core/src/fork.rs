@@ -220,6 +220,9 @@ pub fn parent() {
 /// After the fork, in the child (one thread): builds every region again from its copy.
 /// A child that cannot have its memory ends here, loudly.
 pub fn child() {
+    // First: every swap device made before the fork is the parent's from now on (a raw
+    // clone's child runs no `pthread_atfork` handler of the swap devices' own).
+    crate::swapfile::refresh_pid();
     // SAFETY: as in prepare; the child has this one thread.
     let Some(held) = (unsafe { (*std::ptr::addr_of_mut!(HELD)).take() }) else {
         return;

@@ -43,7 +43,7 @@
 use crate::config::LruLockMode;
 use crate::lockdep::Rank;
 use crate::lockstat::{LockClass, StatMutex, StatRwLock, StatSpin};
-use crate::page::{PageLock, PageTable};
+use crate::page::{Kind, PageLock, PageTable};
 use crate::sync::{zeroed_slice, AtomicUsize, XorU32};
 use crossbeam_utils::CachePadded;
 use std::sync::atomic::Ordering::{AcqRel, Acquire, Relaxed, Release};
@@ -52,6 +52,18 @@ use std::sync::atomic::Ordering::{AcqRel, Acquire, Relaxed, Release};
 pub enum LruList {
     Active = 0,
     Inactive = 1,
+}
+
+impl LruList {
+    /// The list a page of `kind` belongs on: mapped pages (lazily freed ones too) on the
+    /// active list, parked ones on the inactive list, pages not in memory on none.
+    pub fn of_kind(kind: Kind) -> Option<LruList> {
+        match kind {
+            Kind::Active | Kind::Lazyfree => Some(LruList::Active),
+            Kind::Inactive => Some(LruList::Inactive),
+            _ => None,
+        }
+    }
 }
 
 const LISTS: [LruList; 2] = [LruList::Active, LruList::Inactive];

@@ -94,10 +94,9 @@ const MAX_RESTARTS: u32 = 10;
 /// stderr by then), with a line that says so and `panicked` run (to count it), so that a
 /// fault waiting for the loop is served instead of hanging. The loops supervised this way
 /// (kswapd, the SIGBUS service) keep their state in the region, and unwinding releases
-/// the page locks they hold; what a panic can leave behind is pages a reclaim pass had
-/// taken off the LRU lists, which stay mapped and correct but are not reclaimed again.
-/// One that keeps panicking stops the program (SIGABRT) rather than leave it to hang.
-/// Returns when `body` does.
+/// the page locks they hold and puts the pages a reclaim pass had taken off the LRU lists
+/// back on them (`vmscan::Isolated`). One that keeps panicking stops the program (SIGABRT)
+/// rather than leave it to hang. Returns when `body` does.
 pub(crate) fn supervise(name: &str, body: impl Fn(), panicked: impl Fn()) {
     let mut restarts = 0;
     while std::panic::catch_unwind(std::panic::AssertUnwindSafe(&body)).is_err() {

@@ -245,13 +245,12 @@ fn open_raw() -> Result<OwnedFd> {
         return Ok(unsafe { OwnedFd::from_raw_fd(fd) });
     }
     let syscall_err = io::Error::last_os_error();
-    #[cfg(test)]
-    if let Some(fd) = open_user_mode_only(flags) {
-        return Ok(fd);
-    }
     match syscall_err.raw_os_error() {
         Some(libc::EPERM) | Some(libc::EACCES) => {
-            open_dev(flags).map_err(|dev_err| Error::UffdNotPermitted {
+            let dev = open_dev(flags);
+            #[cfg(test)]
+            let dev = dev.or_else(|e| open_user_mode_only(flags).ok_or(e));
+            dev.map_err(|dev_err| Error::UffdNotPermitted {
                 cause: format!(
                     "userfaultfd(2): {syscall_err}; /dev/userfaultfd: {dev_err}; \
                      vm.unprivileged_userfaultfd = {}",

@@ -255,7 +255,7 @@ impl Reclaim {
         let (mm, batch) = (&self.mm, self.batch);
         mm.lru().drain_all();
         let target = self.marks.inactive_target.load(Relaxed) as usize;
-        let mut isolated = Vec::with_capacity(batch);
+        let mut isolated = Isolated::new(mm, batch);
         for _ in 0..REFILL_BATCHES {
             let short = (target + batch).saturating_sub(mm.lru().len(LruList::Inactive));
             if short == 0 {
@@ -370,7 +370,7 @@ impl Reclaim {
         // zapped on none; the rest stayed as they were and go back to the active list.
         let stayed = locks
             .iter()
-            .filter(|l| matches!(l.kind(), Kind::Active | Kind::Lazyfree));
+            .filter(|l| LruList::of_kind(l.kind()) == Some(LruList::Active));
         mm.lru().add(LruList::Active, stayed.map(|l| l.page()));
         laps.lap(Phase::Deactivate);
     }
@@ -380,6 +380,8 @@ impl Reclaim {
     fn move_to_staging(&self, locks: &mut [PageLock<'_>]) {
         let mm = &self.mm;
         let frames = mm.staging().alloc_many(locks.len());
+        // The frame each page moved into, parked together at the end (one list add).
+        let mut moved_to = vec![None; locks.len()];
         let mut start = 0;
         // After a run that stopped at its first page, that page is tried alone: a run
         // spanning two mappings (the program changed the protection of part of the
@@ -424,8 +426,9 @@ impl Reclaim {
                         partial.done / PAGE_SIZE
                     }
                 };
-            let run = start..start + moved;
-            mm.parked(&mut locks[run.clone()], &frames[run]);
+            for i in start..start + moved {
+                moved_to[i] = Some(frames[i]);
+            }
             if start + moved < end {
                 mm.staging().release_empty(frames[start + moved]);
                 start += moved + 1;
@@ -433,6 +436,7 @@ impl Reclaim {
                 start = end;
             }
         }
+        mm.parked(locks, &moved_to);
     }
 
     /// Reclaims isolated inactive pages: all-zero pages are forgotten, clean pages with a
@@ -503,6 +507,58 @@ impl Reclaim {
                     }
                 }
             }
+        }
+    }
+}
+
+/// Pages a reclaim pass has taken off the LRU lists, locked. Should the pass panic (kswapd
+/// is supervised and starts again: `signals::supervise`), unwinding puts each page still
+/// off its list back on the list its state says before its lock is released, so no page
+/// is lost to reclaim for good. (A panic inside `move_to_staging`, between pages' moves
+/// and their parking at the end of the batch, leaves those pages' words active while
+/// their data sits in frames: their next access fails loudly as a page lost, never
+/// silently.)
+struct Isolated<'t> {
+    mm: &'t Mm,
+    locks: Vec<PageLock<'t>>,
+}
+
+impl<'t> Isolated<'t> {
+    fn new(mm: &'t Mm, capacity: usize) -> Isolated<'t> {
+        Isolated {
+            mm,
+            locks: Vec::with_capacity(capacity),
+        }
+    }
+}
+
+impl<'t> std::ops::Deref for Isolated<'t> {
+    type Target = Vec<PageLock<'t>>;
+    fn deref(&self) -> &Vec<PageLock<'t>> {
+        &self.locks
+    }
+}
+
+impl std::ops::DerefMut for Isolated<'_> {
+    fn deref_mut(&mut self) -> &mut Self::Target {
+        &mut self.locks
+    }
+}
+
+impl Drop for Isolated<'_> {
+    fn drop(&mut self) {
+        if !std::thread::panicking() {
+            return;
+        }
+        let lru = self.mm.lru();
+        for list in [LruList::Active, LruList::Inactive] {
+            let off = self.locks.iter().filter(|l| {
+                let page = l.page();
+                LruList::of_kind(l.kind()) == Some(list)
+                    && lru.list_of(page).is_none()
+                    && !lru.is_pending(page)
+            });
+            lru.add(list, off.map(|l| l.page()));
         }
     }
 }
@@ -649,6 +705,29 @@ mod tests {
         region.check_invariants().unwrap();
         assert_eq!(testing::read(&region, 0), 0);
         assert_eq!(testing::read(&region, 1), 2);
+    }
+
+    #[test]
+    fn the_pages_a_panicking_reclaim_pass_held_go_back_on_their_lists() {
+        let region = testing::region(64, 64, |_| {});
+        let mm = region.mm();
+        region.advise(0, 4 * PAGE_SIZE, Advice::Cold).unwrap();
+        mm.lru().drain_all();
+        let mut held = 0;
+        let pass = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            let mut isolated = Isolated::new(mm, 12);
+            mm.lru()
+                .isolate(mm.pages(), LruList::Active, 8, &mut isolated);
+            mm.lru()
+                .isolate(mm.pages(), LruList::Inactive, 4, &mut isolated);
+            held = isolated.len();
+            panic!("injected mid-pass (test)");
+        }));
+        assert!(pass.is_err());
+        assert_eq!(held, 12, "the pass held pages of both lists");
+        assert_eq!(mm.lru().list_of(0), Some(LruList::Inactive));
+        // Every page in memory is on its list again.
+        region.check_invariants().unwrap();
     }
 
     #[test]

@@ -125,11 +125,7 @@ fn check_locked(
                 errors.push(format!("clean page {} is not write-protected", l.page()));
             }
         }
-        let want = match st.kind() {
-            Kind::Active | Kind::Lazyfree => Some(LruList::Active),
-            Kind::Inactive => Some(LruList::Inactive),
-            _ => None,
-        };
+        let want = LruList::of_kind(st.kind());
         if mm.lru().list_of(l.page()) != want {
             errors.push(format!(
                 "page {} is {st:?} but on list {:?}",

@@ -367,3 +367,54 @@ fn uffd_vmas() -> impl Iterator<Item = (usize, usize)> {
     }
     found.into_iter()
 }
+
+/// A library user who kept a handle to the parent's swap device across fork: in the
+/// child its reads and writes are refused with an error that says why (the descriptor is
+/// closed there and its number may name another file; the key and write generations are
+/// the parent's), and the parent's device is untouched.
+#[test]
+fn a_handle_to_the_parents_swap_device_refuses_io_in_a_fork_child() {
+    let (region, pages) = filled_region();
+    // A region's device, and one a library user opened and no region uses.
+    let device = region.swap_device().clone();
+    let standalone = uswap_core::swapfile::SwapDevice::open(&Config::new(MIB as u64).swap).unwrap();
+    let status = in_child(|| {
+        let layout = std::alloc::Layout::from_size_align(PAGE_SIZE, PAGE_SIZE).unwrap();
+        // SAFETY: a non-zero size.
+        let buf = unsafe { std::alloc::alloc_zeroed(layout) };
+        for dev in [&device, &standalone] {
+            // SAFETY: one page-aligned page, ours until the end of this closure.
+            let written = unsafe { dev.write_pages(&[(0, buf)]) };
+            match &written[0] {
+                Err(e) if e.to_string().contains("fork child") => {}
+                other => return Err(format!("a write through the parent's device: {other:?}")),
+            }
+        }
+        // SAFETY: as above.
+        match unsafe { device.read_page(0, buf) } {
+            Err(e) if e.to_string().contains("fork child") => {}
+            other => return Err(format!("a read through the parent's device: {other:?}")),
+        }
+        // SAFETY: as above.
+        if unsafe { device.read_page_in_place(0, buf) } {
+            return Err("a signal-handler read through the parent's device succeeded".into());
+        }
+        // The child's own region still works: its memory came through its own device.
+        for page in 0..pages {
+            unsafe { check(region.as_ptr(), page, 1) }?;
+        }
+        Ok(())
+    });
+    assert!(exited_ok(status), "child status {status:#x}");
+    for page in 0..pages {
+        unsafe { check(region.as_ptr(), page, 1) }.unwrap();
+    }
+    region.check_invariants().unwrap();
+    // The parent's own handles still work.
+    let slot = standalone.alloc_slot().unwrap();
+    let page = vec![7u8; 2 * PAGE_SIZE];
+    let at = page.as_ptr().align_offset(PAGE_SIZE);
+    // SAFETY: one page-aligned page inside `page`.
+    let written = unsafe { standalone.write_pages(&[(slot, page[at..].as_ptr())]) };
+    assert!(written[0].is_ok(), "{:?}", written[0]);
+}

@@ -93,7 +93,9 @@ impl Mm {
 
     /// Page event: an inactive page was mapped back from its staging frame (a minor
     /// fault). Active and referenced, on the active list; its frame given back as `how`
-    /// says. A clean page keeps its slot and its swap cache entry.
+    /// says (under the page lock: a walker that holds every page lock must never find a
+    /// frame that is neither free nor held). A clean page keeps its slot and its swap
+    /// cache entry.
     pub fn mapped_back(&self, lock: &mut PageLock<'_>, how: MappedBack) {
         self.lru().cache_add(LruList::Active, lock.page(), false);
         let frame = lock.activate();
@@ -162,16 +164,22 @@ impl Mm {
         self.debug_check(lock);
     }
 
-    /// Page event, aging: isolated active pages were moved into `frames` (one each, in
-    /// order) with their data. Inactive, on the inactive list; a clean page keeps its slot.
-    pub fn parked(&self, locks: &mut [PageLock<'_>], frames: &[u32]) {
-        for (lock, &frame) in locks.iter_mut().zip(frames) {
-            lock.deactivate(frame);
-            self.debug_check(lock);
+    /// Page event, aging: isolated active pages were moved with their data, each
+    /// `locks[i]` into `frames[i]` where that is `Some` (the others did not move). Inactive,
+    /// on the inactive list (in one add for the batch); a clean page keeps its slot.
+    pub fn parked(&self, locks: &mut [PageLock<'_>], frames: &[Option<u32>]) {
+        let mut parked = 0;
+        for (lock, frame) in locks.iter_mut().zip(frames) {
+            if let Some(frame) = *frame {
+                lock.deactivate(frame);
+                self.debug_check(lock);
+                parked += 1;
+            }
         }
+        let pages = locks.iter().zip(frames).filter(|(_, f)| f.is_some());
         self.lru()
-            .add(LruList::Inactive, locks.iter().map(|l| l.page()));
-        self.count(VmEvent::pgdeactivate, locks.len() as u64);
+            .add(LruList::Inactive, pages.map(|(l, _)| l.page()));
+        self.count(VmEvent::pgdeactivate, parked);
     }
 
     /// Page event, aging: an isolated lazily freed page was found zapped by the kernel
@@ -492,8 +500,10 @@ mod tests {
         let slot = lock.state().slot().expect("clean");
         // The frame still holds the data (this test maps nothing): given back zapped.
         mm.mapped_back(&mut lock, MappedBack::CopiedInSignal);
-        assert_eq!(lock.kind(), Kind::Active);
-        assert_eq!(lock.state().slot(), Some(slot));
+        assert_eq!(
+            (lock.kind(), lock.state().slot()),
+            (Kind::Active, Some(slot))
+        );
         assert!(lock.state().referenced());
         drop(lock);
         assert_eq!(mm.staging().free_frames().len(), free + 1);
@@ -599,6 +609,72 @@ mod tests {
         assert_eq!((lock.kind(), lock.state().slot()), (Kind::Poisoned, None));
         drop(lock);
         assert_eq!(mm.slots_held(), slots - 1);
+        region.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn a_discarded_clean_page_is_lazily_freed_keeping_its_charge_until_found_zapped() {
+        let region = region();
+        let mm = region.mm();
+        region.advise(0, PAGE_SIZE, Advice::PageOut).unwrap();
+        assert_eq!(testing::read(&region, 0), 1, "back in, clean");
+        let (slots, resident) = (mm.slots_held(), mm.budget().resident());
+        let mut lock = mm.pages().lock(0);
+        assert!(lock.state().slot().is_some());
+        mm.lazyfreed(&mut lock);
+        assert_eq!((lock.kind(), lock.state().slot()), (Kind::Lazyfree, None));
+        assert_eq!(mm.slots_held(), slots - 1);
+        assert_eq!(mm.budget().resident(), resident, "still charged");
+        assert_eq!(mm.vmstat().get(VmEvent::pglazyfree), 1);
+        // Reclaim isolates it and finds it zapped.
+        mm.lru().drain_all();
+        mm.lru().remove(0);
+        mm.lazyfree_zapped(&mut lock);
+        assert_eq!(lock.kind(), Kind::Discarded);
+        assert_eq!(mm.budget().resident(), resident - 1);
+        assert_eq!(mm.vmstat().get(VmEvent::pglazyfreed), 1);
+    }
+
+    #[test]
+    fn a_clean_page_that_forgets_its_slot_is_dirty_and_writable() {
+        let region = region();
+        let mm = region.mm();
+        region.advise(0, PAGE_SIZE, Advice::PageOut).unwrap();
+        assert_eq!(testing::read(&region, 0), 1, "back in, clean");
+        let slots = mm.slots_held();
+        let mut lock = mm.pages().lock(0);
+        assert!(mm.forget_slot(&mut lock));
+        assert_eq!(lock.state().slot(), None);
+        assert!(!mm.forget_slot(&mut lock), "nothing left to forget");
+        drop(lock);
+        assert_eq!(mm.slots_held(), slots - 1);
+        assert!(!mm.pagemap_entry(0).unwrap().write_protected);
+        region.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn an_inherited_or_rehomed_page_holds_its_new_slot() {
+        let region = untouched(16);
+        let mm = region.mm();
+        let slot = mm.swap().alloc_slot().unwrap();
+        let mut lock = mm.pages().lock(3);
+        mm.inherited(&mut lock, slot);
+        assert_eq!(
+            (lock.kind(), lock.state().slot()),
+            (Kind::Swapped, Some(slot))
+        );
+        assert_eq!(mm.slots_held(), 1);
+        assert_eq!(mm.swap().owner(slot), Some((mm.region_id(), 3)));
+        // A swap-in that freed its slot early, then wrote the page to another one.
+        mm.release_slot(slot);
+        let other = mm.swap().alloc_slot().unwrap();
+        mm.rehomed(&mut lock, other);
+        assert_eq!(lock.state().slot(), Some(other));
+        assert_eq!(mm.slots_held(), 1);
+        // Nothing was written to the slots: the page goes.
+        mm.discard_page(&mut lock);
+        drop(lock);
+        assert_eq!(mm.slots_held(), 0);
         region.check_invariants().unwrap();
     }
 

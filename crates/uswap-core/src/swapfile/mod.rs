@@ -28,7 +28,7 @@ use std::io;
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::Path;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering, Ordering::Relaxed};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering, Ordering::Relaxed};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 use swap_io::PageBuf;
@@ -105,9 +105,39 @@ struct Counters {
     discarded_clusters: AtomicU64,
 }
 
+/// This process's pid, taken again in every fork child (a `pthread_atfork` handler, and
+/// `fork.rs` for raw clones) before anything there uses a swap device: a device compares
+/// it with the pid it was made in on every I/O, one relaxed load.
+static PID: AtomicU32 = AtomicU32::new(0);
+
+/// Takes the process's pid again; returns it.
+pub(crate) fn refresh_pid() -> u32 {
+    let pid = std::process::id();
+    PID.store(pid, Relaxed);
+    pid
+}
+
+/// The process's pid, as [`refresh_pid`] last took it (after installing the fork handler
+/// that keeps it current, once).
+fn current_pid() -> u32 {
+    static ATFORK: std::sync::Once = std::sync::Once::new();
+    extern "C" fn in_child() {
+        refresh_pid();
+    }
+    ATFORK.call_once(|| {
+        // SAFETY: registers a handler that only reads the pid and stores it.
+        unsafe { libc::pthread_atfork(None, None, Some(in_child)) };
+        refresh_pid();
+    });
+    PID.load(Relaxed)
+}
+
 /// A swap file and its slots. Shared through `Arc` by every thread of a region.
 pub struct SwapDevice {
     file: File,
+    /// The process the device belongs to: a fork child's copy of its parent's device
+    /// (a handle a library user kept across `fork`) refuses I/O ([`SwapDevice::file`]).
+    owner_pid: u32,
     io: IoEngine,
     direct: bool,
     backing: Backing,
@@ -188,6 +218,7 @@ impl SwapDevice {
             grown,
             growth_failed: AtomicBool::new(false),
             punch_unsupported: AtomicBool::new(false),
+            owner_pid: current_pid(),
             reserved: AtomicU64::new(0),
             cfg: cfg.clone(),
             align,
@@ -210,6 +241,7 @@ impl SwapDevice {
     /// In a fork child: I/O on rings of its own. The rings the device was made with are
     /// shared with the parent, whose device this was made for (`open_like`).
     pub(crate) fn renew_io(&mut self) {
+        self.owner_pid = refresh_pid();
         self.io = IoEngine::new(
             self.cfg.io.resolve(self.backing.in_memory()),
             self.cfg.faults,
@@ -225,6 +257,27 @@ impl SwapDevice {
         // SAFETY: closing a descriptor of the leaked parent device, never used again.
         unsafe { libc::close(self.file.as_raw_fd()) };
         self.io.close_in_child();
+    }
+
+    /// The swap file, unless this is a fork child's copy of its parent's device: there
+    /// the key and write generations are the parent's (a write would reuse nonces) and,
+    /// for a device a region used, the descriptor is closed (its number may name another
+    /// file by now), so a handle a library user kept across `fork` gets this error from
+    /// every read, write and growth instead of touching either process's data.
+    fn file(&self) -> io::Result<&File> {
+        if !self.owned() {
+            return Err(io::Error::other(
+                "this swap device is the parent process's, and a fork child cannot use it \
+                 (the child's regions have devices of their own; make a new one in the child)",
+            ));
+        }
+        Ok(&self.file)
+    }
+
+    /// Whether this process owns the device (see [`SwapDevice::file`]); one relaxed load,
+    /// for the signal handler's readers, which must not build an error.
+    fn owned(&self) -> bool {
+        self.owner_pid == PID.load(Relaxed)
     }
 
     pub fn capacity_pages(&self) -> u64 {
@@ -295,11 +348,14 @@ impl SwapDevice {
         if !self.backing.in_memory() || self.punch_unsupported.load(Relaxed) {
             return;
         }
+        let Ok(file) = self.file() else {
+            return;
+        };
         let mode = libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE;
         let len = i64::from(n) * PAGE_SIZE as i64;
         let at = slot_offset(first) as i64;
         // SAFETY: plain system call on the device's own file.
-        if unsafe { libc::fallocate(self.file.as_raw_fd(), mode, at, len) } == 0 {
+        if unsafe { libc::fallocate(file.as_raw_fd(), mode, at, len) } == 0 {
             self.counters.discarded_clusters.fetch_add(1, Relaxed);
         } else if matches!(
             io::Error::last_os_error().raw_os_error(),
@@ -334,6 +390,13 @@ impl SwapDevice {
     /// # Safety
     /// Each pointer must be valid for reading 4096 bytes until this returns, and page-aligned.
     pub unsafe fn write_pages(&self, batch: &[(SlotId, *const u8)]) -> Vec<io::Result<()>> {
+        let file = match self.file() {
+            Ok(file) => file,
+            Err(e) => {
+                let refused = || Err(io::Error::new(e.kind(), e.to_string()));
+                return batch.iter().map(|_| refused()).collect();
+            }
+        };
         for &(slot, _) in batch {
             self.check_slot(slot);
             // Whatever the slot held is about to be overwritten.
@@ -358,7 +421,7 @@ impl SwapDevice {
                 src: sealed.get(i).map_or(src, |(copy, _)| copy.as_ptr()),
             })
             .collect();
-        let results = self.io.run(&self.file, &ops);
+        let results = self.io.run(file, &ops);
         for (i, (&(slot, src), result)) in batch.iter().zip(&results).enumerate() {
             match (result, &self.guard) {
                 (Ok(()), Guard::Checksum(sums)) => sums.record(slot, page_checksum(src)),
@@ -378,6 +441,7 @@ impl SwapDevice {
     /// # Safety
     /// `dst` must be valid for writing 4096 bytes until this returns, and page-aligned.
     pub unsafe fn read_page(&self, slot: SlotId, dst: *mut u8) -> Result<(), ReadError> {
+        let file = self.file()?;
         self.check_slot(slot);
         let expected = self
             .guard
@@ -386,10 +450,7 @@ impl SwapDevice {
         let mut read = 0;
         loop {
             let reread_follows = read + 1 < READ_TRIES;
-            if let Err(e) = self
-                .io
-                .read(&self.file, slot_offset(slot), dst, reread_follows)
-            {
+            if let Err(e) = self.io.read(file, slot_offset(slot), dst, reread_follows) {
                 self.counters.read_errors.fetch_add(1, Relaxed);
                 return Err(ReadError::Io(e));
             }
@@ -421,6 +482,13 @@ impl SwapDevice {
     /// Each pointer must be valid for writing 4096 bytes until this returns, and
     /// page-aligned.
     pub unsafe fn read_pages(&self, batch: &[(SlotId, *mut u8)]) -> Vec<Result<(), ReadError>> {
+        let file = match self.file() {
+            Ok(file) => file,
+            Err(e) => {
+                let refused = || Err(ReadError::Io(io::Error::new(e.kind(), e.to_string())));
+                return batch.iter().map(|_| refused()).collect();
+            }
+        };
         let expected: Vec<Option<Expected>> = batch
             .iter()
             .map(|&(slot, _)| {
@@ -437,7 +505,7 @@ impl SwapDevice {
                 dst,
             })
             .collect();
-        let mut results = self.io.read_batch(&self.file, &ops).into_iter();
+        let mut results = self.io.read_batch(file, &ops).into_iter();
         batch
             .iter()
             .zip(expected)
@@ -461,7 +529,7 @@ impl SwapDevice {
     /// # Safety
     /// As [`SwapDevice::read_page`].
     pub unsafe fn read_page_in_place(&self, slot: SlotId, dst: *mut u8) -> bool {
-        let Some(expected) = self.guard.get(slot) else {
+        let Some(expected) = self.guard.get(slot).filter(|_| self.owned()) else {
             return false;
         };
         matches!(
@@ -483,7 +551,7 @@ impl SwapDevice {
         slots: &[SlotId],
         f: impl FnOnce(&mut SignalBatch<'_>) -> R,
     ) -> Option<R> {
-        if slots.len() > SIGNAL_BATCH {
+        if slots.len() > SIGNAL_BATCH || !self.owned() {
             return None;
         }
         let expected: ArrayVec<Option<Expected>, SIGNAL_BATCH> =
@@ -589,7 +657,11 @@ impl SwapDevice {
         if step == 0 {
             return false;
         }
-        if reserve(&self.file, growth.bytes, step).is_err() {
+        if self
+            .file()
+            .and_then(|f| reserve(f, growth.bytes, step))
+            .is_err()
+        {
             growth.failed_at = Some(Instant::now());
             self.growth_failed.store(true, Relaxed);
             return false;
