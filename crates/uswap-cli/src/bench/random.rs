@@ -4,6 +4,7 @@ use super::{Backend, KERNEL_SWAP_MARGIN};
 use crate::args::{nonzero_size, seconds, CoreArgs, KernelArgs};
 use crate::kernel::{self, child, tunables, vmstat, Environment};
 use crate::report;
+use crate::workload::distribution::Distribution;
 use crate::workload::mem::Mapped;
 use crate::workload::random::{self, RandomOutcome, RandomParams};
 use anyhow::{bail, ensure, Context, Result};
@@ -34,6 +35,12 @@ pub struct RandomArgs {
     /// Share of accesses that are writes, in percent
     #[arg(long, value_name = "P", default_value_t = 20, value_parser = value_parser!(u8).range(0..=100))]
     pub write_pct: u8,
+
+    /// How accesses spread over the pages: uniform, zipf:S (Zipf with exponent S, such as
+    /// zipf:0.99) or hot:P/Q (P% of accesses to Q% of the pages); skewed ranks are
+    /// scattered over the region
+    #[arg(long, value_name = "DIST", default_value = "uniform")]
+    pub distribution: Distribution,
 
     /// Length of the measured interval; filling the region first is not counted
     #[arg(long, value_name = "S", default_value = "8", value_parser = seconds)]
@@ -71,6 +78,7 @@ struct Report {
     memory: u64,
     threads: usize,
     write_pct: u8,
+    distribution: String,
     slot_alloc: String,
     swap_cache_mode: String,
     accesses: u64,
@@ -79,6 +87,10 @@ struct Report {
     swap_out_mb_s: f64,
     /// Pages swapped in over the measured interval.
     swap_ins: u64,
+    /// Accesses that waited for a read from swap (uswap's `pgmajfault`; the kernel's
+    /// `ru_majflt` of the accessing process), over the measured interval.
+    major_faults: u64,
+    major_faults_per_1000: f64,
     verify_errors: u64,
     #[serde(flatten)]
     outcome: RandomOutcome,
@@ -124,6 +136,7 @@ pub fn run(a: &RandomArgs) -> Result<()> {
         write_pct: a.write_pct,
         seconds: a.seconds,
         syscall_dispatch: a.syscall_dispatch || auto_sigbus,
+        distribution: a.distribution,
     };
     if a.syscall_dispatch
         && (a.backend != Backend::Uswap
@@ -164,7 +177,7 @@ fn run_uswap(a: &RandomArgs, params: &RandomParams) -> Result<Report> {
         _ => Vec::new(),
     };
     let vmstat = after.vmstat.since(&before.vmstat);
-    let swapped = (vmstat.pswpin, vmstat.pswpout);
+    let swapped = (vmstat.pswpin, vmstat.pswpout, vmstat.pgmajfault);
     let detail = UswapDetail {
         vmstat,
         lockstat: report::lockstat_since(&after.lockstat, &before.lockstat),
@@ -214,10 +227,11 @@ fn run_kernel(a: &RandomArgs, params: &RandomParams) -> Result<Report> {
     let child::Report::Random { outcome, swap, vm } = child_report else {
         bail!("the kernel-backend child sent a report for another workload");
     };
+    let major_faults = outcome.cpu.major_faults;
     Ok(build_report(
         a,
         outcome,
-        (swap.pswpin, swap.pswpout),
+        (swap.pswpin, swap.pswpout, major_faults),
         None,
         Some(KernelDetail {
             environment,
@@ -229,7 +243,7 @@ fn run_kernel(a: &RandomArgs, params: &RandomParams) -> Result<Report> {
 fn build_report(
     a: &RandomArgs,
     outcome: RandomOutcome,
-    (pswpin, pswpout): (u64, u64),
+    (pswpin, pswpout, major_faults): (u64, u64, u64),
     uswap: Option<UswapDetail>,
     kernel: Option<KernelDetail>,
 ) -> Report {
@@ -241,6 +255,7 @@ fn build_report(
         memory: a.memory,
         threads: a.threads as usize,
         write_pct: a.write_pct,
+        distribution: a.distribution.to_string(),
         slot_alloc: a.core.slot_alloc.unwrap_or(SlotAlloc::Percpu).to_string(),
         swap_cache_mode: a
             .core
@@ -252,6 +267,8 @@ fn build_report(
         swap_in_mb_s: report::mb_per_s(pswpin, secs),
         swap_out_mb_s: report::mb_per_s(pswpout, secs),
         swap_ins: pswpin,
+        major_faults,
+        major_faults_per_1000: 1000.0 * major_faults as f64 / outcome.accesses().max(1) as f64,
         verify_errors: outcome.verify_errors(),
         outcome,
         uswap,
@@ -263,12 +280,13 @@ fn print(r: &Report) {
     let o = &r.outcome;
     let pct = |n: u64| 100.0 * n as f64 / r.accesses.max(1) as f64;
     println!(
-        "uswap bench random: backend {}, {} region, {} memory, {} thread(s), {}% writes",
+        "uswap bench random: backend {}, {} region, {} memory, {} thread(s), {}% writes, {}",
         r.backend,
         report::size(r.size),
         report::size(r.memory),
         r.threads,
-        r.write_pct
+        r.write_pct,
+        r.distribution
     );
     println!(
         "  time             setup (fill) {:.2} s   measured {:.2} s   final check {:.2} s",
@@ -282,8 +300,11 @@ fn print(r: &Report) {
         pct(o.writes)
     );
     println!(
-        "  swap             in {:.1} MB/s   out {:.1} MB/s",
-        r.swap_in_mb_s, r.swap_out_mb_s
+        "  swap             in {:.1} MB/s   out {:.1} MB/s   major faults {} ({:.1} per 1,000 accesses)",
+        r.swap_in_mb_s,
+        r.swap_out_mb_s,
+        report::count(r.major_faults),
+        r.major_faults_per_1000
     );
     println!(
         "  access latency   {}",

@@ -160,6 +160,10 @@ mod tests {
                 write_pct: 20,
                 seconds: 1.5,
                 syscall_dispatch: false,
+                distribution: crate::workload::distribution::Distribution::Hot {
+                    pct: 90,
+                    of_pct: 10,
+                },
             },
         };
         let args = command_args(&spec);

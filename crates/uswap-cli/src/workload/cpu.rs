@@ -12,6 +12,9 @@ pub struct CpuUse {
     pub voluntary_switches: u64,
     /// Preemptions.
     pub involuntary_switches: u64,
+    /// Faults the kernel served with I/O (its swap-ins; uswap's own show in its counters).
+    #[serde(default)]
+    pub major_faults: u64,
 }
 
 impl CpuUse {
@@ -26,6 +29,7 @@ impl CpuUse {
             system_s: secs(u.ru_stime),
             voluntary_switches: u.ru_nvcsw as u64,
             involuntary_switches: u.ru_nivcsw as u64,
+            major_faults: u.ru_majflt as u64,
         }
     }
 
@@ -35,6 +39,7 @@ impl CpuUse {
             system_s: self.system_s - earlier.system_s,
             voluntary_switches: self.voluntary_switches - earlier.voluntary_switches,
             involuntary_switches: self.involuntary_switches - earlier.involuntary_switches,
+            major_faults: self.major_faults - earlier.major_faults,
         }
     }
 

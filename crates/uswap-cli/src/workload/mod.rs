@@ -2,6 +2,7 @@
 //! kernel's own swap.
 
 pub mod cpu;
+pub mod distribution;
 pub mod fault;
 pub mod mem;
 pub mod pattern;

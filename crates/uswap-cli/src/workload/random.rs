@@ -1,12 +1,13 @@
-//! pmbench-like uniform random access with every read verified.
+//! pmbench-like random access with every read verified.
 //!
-//! Setup writes every page's pattern (not measured). Then each thread picks uniformly random
-//! pages; an access touches one page: a write bumps the page's version in its header, a read
+//! Setup writes every page's pattern (not measured). Then each thread picks random pages
+//! (uniformly, or skewed as its [`Distribution`] says); an access touches one page: a write bumps the page's version in its header, a read
 //! checks the header and one random pattern word. The versions each writer produced are kept
 //! in a side table outside the measured memory, so a reader knows the lowest version a page
 //! may show. A final pass checks every word of every page.
 
 use super::cpu::CpuUse;
+use super::distribution::{Distribution, Picker};
 use super::mem::{Mem, WORDS};
 use super::pattern::{self, ErrorLog};
 use super::rng::Rng;
@@ -30,6 +31,9 @@ pub struct RandomParams {
     /// Each accessing thread runs with syscall dispatch on (SIGBUS mode).
     #[serde(default)]
     pub syscall_dispatch: bool,
+    /// How accesses are spread over the pages.
+    #[serde(default)]
+    pub distribution: Distribution,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -93,7 +97,8 @@ pub fn run<S>(
                         uswap_core::syscall_dispatch::enable_for_this_thread()
                             .expect("turning syscall dispatch on");
                     }
-                    let r = access_loop(mem, written, p.write_pct, id as u64, stop, log);
+                    let picker = Picker::new(p.distribution, mem.pages() as u64, id as u64);
+                    let r = access_loop(mem, written, (picker, p.write_pct), id as u64, stop, log);
                     if p.syscall_dispatch {
                         uswap_core::syscall_dispatch::disable_for_this_thread();
                     }
@@ -144,7 +149,7 @@ struct ThreadResult {
 fn access_loop(
     mem: Mem,
     written: &[AtomicU32],
-    write_pct: u8,
+    (mut picker, write_pct): (Picker, u8),
     seed: u64,
     stop: &AtomicBool,
     log: &ErrorLog,
@@ -155,9 +160,8 @@ fn access_loop(
         writes: 0,
         latency: new_histogram(),
     };
-    let pages = mem.pages() as u64;
     while !stop.load(Relaxed) {
-        let page = rng.below(pages);
+        let page = picker.pick(&mut rng);
         let dice = rng.next_u64();
         let words = mem.page(page as usize);
         let started = Instant::now();
@@ -221,6 +225,7 @@ mod tests {
             write_pct: 50,
             seconds: 0.05,
             syscall_dispatch: false,
+            distribution: Distribution::Zipf { s: 0.99 },
         };
         let mut calls = 0;
         let (out, before, after) = run(map.mem(), &params, || {
