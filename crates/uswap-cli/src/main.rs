@@ -54,8 +54,8 @@ enum Command {
 
 #[derive(Subcommand)]
 enum Bench {
-    /// Uniform random reads and writes on a region larger than memory, every read verified
-    /// (pmbench-like)
+    /// Random reads and writes (uniform, or skewed with --distribution) on a region larger
+    /// than memory, every read verified (pmbench-like)
     Random(bench::random::RandomArgs),
     /// First-touch faults per second on fresh regions (will-it-scale page_fault1-like)
     Fault(bench::fault::FaultArgs),

@@ -1,4 +1,5 @@
-//! `uswap bench random`: pmbench-like uniform random access on a region larger than memory.
+//! `uswap bench random`: pmbench-like random access (uniform, or skewed with
+//! `--distribution`) on a region larger than memory.
 
 use super::{Backend, KERNEL_SWAP_MARGIN};
 use crate::args::{nonzero_size, seconds, CoreArgs, KernelArgs};
@@ -42,6 +43,12 @@ pub struct RandomArgs {
     #[arg(long, value_name = "DIST", default_value = "uniform")]
     pub distribution: Distribution,
 
+    /// After every N of its accesses, each thread reads its share of the region in page
+    /// order, every page checked: together a sequential scan through the whole set (0:
+    /// never). Scan reads count as accesses and are reported apart too
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    pub scan: u64,
+
     /// Length of the measured interval; filling the region first is not counted
     #[arg(long, value_name = "S", default_value = "8", value_parser = seconds)]
     pub seconds: f64,
@@ -79,6 +86,8 @@ struct Report {
     threads: usize,
     write_pct: u8,
     distribution: String,
+    /// `--scan`: accesses between a thread's scans of its share (0: none).
+    scan_every: u64,
     slot_alloc: String,
     swap_cache_mode: String,
     accesses: u64,
@@ -137,6 +146,7 @@ pub fn run(a: &RandomArgs) -> Result<()> {
         seconds: a.seconds,
         syscall_dispatch: a.syscall_dispatch || auto_sigbus,
         distribution: a.distribution,
+        scan_every: a.scan,
     };
     if a.syscall_dispatch
         && (a.backend != Backend::Uswap
@@ -256,6 +266,7 @@ fn build_report(
         threads: a.threads as usize,
         write_pct: a.write_pct,
         distribution: a.distribution.to_string(),
+        scan_every: a.scan,
         slot_alloc: a.core.slot_alloc.unwrap_or(SlotAlloc::Percpu).to_string(),
         swap_cache_mode: a
             .core
@@ -293,11 +304,12 @@ fn print(r: &Report) {
         o.setup_s, o.measured_s, o.verify_s
     );
     println!(
-        "  accesses         {}  ({}/s)   reads {:.1}%  writes {:.1}%",
+        "  accesses         {}  ({}/s)   reads {:.1}%  writes {:.1}%  scan reads {:.1}%",
         report::count(r.accesses),
         report::count(r.accesses_per_s as u64),
         pct(o.reads),
-        pct(o.writes)
+        pct(o.writes),
+        pct(o.scan_reads)
     );
     println!(
         "  swap             in {:.1} MB/s   out {:.1} MB/s   major faults {} ({:.1} per 1,000 accesses)",

@@ -164,6 +164,7 @@ mod tests {
                     pct: 90,
                     of_pct: 10,
                 },
+                scan_every: 50_000,
             },
         };
         let args = command_args(&spec);

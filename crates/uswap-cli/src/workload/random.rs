@@ -1,8 +1,12 @@
 //! pmbench-like random access with every read verified.
 //!
 //! Setup writes every page's pattern (not measured). Then each thread picks random pages
-//! (uniformly, or skewed as its [`Distribution`] says); an access touches one page: a write bumps the page's version in its header, a read
-//! checks the header and one random pattern word. The versions each writer produced are kept
+//! (uniformly, or skewed as its [`Distribution`] says); an access touches one page: a
+//! write bumps the page's version in its header, a read checks the header and one random
+//! pattern word. With scans on (`RandomParams::scan_every`), each thread also reads its
+//! share of the region in page order after every so many accesses, each page checked as a
+//! read is: a scan through the whole set that pushes other pages out, as a query or a
+//! backup does. The versions each writer produced are kept
 //! in a side table outside the measured memory, so a reader knows the lowest version a page
 //! may show. A final pass checks every word of every page.
 
@@ -34,6 +38,10 @@ pub struct RandomParams {
     /// How accesses are spread over the pages.
     #[serde(default)]
     pub distribution: Distribution,
+    /// After every this many of its accesses, each thread reads its share of the region in
+    /// page order (0: never).
+    #[serde(default)]
+    pub scan_every: u64,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -46,6 +54,9 @@ pub struct RandomOutcome {
     pub verify_s: f64,
     pub reads: u64,
     pub writes: u64,
+    /// Reads made by sequential scans (`scan_every`), besides `reads`.
+    #[serde(default)]
+    pub scan_reads: u64,
     /// Time of one access (including any fault it took), measured by the accessing thread.
     pub access_latency: Latency,
     /// What the process spent over the measured interval, every thread counted.
@@ -58,7 +69,7 @@ pub struct RandomOutcome {
 
 impl RandomOutcome {
     pub fn accesses(&self) -> u64 {
-        self.reads + self.writes
+        self.reads + self.writes + self.scan_reads
     }
 
     pub fn verify_errors(&self) -> u64 {
@@ -98,7 +109,19 @@ pub fn run<S>(
                             .expect("turning syscall dispatch on");
                     }
                     let picker = Picker::new(p.distribution, mem.pages() as u64, id as u64);
-                    let r = access_loop(mem, written, (picker, p.write_pct), id as u64, stop, log);
+                    let chunk = mem.pages().div_ceil(p.threads);
+                    let scan = Scan {
+                        every: p.scan_every,
+                        share: (id * chunk).min(mem.pages())..((id + 1) * chunk).min(mem.pages()),
+                    };
+                    let r = access_loop(
+                        mem,
+                        written,
+                        (picker, p.write_pct, scan),
+                        id as u64,
+                        stop,
+                        log,
+                    );
                     if p.syscall_dispatch {
                         uswap_core::syscall_dispatch::disable_for_this_thread();
                     }
@@ -132,6 +155,7 @@ pub fn run<S>(
         verify_s,
         reads: results.iter().map(|r| r.reads).sum(),
         writes: results.iter().map(|r| r.writes).sum(),
+        scan_reads: results.iter().map(|r| r.scan_reads).sum(),
         access_latency: Latency::of(&hist),
         cpu,
         errors_during_run: run_errors.count(),
@@ -143,13 +167,21 @@ pub fn run<S>(
 struct ThreadResult {
     reads: u64,
     writes: u64,
+    scan_reads: u64,
     latency: hdrhistogram::Histogram<u64>,
+}
+
+/// One thread's sequential scans: after every `every` accesses (0: never), its `share` of
+/// the region read in page order.
+struct Scan {
+    every: u64,
+    share: Range<usize>,
 }
 
 fn access_loop(
     mem: Mem,
     written: &[AtomicU32],
-    (mut picker, write_pct): (Picker, u8),
+    (mut picker, write_pct, scan): (Picker, u8, Scan),
     seed: u64,
     stop: &AtomicBool,
     log: &ErrorLog,
@@ -158,9 +190,30 @@ fn access_loop(
     let mut r = ThreadResult {
         reads: 0,
         writes: 0,
+        scan_reads: 0,
         latency: new_histogram(),
     };
+    let mut since_scan = 0;
     while !stop.load(Relaxed) {
+        if scan.every > 0 {
+            since_scan += 1;
+            if since_scan > scan.every {
+                since_scan = 0;
+                for page in scan.share.clone() {
+                    if stop.load(Relaxed) {
+                        break;
+                    }
+                    let i = 1 + rng.below(WORDS as u64 - 1) as usize;
+                    let started = Instant::now();
+                    let checks = read(mem, written, page as u64, i);
+                    record(&mut r.latency, started.elapsed());
+                    r.scan_reads += 1;
+                    log.check(checks.0);
+                    log.check(checks.1);
+                }
+                continue;
+            }
+        }
         let page = picker.pick(&mut rng);
         let dice = rng.next_u64();
         let words = mem.page(page as usize);
@@ -174,17 +227,33 @@ fn access_loop(
             r.writes += 1;
             log.check(pattern::check_header(page, old, 0));
         } else {
-            let min_version = written[page as usize].load(Acquire);
-            let header = words[0].load(Acquire);
             let i = 1 + (dice >> 32) as usize % (WORDS - 1);
-            let word = words[i].load(Relaxed);
+            let checks = read(mem, written, page, i);
             record(&mut r.latency, started.elapsed());
             r.reads += 1;
-            log.check(pattern::check_header(page, header, min_version));
-            log.check(pattern::check_word(page, i, word));
+            log.check(checks.0);
+            log.check(checks.1);
         }
     }
     r
+}
+
+/// One read access: `page`'s header against the lowest version it may show, and its word
+/// `i`. The checks' results, for the caller to log after it has timed the read.
+fn read(
+    mem: Mem,
+    written: &[AtomicU32],
+    page: u64,
+    i: usize,
+) -> (Result<(), pattern::Mismatch>, Result<(), pattern::Mismatch>) {
+    let words = mem.page(page as usize);
+    let min_version = written[page as usize].load(Acquire);
+    let header = words[0].load(Acquire);
+    let word = words[i].load(Relaxed);
+    (
+        pattern::check_header(page, header, min_version),
+        pattern::check_word(page, i, word),
+    )
 }
 
 /// Checks every word of every page against its final version; returns the bad pages.
@@ -226,6 +295,7 @@ mod tests {
             seconds: 0.05,
             syscall_dispatch: false,
             distribution: Distribution::Zipf { s: 0.99 },
+            scan_every: 100,
         };
         let mut calls = 0;
         let (out, before, after) = run(map.mem(), &params, || {
@@ -234,6 +304,8 @@ mod tests {
         });
         assert_eq!((before, after), (1, 2));
         assert!(out.reads > 0 && out.writes > 0, "{out:?}");
+        // 64 pages, two threads: each scan reads a thread's 32.
+        assert!(out.scan_reads >= 32, "{out:?}");
         assert_eq!(out.verify_errors(), 0);
         assert_eq!(out.access_latency.count, out.accesses());
     }
