@@ -241,6 +241,117 @@ impl Default for SwapEncryption {
     }
 }
 
+/// The compressed tier in front of the swap file (zswap per device: `swapfile/zswap.rs`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Ztier {
+    /// Whether evicted pages are compressed into the pool (off: they go to the file, and
+    /// what the pool holds is written back as reclaim runs).
+    pub enabled: bool,
+    /// The most the pool's stored objects may take.
+    pub size: ZtierSize,
+    pub compressor: Compressor,
+}
+
+impl Default for Ztier {
+    fn default() -> Self {
+        Ztier {
+            enabled: false,
+            size: ZtierSize::Percent(DEFAULT_ZTIER_PERCENT),
+            compressor: Compressor::Lz4,
+        }
+    }
+}
+
+/// The pool's share of the memory limit by default (the kernel's `zswap.max_pool_percent`
+/// is 20% of the machine's memory).
+pub const DEFAULT_ZTIER_PERCENT: u8 = 20;
+
+/// The compressed pool's size: bytes, or a share of the memory limit.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ZtierSize {
+    Bytes(u64),
+    Percent(u8),
+}
+
+impl ZtierSize {
+    /// The pool's most bytes under a memory limit of `limit_bytes`.
+    pub fn bytes(self, limit_bytes: u64) -> u64 {
+        match self {
+            ZtierSize::Bytes(b) => b,
+            ZtierSize::Percent(p) => limit_bytes / 100 * u64::from(p),
+        }
+    }
+}
+
+impl FromStr for ZtierSize {
+    type Err = Error;
+    /// `25%` (a share of the memory limit, 1 to 90) or a size (`256M`).
+    fn from_str(s: &str) -> Result<Self> {
+        match s.trim().strip_suffix('%') {
+            Some(p) => match p.trim().parse::<u8>() {
+                Ok(p @ 1..=90) => Ok(ZtierSize::Percent(p)),
+                _ => Err(Error::invalid(
+                    "compressed pool size",
+                    format!("{s:?}: a share of the memory limit is 1% to 90%"),
+                )),
+            },
+            None => parse_size(s).map(ZtierSize::Bytes),
+        }
+    }
+}
+
+impl std::fmt::Display for ZtierSize {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ZtierSize::Bytes(b) => write!(f, "{} MiB", b >> 20),
+            ZtierSize::Percent(p) => write!(f, "{p}% of the memory limit"),
+        }
+    }
+}
+
+/// How the compressed tier compresses pages.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Compressor {
+    /// LZ4 (`lz4_flex`): fast both ways; the SIGBUS handler decompresses in place.
+    Lz4,
+    /// Zstandard at a level (`zstd`): smaller, slower; its pages are decompressed off the
+    /// signal handler (by the fault path's full route).
+    Zstd(i32),
+}
+
+impl FromStr for Compressor {
+    type Err = Error;
+    /// `lz4`, `zstd` (level 1) or `zstd:LEVEL` (1 to 19).
+    fn from_str(s: &str) -> Result<Self> {
+        let bad = || {
+            Error::invalid(
+                "compressor",
+                format!("{s:?}: use `lz4`, `zstd` or `zstd:LEVEL` (LEVEL 1 to 19)"),
+            )
+        };
+        match s.split_once(':') {
+            None if s == "lz4" => Ok(Compressor::Lz4),
+            None if s == "zstd" => Ok(Compressor::Zstd(1)),
+            Some(("zstd", level)) => match level.parse::<i32>() {
+                Ok(l @ 1..=19) => Ok(Compressor::Zstd(l)),
+                _ => Err(bad()),
+            },
+            _ => Err(bad()),
+        }
+    }
+}
+
+impl std::fmt::Display for Compressor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Compressor::Lz4 => f.write_str("lz4"),
+            Compressor::Zstd(level) => write!(f, "zstd:{level}"),
+        }
+    }
+}
+
 named_modes! {
     /// Which swap slots a swap-in reads beside the faulting one (seed 002).
     ReadaheadPolicy, "readahead policy" {
@@ -339,6 +450,9 @@ pub struct SwapConfig {
     /// Faults to inject into the device's I/O, for tests. `None` (the default) costs
     /// nothing.
     pub faults: Option<FaultPlan>,
+    /// The compressed tier in front of the file.
+    #[serde(default)]
+    pub ztier: Ztier,
 }
 
 impl Default for SwapConfig {
@@ -352,6 +466,7 @@ impl Default for SwapConfig {
             read_poll_us: default_read_poll_us(),
             encryption: SwapEncryption::On,
             faults: None,
+            ztier: Ztier::default(),
         }
     }
 }

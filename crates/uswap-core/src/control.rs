@@ -43,7 +43,7 @@
 //!
 //! Everything else a region is configured with is fixed when it is made.
 
-use crate::config::{parse_size, Readahead, ReadaheadPolicy};
+use crate::config::{parse_size, Readahead, ReadaheadPolicy, ZtierSize};
 use crate::error::{Error, Result};
 use crate::region::Region;
 use crate::PAGE_SIZE;
@@ -413,7 +413,7 @@ struct Knob {
     set: fn(&Region, &str) -> Result<()>,
 }
 
-const KNOBS: [Knob; 3] = [
+const KNOBS: [Knob; 5] = [
     Knob {
         name: "memory",
         get: |r| r.memory_limit().into(),
@@ -443,7 +443,35 @@ const KNOBS: [Knob; 3] = [
             })
         },
     },
+    Knob {
+        name: "ztier",
+        get: |r| on_off(r.swap_device().ztier_stats().enabled).into(),
+        set: |r, text| {
+            let on = match text {
+                "on" => true,
+                "off" => false,
+                _ => return Err(Error::invalid("ztier", format!("{text:?}: use on or off"))),
+            };
+            r.swap_device().set_ztier(on);
+            Ok(())
+        },
+    },
+    Knob {
+        name: "ztier_size",
+        get: |r| r.swap_device().ztier_size().to_string().into(),
+        set: |r, text| {
+            r.swap_device().set_ztier_size(text.parse::<ZtierSize>()?);
+            Ok(())
+        },
+    },
 ];
+
+fn on_off(on: bool) -> &'static str {
+    match on {
+        true => "on",
+        false => "off",
+    }
+}
 
 fn knobs(region: &Region) -> Value {
     KNOBS

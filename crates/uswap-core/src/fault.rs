@@ -553,7 +553,8 @@ impl FaultPath {
             drop(buf);
             let event = match e {
                 crate::swapfile::ReadError::Checksum { .. }
-                | crate::swapfile::ReadError::Tag { .. } => VmEvent::verify_errors,
+                | crate::swapfile::ReadError::Tag { .. }
+                | crate::swapfile::ReadError::Pool { .. } => VmEvent::verify_errors,
                 _ => VmEvent::io_errors,
             };
             mm.count(event, 1);
@@ -563,11 +564,11 @@ impl FaultPath {
         }
         laps.lap(Phase::Read);
         mm.count(VmEvent::pswpin, 1);
-        // Keep the swap copy (and write-protect to learn of the first write) unless swap
-        // space is getting short, as the kernel frees the slot when vm_swap_full(), or the
-        // access is a write. A page of a window the walk writes is mapped dirty too, but
-        // its slot goes only once it is mapped: until then the fault may still back out.
-        let keep = mm.caps().write_protect && !mm.swap().nearly_full() && !write;
+        // Keep the swap copy (and write-protect to learn of the first write) unless the
+        // device says not to (`SwapDevice::keeps_slot`) or the access is a write. A page of
+        // a window the walk writes is mapped dirty too, but its slot goes only once it is
+        // mapped: until then the fault may still back out.
+        let keep = mm.caps().write_protect && mm.swap().keeps_slot(slot) && !write;
         let clean = keep && readahead != Destination::Writable;
         if !keep {
             mm.release_slot(slot);
@@ -690,7 +691,8 @@ impl FaultPath {
     ) -> Option<Outcome> {
         let mm = self.mm();
         self.reclaim.charge_without_reclaim(1)?;
-        let keep = mm.caps().write_protect && !mm.swap().nearly_full() && !writable;
+        let slot = lock.state().slot().expect("a swapped page holds its slot");
+        let keep = mm.caps().write_protect && mm.swap().keeps_slot(slot) && !writable;
         mm.count(VmEvent::pswpin, 1);
         mm.count(VmEvent::pgmajfault, 1);
         let mapped = mm

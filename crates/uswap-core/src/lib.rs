@@ -45,8 +45,9 @@ mod walker;
 pub use breakdown::{PhaseSummary, PhaseTimes};
 pub use budget::StockStats;
 pub use config::{
-    parse_size, Config, FaultMode, FaultPlan, IoMode, LruLockMode, Readahead, ReadaheadPolicy,
-    SlotAlloc, SwapCacheMode, SwapConfig, SwapEncryption, SwapLocation, Watermarks,
+    parse_size, Compressor, Config, FaultMode, FaultPlan, IoMode, LruLockMode, Readahead,
+    ReadaheadPolicy, SlotAlloc, SwapCacheMode, SwapConfig, SwapEncryption, SwapLocation,
+    Watermarks, Ztier, ZtierSize,
 };
 pub use error::{Error, Result};
 pub use lockstat::{LockClass, LockStat};
@@ -55,7 +56,7 @@ pub use sigbus::in_sigbus_handler;
 pub use signals::spawn_quiet;
 pub use stats::{Latency, Stats, VmStatSnapshot};
 pub use swapfile::swap_state::SwapCacheStats;
-pub use swapfile::{Backing, IoStats};
+pub use swapfile::{Backing, IoStats, ZtierStats};
 pub use uffd::{probe, Probe};
 
 /// The page size uswap is built for, and the one place it is written down. Regions check

@@ -42,7 +42,9 @@
 //! 15. The leaves, under which nothing is taken: `Reservation` (`assembly.rs`),
 //!     `Leadership` and `RetryList` (`handler.rs`), `Kswapd` (`vmscan.rs`), `Latency`
 //!     (`stats.rs`) and `Phases` (`breakdown.rs`), whose histogram shards are recorded
-//!     into at the end of a fault.
+//!     into at the end of a fault; the compressed tier's `ZswapLru` (`swapfile/zswap.rs`,
+//!     its store order) and `ZpoolClass` (`swapfile/zpool.rs`, a size class's chunks),
+//!     taken by reclaim's writes under page locks.
 //!
 //! The resident budget, the bounce pool, the swap cache's readahead markers, the pins of
 //! `gup.rs` and the SIGBUS handler's tables are lock-free. The fill gate of
@@ -83,6 +85,8 @@ ranks! {
     Kswapd,
     Latency,
     Phases,
+    ZswapLru,
+    ZpoolClass,
 }
 
 #[cfg(all(debug_assertions, not(loom)))]

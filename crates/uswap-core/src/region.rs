@@ -112,7 +112,10 @@ impl Region {
             first_touch: latency(FaultKind::FirstTouch),
             minor: latency(FaultKind::Minor),
             major: latency(FaultKind::Major),
-            resident_pages: mm.budget().resident(),
+            resident_pages: mm
+                .budget()
+                .resident()
+                .saturating_sub(mm.swap().ztier_stats().charged_pages),
             swap_used_pages: mm.slots_held(),
             metadata_bytes: metadata_bytes(mm.pages().len() as u64),
             io: mm.swap().io_stats(),
@@ -120,6 +123,7 @@ impl Region {
             readahead: self.inner().fault.readahead.get(),
             charge_stock: mm.budget().stock_stats(),
             lockstat: self.inner().lockstat(),
+            ztier: mm.swap().ztier_stats(),
         }
     }
 

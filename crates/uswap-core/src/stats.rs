@@ -266,6 +266,9 @@ pub struct Stats {
     pub charge_stock: crate::budget::StockStats,
     /// Lock statistics of the region's locks and its swap device's, one line per lock class.
     pub lockstat: Vec<crate::lockstat::LockClass>,
+    /// The compressed tier in front of the swap file (its device's).
+    #[serde(default)]
+    pub ztier: crate::swapfile::ZtierStats,
 }
 
 /// A process's resident anonymous memory (`RssAnon` in /proc/PID/status): the kernel's

@@ -466,6 +466,7 @@ impl Reclaim {
             laps.lap(Phase::WriteOut);
         }
         let freed = mm.reclaimed(freed_frames);
+        self.balance_ztier();
         laps.lap(Phase::FrameRelease);
         let still_inactive = locks
             .iter()
@@ -473,6 +474,22 @@ impl Reclaim {
             .map(|l| l.page());
         mm.lru().add(LruList::Inactive, still_inactive);
         freed
+    }
+
+    /// Charges the compressed pool's growth to the budget and takes off what it gave back,
+    /// as a cgroup charges zswap's pool, so resident pages and pool together stay under
+    /// the limit; the pool's size follows the limit.
+    fn balance_ztier(&self) {
+        let budget = self.mm.budget();
+        match self
+            .mm
+            .swap()
+            .ztier_balance(budget.limit() * PAGE_SIZE as u64)
+        {
+            grew if grew > 0 => budget.overdraw(grew as u64),
+            shrank if shrank < 0 => budget.uncharge(shrank.unsigned_abs()),
+            _ => {}
+        }
     }
 
     /// Writes dirty inactive pages straight from their staging frames, as one batch; the

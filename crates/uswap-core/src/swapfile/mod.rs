@@ -10,12 +10,16 @@
 mod backing;
 mod cluster;
 mod seal;
+mod slot_table;
 pub mod swap_io;
 pub mod swap_state;
+mod zpool;
+mod zswap;
 
 pub use backing::Backing;
 pub use cluster::SlotId;
 pub use seal::speed as sealing_speed;
+pub use zswap::ZtierStats;
 
 use crate::lockdep::Rank;
 use crate::lockstat::{LockClass, StatMutex};
@@ -23,17 +27,19 @@ use crate::{Error, IoMode, SlotAlloc, SwapConfig, SwapEncryption, SwapLocation, 
 use arrayvec::ArrayVec;
 use cluster::ClusterAllocator;
 use seal::{Seal, Sealed};
+use slot_table::SlotTable;
 use std::fs::File;
 use std::io;
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::Path;
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering, Ordering::Relaxed};
-use std::sync::{Arc, OnceLock};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering::Relaxed};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 use swap_io::PageBuf;
 use swap_io::{IoEngine, PageOp, SignalBatch, SIGNAL_BATCH};
 use swap_state::SwapCache;
+use zswap::{Load, Zswap};
 
 /// Slots per cluster, as the kernel's `SWAPFILE_CLUSTER`.
 pub const SWAPFILE_CLUSTER: u32 = 256;
@@ -66,6 +72,11 @@ pub enum ReadError {
     Tag { slot: SlotId },
     #[error("swap slot {slot} was never written (or was freed since)")]
     NeverWritten { slot: SlotId },
+    #[error(
+        "swap slot {slot}'s page in the compressed pool failed its checksum \
+         (uswap's memory was overwritten)"
+    )]
+    Pool { slot: SlotId },
 }
 
 /// Reads of a page whose checksum does not match before it is given up: the first and
@@ -146,6 +157,8 @@ pub struct SwapDevice {
     /// Slots the device may ever have (a growing file is not that long yet).
     capacity: u64,
     guard: Guard,
+    /// The compressed tier: slots whose pages are kept compressed in memory.
+    zswap: Zswap,
     owners: OwnerTable,
     cache: SwapCache,
     /// For a growing file: bytes allocated to it so far and when growing last failed.
@@ -213,6 +226,7 @@ impl SwapDevice {
             slots: ClusterAllocator::new(SWAPFILE_CLUSTER, initial, cfg.slot_alloc),
             capacity,
             guard: Guard::new(cfg.encryption, capacity).map_err(create_error)?,
+            zswap: Zswap::new(&cfg.ztier, capacity),
             owners: OwnerTable(SlotTable::new(capacity)),
             cache: SwapCache::new(cfg.swap_cache, capacity),
             grown,
@@ -294,6 +308,13 @@ impl SwapDevice {
         self.used_pages() * 2 > self.capacity || self.growth_failed.load(Relaxed)
     }
 
+    /// Whether a page read back from `slot` may keep it as its swap copy: not when swap
+    /// is nearly full (the kernel's `vm_swap_full()`), nor when the compressed pool holds
+    /// it (the kernel drops a zswap entry it loads rather than keep a second copy in memory).
+    pub fn keeps_slot(&self, slot: SlotId) -> bool {
+        !self.nearly_full() && !self.zswap.holds(slot)
+    }
+
     /// Promises `pages` slots to a region; false (and nothing promised) when fewer than
     /// that are left unpromised.
     pub fn reserve(&self, pages: u64) -> bool {
@@ -329,7 +350,9 @@ impl SwapDevice {
     /// use. The slot must not be in the swap cache.
     pub fn free_slot(&self, slot: SlotId) {
         self.check_slot(slot);
-        // Forget first: once freed, the slot may be reallocated and written by another thread.
+        // Forget first: once freed, the slot may be reallocated and written by another
+        // thread. The compressed copy goes first: a writeback of it records the guard.
+        self.zswap.invalidate(slot);
         self.guard.forget(slot);
         self.owners.0.clear(slot);
         self.slots
@@ -384,7 +407,9 @@ impl SwapDevice {
     }
 
     /// Writes each page to its slot as one batch and records the guard of every page
-    /// written (sealed pages go out from copies, encrypted). Returns one result per
+    /// written (sealed pages go out from copies, encrypted). With the compressed tier on,
+    /// a page that compresses well is kept in the pool instead, and the pool's oldest pages
+    /// go to the file with the batch when it is over its size. Returns one result per
     /// entry, in order; a failed write leaves its slot reading as never written.
     ///
     /// # Safety
@@ -400,7 +425,50 @@ impl SwapDevice {
         for &(slot, _) in batch {
             self.check_slot(slot);
             // Whatever the slot held is about to be overwritten.
+            self.zswap.invalidate(slot);
             self.guard.forget(slot);
+        }
+        let mut results: Vec<Option<io::Result<()>>> = batch
+            .iter()
+            .map(|&(slot, src)| self.zswap.store(slot, src).then_some(Ok(())))
+            .collect();
+        let started = Instant::now();
+        let victims = self.zswap.victims(2 * batch.len() + 8);
+        let to_file: Vec<(SlotId, *const u8)> = batch
+            .iter()
+            .zip(&results)
+            .filter(|(_, stored)| stored.is_none())
+            .map(|(&page, _)| page)
+            .chain(victims.iter().map(|(v, page)| (v.slot, page.as_ptr())))
+            .collect();
+        let mut written = self.write_to_file(file, &to_file).into_iter();
+        for result in results.iter_mut().filter(|r| r.is_none()) {
+            *result = written.next();
+        }
+        for ((victim, _), result) in victims.iter().zip(written) {
+            match result {
+                Ok(()) => self.zswap.written_back(victim, started),
+                Err(_) => self.zswap.writeback_failed(victim),
+            }
+        }
+        results
+            .into_iter()
+            .map(|r| r.expect("a result for every page"))
+            .collect()
+    }
+
+    /// Writes each page to its slot in the file as one batch, recording the guard of
+    /// every page written.
+    ///
+    /// # Safety
+    /// As [`SwapDevice::write_pages`].
+    unsafe fn write_to_file(
+        &self,
+        file: &File,
+        batch: &[(SlotId, *const u8)],
+    ) -> Vec<io::Result<()>> {
+        if batch.is_empty() {
+            return Vec::new();
         }
         let sealed: Vec<(PageBuf, Sealed)> = match &self.guard {
             Guard::Checksum(_) => Vec::new(),
@@ -443,6 +511,11 @@ impl SwapDevice {
     pub unsafe fn read_page(&self, slot: SlotId, dst: *mut u8) -> Result<(), ReadError> {
         let file = self.file()?;
         self.check_slot(slot);
+        match self.zswap.load(slot, dst, false) {
+            Load::Page => return Ok(()),
+            Load::Corrupt | Load::NotInSignal => return Err(self.pool_error(slot)),
+            Load::NotHere => {}
+        }
         let expected = self
             .guard
             .get(slot)
@@ -489,18 +562,23 @@ impl SwapDevice {
                 return batch.iter().map(|_| refused()).collect();
             }
         };
+        let pooled: Vec<Load> = batch
+            .iter()
+            .map(|&(slot, dst)| {
+                self.check_slot(slot);
+                self.zswap.load(slot, dst, false)
+            })
+            .collect();
         let expected: Vec<Option<Expected>> = batch
             .iter()
-            .map(|&(slot, _)| {
-                self.check_slot(slot);
-                self.guard.get(slot)
-            })
+            .map(|&(slot, _)| self.guard.get(slot))
             .collect();
         let ops: Vec<PageOp> = batch
             .iter()
             .zip(&expected)
-            .filter(|(_, sum)| sum.is_some())
-            .map(|(&(slot, dst), _)| PageOp::Read {
+            .zip(&pooled)
+            .filter(|((_, sum), &load)| sum.is_some() && load == Load::NotHere)
+            .map(|((&(slot, dst), _), _)| PageOp::Read {
                 offset: slot_offset(slot),
                 dst,
             })
@@ -509,7 +587,13 @@ impl SwapDevice {
         batch
             .iter()
             .zip(expected)
-            .map(|(&(slot, dst), sum)| {
+            .zip(pooled)
+            .map(|((&(slot, dst), sum), load)| {
+                match load {
+                    Load::Page => return Ok(()),
+                    Load::Corrupt | Load::NotInSignal => return Err(self.pool_error(slot)),
+                    Load::NotHere => {}
+                }
                 let expected = sum.ok_or(ReadError::NeverWritten { slot })?;
                 results.next().expect("one result per read").map_err(|e| {
                     self.counters.read_errors.fetch_add(1, Relaxed);
@@ -529,7 +613,15 @@ impl SwapDevice {
     /// # Safety
     /// As [`SwapDevice::read_page`].
     pub unsafe fn read_page_in_place(&self, slot: SlotId, dst: *mut u8) -> bool {
-        let Some(expected) = self.guard.get(slot).filter(|_| self.owned()) else {
+        if !self.owned() {
+            return false;
+        }
+        match self.zswap.load(slot, dst, true) {
+            Load::Page => return true,
+            Load::Corrupt | Load::NotInSignal => return false,
+            Load::NotHere => {}
+        }
+        let Some(expected) = self.guard.get(slot) else {
             return false;
         };
         matches!(
@@ -556,18 +648,64 @@ impl SwapDevice {
         }
         let expected: ArrayVec<Option<Expected>, SIGNAL_BATCH> =
             slots.iter().map(|&slot| self.guard.get(slot)).collect();
-        let offsets: ArrayVec<u64, SIGNAL_BATCH> =
-            slots.iter().map(|&slot| slot_offset(slot)).collect();
+        // Slots the pool holds are not read from the file: their buffers are filled here.
+        let offsets: ArrayVec<Option<u64>, SIGNAL_BATCH> = slots
+            .iter()
+            .map(|&slot| (!self.zswap.holds(slot)).then(|| slot_offset(slot)))
+            .collect();
         self.io.read_batch_in_place(&self.file, &offsets, |batch| {
             for (i, (&slot, expected)) in slots.iter().zip(expected).enumerate() {
-                let good = batch.ok(i)
-                    && expected.is_some_and(|e| self.guard.passes(slot, e, batch.page(i)));
-                if !good {
-                    batch.fail(i);
-                }
+                let good = match offsets[i] {
+                    None => self.zswap.load(slot, batch.page(i), true) == Load::Page,
+                    Some(_) => {
+                        batch.ok(i)
+                            && expected.is_some_and(|e| self.guard.passes(slot, e, batch.page(i)))
+                    }
+                };
+                batch.set_ok(i, good);
             }
             f(batch)
         })
+    }
+
+    /// Counts a page the compressed pool holds that failed its check, and the error.
+    fn pool_error(&self, slot: SlotId) -> ReadError {
+        self.counters.checksum_errors.fetch_add(1, Relaxed);
+        ReadError::Pool { slot }
+    }
+
+    /// What the compressed tier holds and has done.
+    pub fn ztier_stats(&self) -> ZtierStats {
+        self.zswap.stats()
+    }
+
+    /// Turns the compressed tier on or off (off: nothing more is stored, and what the pool
+    /// holds is written back as reclaim runs).
+    pub fn set_ztier(&self, on: bool) {
+        self.zswap.set_enabled(on);
+    }
+
+    /// Sets the compressed pool's size.
+    pub fn set_ztier_size(&self, size: crate::ZtierSize) {
+        self.zswap.set_size(size);
+    }
+
+    pub fn ztier_size(&self) -> crate::ZtierSize {
+        self.zswap.size()
+    }
+
+    /// Sets the pool's limit for a memory limit of `limit_bytes`, gives emptied pool
+    /// chunks back, and returns the change in the pool's memory, in pages, since the last
+    /// call: the caller charges it to (or takes it off) the memory limit, as a cgroup
+    /// charges zswap's pool.
+    pub fn ztier_balance(&self, limit_bytes: u64) -> i64 {
+        self.zswap.balance(limit_bytes)
+    }
+
+    /// Whether `slot`'s page is in the compressed pool (a fault that reads it frees the
+    /// slot, as the kernel drops a zswap entry it loads, rather than keep a second copy).
+    pub fn in_ztier(&self, slot: SlotId) -> bool {
+        self.zswap.holds(slot)
     }
 
     /// The cipher sealing the device's slots; None with encryption off.
@@ -620,6 +758,7 @@ impl SwapDevice {
     pub fn lockstat(&self) -> Vec<LockClass> {
         let mut classes = vec![self.cache.lockstat()];
         classes.extend(self.slots.lockstat());
+        classes.extend(self.zswap.lockstat());
         classes.extend(self.io.lockstat());
         classes.extend(
             self.grown
@@ -826,51 +965,6 @@ fn slot_offset(slot: SlotId) -> u64 {
 /// `page` must be valid for reading 4096 bytes.
 unsafe fn page_checksum(page: *const u8) -> u32 {
     crc32c::crc32c(std::slice::from_raw_parts(page, PAGE_SIZE))
-}
-
-/// Slots per lazily allocated piece of a [`SlotTable`] (64 MiB of swap).
-const TABLE_CHUNK: u64 = GROW_CHUNK / PAGE_SIZE as u64;
-
-/// One word per slot, allocated in pieces as slots are first used so a large, growing
-/// device costs memory only for what it uses. A word never set reads as 0.
-struct SlotTable {
-    chunks: Box<[OnceLock<Box<[AtomicU64]>>]>,
-}
-
-impl SlotTable {
-    fn new(slots: u64) -> SlotTable {
-        let chunks = slots.div_ceil(TABLE_CHUNK);
-        SlotTable {
-            chunks: (0..chunks).map(|_| OnceLock::new()).collect(),
-        }
-    }
-
-    fn set(&self, slot: SlotId, value: u64) {
-        let (chunk, index) = Self::position(slot);
-        let entries = self.chunks[chunk]
-            .get_or_init(|| (0..TABLE_CHUNK).map(|_| AtomicU64::new(0)).collect());
-        entries[index].store(value, Ordering::Release);
-    }
-
-    fn clear(&self, slot: SlotId) {
-        if let Some(entry) = self.entry(slot) {
-            entry.store(0, Ordering::Release);
-        }
-    }
-
-    fn get(&self, slot: SlotId) -> u64 {
-        self.entry(slot).map_or(0, |e| e.load(Ordering::Acquire))
-    }
-
-    fn entry(&self, slot: SlotId) -> Option<&AtomicU64> {
-        let (chunk, index) = Self::position(slot);
-        self.chunks.get(chunk)?.get().map(|entries| &entries[index])
-    }
-
-    fn position(slot: SlotId) -> (usize, usize) {
-        let slot = u64::from(slot);
-        ((slot / TABLE_CHUNK) as usize, (slot % TABLE_CHUNK) as usize)
-    }
 }
 
 /// Set in a checksum word whose slot holds a written page; the low 32 bits are its crc32c.
@@ -1645,7 +1739,7 @@ mod tests {
     fn a_growing_file_is_extended_in_64_mib_steps() {
         let (_dir, dev) = temp_device(None, IoMode::Uring);
         assert!(
-            dev.capacity_pages() >= 2 * TABLE_CHUNK,
+            dev.capacity_pages() >= 2 * slot_table::TABLE_CHUNK,
             "needs 128 MiB free in the temp dir"
         );
         assert_eq!(dev.capacity_pages() % u64::from(SWAPFILE_CLUSTER), 0);
@@ -1744,5 +1838,307 @@ mod tests {
         let backing = Backing::of_path(dir.path()).unwrap();
         assert_eq!(dev.backing(), backing);
         assert_eq!(backing.to_string().contains("RAM"), backing.in_memory());
+    }
+
+    /// A device with the compressed tier on, its pool `size` bytes (for a 1 GiB limit).
+    fn ztier_device(
+        compressor: crate::Compressor,
+        size: u64,
+    ) -> (tempfile::TempDir, Arc<SwapDevice>) {
+        let dir = tempfile::tempdir().unwrap();
+        let dev = SwapDevice::open(&SwapConfig {
+            ztier: crate::Ztier {
+                enabled: true,
+                size: crate::ZtierSize::Bytes(size),
+                compressor,
+            },
+            ..config(
+                SwapLocation::TempIn(dir.path().into()),
+                Some(8 << 20),
+                IoMode::Pread,
+            )
+        })
+        .unwrap();
+        dev.ztier_balance(1 << 30);
+        (dir, dev)
+    }
+
+    /// A page of random words, which no compressor shrinks.
+    fn random_page(seed: u64) -> PageBuf {
+        let mut p = PageBuf::new();
+        let mut x = seed;
+        for chunk in p.as_mut_slice().chunks_mut(8) {
+            x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
+            let mut z = x;
+            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+            chunk.copy_from_slice(&(z ^ (z >> 31)).to_le_bytes());
+        }
+        p
+    }
+
+    /// A page that compresses about 8:1: an eighth of it random, the rest one repeated
+    /// 8-byte word.
+    fn compressible(seed: u64) -> PageBuf {
+        let mut p = random_page(seed);
+        for chunk in p.as_mut_slice()[512..].chunks_mut(8) {
+            chunk.copy_from_slice(&seed.to_le_bytes());
+        }
+        p
+    }
+
+    fn same_filled(word: u64) -> PageBuf {
+        let mut p = PageBuf::new();
+        for chunk in p.as_mut_slice().chunks_mut(8) {
+            chunk.copy_from_slice(&word.to_le_bytes());
+        }
+        p
+    }
+
+    /// Reads `slots` every way a fault may: one page, a batch, and the SIGBUS handler's
+    /// single and batched reads; each must give back `expected`.
+    fn read_every_way(dev: &SwapDevice, slots: &[SlotId], expected: &[PageBuf]) {
+        for (&slot, want) in slots.iter().zip(expected) {
+            assert_eq!(
+                read(dev, slot).unwrap().as_slice(),
+                want.as_slice(),
+                "read_page {slot}"
+            );
+            let mut buf = PageBuf::new();
+            assert!(unsafe { dev.read_page_in_place(slot, buf.as_mut_ptr()) });
+            assert_eq!(buf.as_slice(), want.as_slice(), "read_page_in_place {slot}");
+        }
+        let mut bufs: Vec<PageBuf> = slots.iter().map(|_| PageBuf::new()).collect();
+        let batch: Vec<(SlotId, *mut u8)> = slots
+            .iter()
+            .zip(&mut bufs)
+            .map(|(&s, b)| (s, b.as_mut_ptr()))
+            .collect();
+        let results = unsafe { dev.read_pages(&batch) };
+        assert!(results.iter().all(|r| r.is_ok()), "{results:?}");
+        for (got, want) in bufs.iter().zip(expected) {
+            assert_eq!(got.as_slice(), want.as_slice(), "read_pages");
+        }
+        for (chunk, wants) in slots
+            .chunks(SIGNAL_BATCH)
+            .zip(expected.chunks(SIGNAL_BATCH))
+        {
+            let checked = unsafe {
+                dev.read_pages_in_place(chunk, |batch| {
+                    (0..chunk.len()).all(|i| {
+                        batch.ok(i)
+                            && std::slice::from_raw_parts(batch.page(i), PAGE_SIZE)
+                                == wants[i].as_slice()
+                    })
+                })
+            };
+            assert_eq!(checked, Some(true), "read_pages_in_place");
+        }
+    }
+
+    #[test]
+    fn compressible_pages_stay_in_the_pool_and_come_back_every_way() {
+        for compressor in [crate::Compressor::Lz4, crate::Compressor::Zstd(3)] {
+            let (_dir, dev) = ztier_device(compressor, 64 << 20);
+            let slots: Vec<SlotId> = (0..100).map(|_| dev.alloc_slot().unwrap()).collect();
+            let pages: Vec<PageBuf> = (0..100u64)
+                .map(|i| match i % 4 {
+                    0 => same_filled(i * 0x0101_0101),
+                    1 => random_page(i),
+                    _ => compressible(i),
+                })
+                .collect();
+            write(&dev, &slots.iter().copied().zip(&pages).collect::<Vec<_>>());
+            let z = dev.ztier_stats();
+            assert_eq!(
+                z.stored_pages, 75,
+                "{compressor}: random pages go to the file"
+            );
+            assert_eq!(z.same_filled_pages, 25);
+            assert_eq!(z.reject_compress_poor, 25);
+            assert!(z.stored_bytes < 50 * PAGE_SIZE as u64 / 4, "{z:?}");
+            for (i, &slot) in slots.iter().enumerate() {
+                assert_eq!(dev.in_ztier(slot), i % 4 != 1);
+            }
+            if compressor == crate::Compressor::Lz4 {
+                read_every_way(&dev, &slots, &pages);
+            } else {
+                // zstd objects are read off the signal handler only.
+                for (&slot, want) in slots.iter().zip(&pages) {
+                    assert_eq!(read(&dev, slot).unwrap().as_slice(), want.as_slice());
+                    let mut buf = PageBuf::new();
+                    let in_place = unsafe { dev.read_page_in_place(slot, buf.as_mut_ptr()) };
+                    assert_eq!(
+                        in_place,
+                        !dev.in_ztier(slot) || buf.as_slice() == want.as_slice()
+                    );
+                }
+            }
+            for &slot in &slots {
+                dev.free_slot(slot);
+            }
+            let z = dev.ztier_stats();
+            assert_eq!(
+                (z.stored_pages, z.same_filled_pages, z.stored_bytes),
+                (0, 0, 0)
+            );
+            assert!(matches!(
+                read(&dev, slots[0]),
+                Err(ReadError::NeverWritten { .. })
+            ));
+        }
+    }
+
+    #[test]
+    fn a_full_pool_writes_its_oldest_pages_back_to_the_file() {
+        // Room for about 50 of these pages' objects (class 5, 640 bytes each).
+        let (_dir, dev) = ztier_device(crate::Compressor::Lz4, 32 << 10);
+        let slots: Vec<SlotId> = (0..400).map(|_| dev.alloc_slot().unwrap()).collect();
+        let pages: Vec<PageBuf> = (0..400u64).map(compressible).collect();
+        for (s, p) in slots.chunks(16).zip(pages.chunks(16)) {
+            write(&dev, &s.iter().copied().zip(p).collect::<Vec<_>>());
+            assert!(dev.ztier_stats().stored_bytes <= (32 << 10) + 16 * 1024);
+        }
+        let z = dev.ztier_stats();
+        assert!(z.written_back >= 300, "{z:?}");
+        assert_eq!(z.stored_pages + z.written_back, 400, "{z:?}");
+        assert!(
+            dev.in_ztier(*slots.last().unwrap()),
+            "the newest pages stay"
+        );
+        assert!(!dev.in_ztier(slots[0]), "the oldest went to the file");
+        read_every_way(&dev, &slots, &pages);
+    }
+
+    #[test]
+    fn a_tier_turned_off_drains_into_the_file_as_reclaim_writes() {
+        let (_dir, dev) = ztier_device(crate::Compressor::Lz4, 64 << 20);
+        let slots: Vec<SlotId> = (0..200).map(|_| dev.alloc_slot().unwrap()).collect();
+        let pages: Vec<PageBuf> = (0..200u64).map(compressible).collect();
+        write(
+            &dev,
+            &slots[..100]
+                .iter()
+                .copied()
+                .zip(&pages[..100])
+                .collect::<Vec<_>>(),
+        );
+        assert_eq!(dev.ztier_stats().stored_pages, 100);
+        dev.set_ztier(false);
+        for (s, p) in slots[100..].chunks(32).zip(pages[100..].chunks(32)) {
+            write(&dev, &s.iter().copied().zip(p).collect::<Vec<_>>());
+        }
+        let z = dev.ztier_stats();
+        assert_eq!(
+            (z.stored_pages, z.written_back, z.stores),
+            (0, 100, 100),
+            "{z:?}"
+        );
+        read_every_way(&dev, &slots, &pages);
+    }
+
+    #[test]
+    fn a_rewritten_slot_in_the_pool_reads_its_latest_page() {
+        let (_dir, dev) = ztier_device(crate::Compressor::Lz4, 64 << 20);
+        let slot = dev.alloc_slot().unwrap();
+        write(&dev, &[(slot, &compressible(1))]);
+        write(&dev, &[(slot, &random_page(2))]);
+        assert!(
+            !dev.in_ztier(slot),
+            "an incompressible rewrite goes to the file"
+        );
+        assert_eq!(
+            read(&dev, slot).unwrap().as_slice(),
+            random_page(2).as_slice()
+        );
+        write(&dev, &[(slot, &compressible(3))]);
+        assert_eq!(
+            read(&dev, slot).unwrap().as_slice(),
+            compressible(3).as_slice()
+        );
+        assert_eq!(dev.ztier_stats().stored_pages, 1);
+    }
+
+    #[test]
+    fn a_page_corrupted_in_the_pool_fails_loudly() {
+        let (_dir, dev) = ztier_device(crate::Compressor::Lz4, 64 << 20);
+        let slot = dev.alloc_slot().unwrap();
+        write(&dev, &[(slot, &compressible(9))]);
+        dev.zswap.corrupt(slot);
+        assert!(matches!(read(&dev, slot), Err(ReadError::Pool { .. })));
+        let mut buf = PageBuf::new();
+        assert!(!unsafe { dev.read_page_in_place(slot, buf.as_mut_ptr()) });
+        assert_eq!(dev.io_stats().checksum_errors, 1);
+    }
+
+    #[test]
+    fn incompressible_runs_are_skipped_after_a_streak_and_tried_again() {
+        let (_dir, dev) = ztier_device(crate::Compressor::Lz4, 64 << 20);
+        let slots: Vec<SlotId> = (0..200).map(|_| dev.alloc_slot().unwrap()).collect();
+        let pages: Vec<PageBuf> = (0..200u64).map(random_page).collect();
+        write(&dev, &slots.iter().copied().zip(&pages).collect::<Vec<_>>());
+        let z = dev.ztier_stats();
+        assert_eq!(z.reject_compress_poor + z.skipped_poor, 200);
+        assert!(z.skipped_poor >= 150, "{z:?}");
+        // A compressible page is stored again once one is tried.
+        let more: Vec<SlotId> = (0..40).map(|_| dev.alloc_slot().unwrap()).collect();
+        let good: Vec<PageBuf> = (0..40u64).map(compressible).collect();
+        write(&dev, &more.iter().copied().zip(&good).collect::<Vec<_>>());
+        assert!(dev.ztier_stats().stored_pages >= 1);
+        read_every_way(&dev, &slots, &pages);
+        read_every_way(&dev, &more, &good);
+    }
+
+    #[test]
+    fn readers_writers_and_writeback_racing_never_see_a_wrong_page() {
+        let (_dir, dev) = ztier_device(crate::Compressor::Lz4, 256 << 10);
+        let threads = 4;
+        std::thread::scope(|s| {
+            for t in 0..threads {
+                let dev = &dev;
+                s.spawn(move || {
+                    let mut mine: Vec<(SlotId, u64)> = Vec::new();
+                    for n in 0..3000u64 {
+                        let seed = (t << 32) | n;
+                        let slot = dev.alloc_slot().unwrap();
+                        let p = if n.is_multiple_of(5) {
+                            random_page(seed)
+                        } else {
+                            compressible(seed)
+                        };
+                        write(dev, &[(slot, &p)]);
+                        mine.push((slot, seed));
+                        let (slot, seed) = mine[(n as usize * 7) % mine.len()];
+                        let want = if (seed as u32).is_multiple_of(5) {
+                            random_page(seed)
+                        } else {
+                            compressible(seed)
+                        };
+                        let mut buf = PageBuf::new();
+                        if n % 2 == 0 {
+                            unsafe { dev.read_page(slot, buf.as_mut_ptr()) }.unwrap();
+                        } else {
+                            assert!(unsafe { dev.read_page_in_place(slot, buf.as_mut_ptr()) });
+                        }
+                        assert_eq!(
+                            buf.as_slice(),
+                            want.as_slice(),
+                            "slot {slot} seed {seed:#x}"
+                        );
+                        if mine.len() > 200 {
+                            let (slot, _) = mine.swap_remove(n as usize % mine.len());
+                            dev.free_slot(slot);
+                        }
+                    }
+                    for (slot, _) in mine {
+                        dev.free_slot(slot);
+                    }
+                });
+            }
+        });
+        let z = dev.ztier_stats();
+        assert!(z.written_back > 0, "{z:?}");
+        assert_eq!((z.stored_pages, z.stored_bytes), (0, 0), "{z:?}");
+        assert_eq!(dev.used_pages(), 0);
     }
 }

@@ -21,7 +21,7 @@
 //! SIGBUS handler's reads, which may not lock or allocate, go to rings of their own
 //! (`signal_ring`).
 
-mod page_buf;
+pub(crate) mod page_buf;
 mod signal_ring;
 
 use crate::config::FaultPlan;
@@ -239,7 +239,7 @@ impl IoEngine {
     pub(crate) unsafe fn read_batch_in_place<R>(
         &self,
         file: &File,
-        offsets: &[u64],
+        offsets: &[Option<u64>],
         f: impl FnOnce(&mut SignalBatch<'_>) -> R,
     ) -> Option<R> {
         if self.faults.is_some() {

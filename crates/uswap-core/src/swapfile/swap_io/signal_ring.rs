@@ -92,10 +92,10 @@ impl SignalBatch<'_> {
         i < self.len && self.ok[i]
     }
 
-    /// Page `i` is not to be used (it failed its check).
-    pub(crate) fn fail(&mut self, i: usize) {
+    /// Whether page `i` is to be used (false: it was not read, or failed its check).
+    pub(crate) fn set_ok(&mut self, i: usize, ok: bool) {
         if i < self.len {
-            self.ok[i] = false;
+            self.ok[i] = ok;
         }
     }
 }
@@ -170,7 +170,7 @@ impl SignalSets {
         };
         let mut whole = false;
         // SAFETY: `dst` stays valid until the completion is reaped.
-        if !unsafe { submit_and_reap(ring, fd, &[(offset, dst)], poll, |_, n| whole = n) } {
+        if !unsafe { submit_and_reap(ring, fd, &[(0, offset, dst)], poll, |_, n| whole = n) } {
             return false; // the set stays taken
         }
         self.claims.release(i);
@@ -188,7 +188,7 @@ impl SignalSets {
     pub(super) unsafe fn read_batch<R>(
         &self,
         fd: RawFd,
-        offsets: &[u64],
+        offsets: &[Option<u64>],
         poll: Duration,
         read_one: impl Fn(u64, *mut u8) -> bool,
         f: impl FnOnce(&mut SignalBatch<'_>) -> R,
@@ -204,18 +204,22 @@ impl SignalSets {
         // SAFETY: `i` is below SIGNAL_BATCH, the set's page count.
         let page = |i: usize| unsafe { std::ptr::addr_of_mut!((*base.add(i)).0).cast::<u8>() };
         if let Some(ring) = set.ring.as_mut() {
-            let mut reads = [(0u64, std::ptr::null_mut()); SIGNAL_BATCH];
-            for (k, &offset) in offsets.iter().enumerate() {
-                reads[k] = (offset, page(k));
+            let mut reads = [(0usize, 0u64, std::ptr::null_mut()); SIGNAL_BATCH];
+            let mut n = 0;
+            for (k, offset) in offsets.iter().enumerate() {
+                if let Some(offset) = *offset {
+                    reads[n] = (k, offset, page(k));
+                    n += 1;
+                }
             }
-            let reads = &reads[..offsets.len()];
+            let reads = &reads[..n];
             // SAFETY: the set's buffers live as long as the set, which stays taken on failure.
             if !unsafe { submit_and_reap(ring, fd, reads, poll, |k, whole| ok[k] = whole) } {
                 return None;
             }
         }
-        for (k, &offset) in offsets.iter().enumerate() {
-            if !ok[k] {
+        for (k, offset) in offsets.iter().enumerate() {
+            if let (false, Some(offset)) = (ok[k], *offset) {
                 ok[k] = read_one(offset, page(k));
             }
         }
@@ -264,8 +268,8 @@ impl Drop for Pages {
     }
 }
 
-/// Submits one read per `(offset, dst)` on the empty `ring` and reaps every completion,
-/// telling `done` each read's index and whether it transferred the whole page: polls the
+/// Submits one read per `(index, offset, dst)` on the empty `ring` and reaps every
+/// completion, telling `done` each read's index and whether it transferred the whole page: polls the
 /// completion queue for `poll`, yielding the CPU at each look, then sleeps in
 /// `io_uring_enter`. Never returns before the last completion: the kernel writes to the
 /// buffers until then. False when the submission failed (entries may be left queued).
@@ -275,11 +279,14 @@ impl Drop for Pages {
 unsafe fn submit_and_reap(
     ring: &mut IoUring,
     fd: RawFd,
-    reads: &[(u64, *mut u8)],
+    reads: &[(usize, u64, *mut u8)],
     poll: Duration,
     mut done: impl FnMut(usize, bool),
 ) -> bool {
-    for (k, &(offset, dst)) in reads.iter().enumerate() {
+    if reads.is_empty() {
+        return true;
+    }
+    for &(k, offset, dst) in reads {
         let sqe = opcode::Read::new(types::Fd(fd), dst, PAGE_SIZE as u32)
             .offset(offset)
             .build()
@@ -436,10 +443,16 @@ mod tests {
                 continue;
             }
             let pages: Vec<u64> = vec![40, 3, 4, 5, 63, 200, 0];
-            let offsets: Vec<u64> = pages.iter().map(|p| p * PAGE_SIZE as u64).collect();
+            // A last entry asks for no read (a page the caller fills itself).
+            let offsets: Vec<Option<u64>> = pages
+                .iter()
+                .map(|p| Some(p * PAGE_SIZE as u64))
+                .chain([None])
+                .collect();
             for _ in 0..=sets.sets.len() {
                 let seen = unsafe {
                     sets.read_batch(fd, &offsets, Duration::from_micros(50), pread, |b| {
+                        assert!(!b.ok(pages.len()), "an entry not read is not ok");
                         (0..pages.len())
                             .map(|i| {
                                 let page = std::slice::from_raw_parts(b.page(i), PAGE_SIZE);

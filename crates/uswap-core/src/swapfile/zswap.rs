@@ -1,0 +1,703 @@
+//! The compressed tier in front of the swap file (mm/zswap.c, one per device): a page
+//! written to a slot is compressed into an in-memory pool (`zpool.rs`) instead of the file
+//! when the tier is on and the page compresses well enough (to at most 3,072 bytes with
+//! its header, else it goes to the file: zswap's `reject_compress_poor`); a page that
+//! repeats one word keeps just the word. A read of the slot looks here first. When the
+//! pool's objects take more than its size, the oldest are written back to their slots in
+//! the file along with reclaim's own writes (zswap's shrinker), and a pool made smaller or
+//! turned off drains the same way.
+//!
+//! Where each slot's data is, is one atomic word per slot (as vmcache keeps a page's state):
+//!
+//! ```text
+//!  EMPTY ──store──▶ STORED{handle, gen} ──invalidate──▶ EMPTY (cell freed)
+//!                     │    ▲
+//!     start_writeback │    │ writeback_failed
+//!                     ▼    │
+//!                   WRITEBACK{handle, gen} ──written_back──▶ EMPTY (cell freed, the page
+//!                                                                   in the file)
+//! ```
+//!
+//! EMPTY means the file holds the slot's data, if any (the device's guard knows). Only the
+//! slot's user stores and invalidates (reclaim writing its page, a fault or an unmap
+//! freeing it); writeback takes any STORED slot. An invalidation that finds WRITEBACK waits
+//! for the write to end: the writer is reclaim, which holds none of the slot's page locks.
+//! Readers (faults, readahead, the SIGBUS handler) copy the object, then look at the word
+//! again: a changed word means the copy may be torn (its cell freed and reused), and they
+//! look again; an unchanged word with a wrong checksum is corruption, reported as such.
+
+use super::cluster::SlotId;
+use super::slot_table::SlotTable;
+use super::swap_io::page_buf::PageBuf;
+use super::zpool::{Handle, ZPool, CHUNK_BYTES, MAX_OBJECT_WORDS};
+use crate::lockdep::Rank;
+use crate::lockstat::{LockClass, StatMutex};
+use crate::sync::{AtomicBool, AtomicU32, AtomicU64};
+use crate::{Compressor, Ztier, ZtierSize, PAGE_SIZE};
+use serde::Serialize;
+use std::collections::VecDeque;
+use std::sync::atomic::Ordering::{AcqRel, Acquire, Relaxed, Release};
+use std::time::Instant;
+
+const PAGE_WORDS: usize = PAGE_SIZE / 8;
+
+/// An object's first word: the page's CRC32C, the compressed length, and how it is kept.
+const LEN_SHIFT: u32 = 32;
+const LEN_MASK: u64 = 0xffff;
+const SAME_FILLED: u64 = 1 << 48;
+const ZSTD: u64 = 1 << 49;
+
+/// Compressed bytes an object may hold after its header.
+const MAX_PAYLOAD: usize = (MAX_OBJECT_WORDS - 1) * 8;
+
+/// Words of the buffer a page is compressed into: a header and the most LZ4 may write
+/// (it wants room for that before it starts).
+const SCRATCH_WORDS: usize = 1 + lz4_flex::block::get_maximum_output_size(PAGE_SIZE).div_ceil(8);
+
+/// The location word: generation (low 30 bits, never 0 once stored), handle, state.
+const GEN_BITS: u32 = 30;
+const HANDLE_SHIFT: u32 = GEN_BITS;
+const STATE_SHIFT: u32 = 62;
+const EMPTY: u64 = 0;
+const STORED: u64 = 1;
+const WRITEBACK: u64 = 2;
+
+fn state(word: u64) -> u64 {
+    word >> STATE_SHIFT
+}
+
+fn handle(word: u64) -> Handle {
+    Handle((word >> HANDLE_SHIFT) as u32)
+}
+
+fn with_state(word: u64, s: u64) -> u64 {
+    (word & !(3 << STATE_SHIFT)) | (s << STATE_SHIFT)
+}
+
+/// After this many pages in a row failed to compress, only one page in this many is tried
+/// until one compresses: incompressible data costs a compression attempt per 32 pages.
+const POOR_STREAK: u32 = 32;
+
+/// What a read of a slot found here.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Load {
+    /// The slot's data is not in the pool: read the file.
+    NotHere,
+    /// The page is in the destination, verified.
+    Page,
+    /// The object failed its checksum: the page is lost.
+    Corrupt,
+    /// Kept by a compressor the signal handler cannot run (zstd allocates): read it off
+    /// the handler.
+    NotInSignal,
+}
+
+/// A stored page taken for writeback, decompressed.
+pub(super) struct Victim {
+    pub(super) slot: SlotId,
+    word: u64,
+}
+
+/// The tier's counters, named after zswap's.
+#[derive(Default)]
+struct Counters {
+    stored_pages: AtomicU64,
+    same_filled_pages: AtomicU64,
+    stored_bytes: AtomicU64,
+    stores: AtomicU64,
+    loads: AtomicU64,
+    written_back: AtomicU64,
+    reject_compress_poor: AtomicU64,
+    reject_alloc_fail: AtomicU64,
+    skipped_poor: AtomicU64,
+    store_ns: AtomicU64,
+    load_ns: AtomicU64,
+    writeback_ns: AtomicU64,
+}
+
+/// What the compressed tier holds and has done (`uswap stat`, the benches' JSON).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, serde::Deserialize)]
+pub struct ZtierStats {
+    pub enabled: bool,
+    pub compressor: String,
+    /// The most bytes the pool's objects may take now.
+    pub limit_bytes: u64,
+    /// Pages held in the pool now, same-filled ones included.
+    pub stored_pages: u64,
+    /// Of those, pages that repeat one word, kept as the word.
+    pub same_filled_pages: u64,
+    /// Bytes the stored objects take (their cells).
+    pub stored_bytes: u64,
+    /// Memory the pool holds (its chunks).
+    pub pool_bytes: u64,
+    /// Pool pages charged to the memory limit (as of reclaim's last look).
+    pub charged_pages: u64,
+    /// Page bytes held per byte of pool memory.
+    pub compression_ratio: f64,
+    /// Pages stored since the device was made.
+    pub stores: u64,
+    /// Pages read back from the pool (decompressed).
+    pub loads: u64,
+    /// Pages written back to the file to make room.
+    pub written_back: u64,
+    /// Pages that did not compress well enough, sent to the file.
+    pub reject_compress_poor: u64,
+    /// Pages sent to the file because the pool could not get memory.
+    pub reject_alloc_fail: u64,
+    /// Pages sent to the file untried, during a run of incompressible ones.
+    pub skipped_poor: u64,
+    pub store_ms: f64,
+    pub load_ms: f64,
+    pub writeback_ms: f64,
+}
+
+pub(super) struct Zswap {
+    compressor: Compressor,
+    enabled: AtomicBool,
+    /// The pool's size as set ([`encode_size`]).
+    size: AtomicU64,
+    /// The most bytes the objects may take (from `size` and the memory limit).
+    limit: AtomicU64,
+    pool: ZPool,
+    locations: SlotTable,
+    /// Stored slots, oldest first, with the word they were stored with (stale entries are
+    /// skipped when met).
+    order: StatMutex<VecDeque<(SlotId, u64)>>,
+    next_gen: AtomicU32,
+    poor_in_row: AtomicU32,
+    /// Pool pages charged to the memory limit so far ([`Zswap::balance`]).
+    charged: AtomicU64,
+    balances: AtomicU64,
+    counters: Counters,
+}
+
+impl Zswap {
+    pub(super) fn new(cfg: &Ztier, slots: u64) -> Zswap {
+        Zswap {
+            compressor: cfg.compressor,
+            enabled: AtomicBool::new(cfg.enabled),
+            size: AtomicU64::new(encode_size(cfg.size)),
+            limit: AtomicU64::new(0),
+            pool: ZPool::new(),
+            locations: SlotTable::new(slots),
+            order: StatMutex::new(Rank::ZswapLru, VecDeque::new()),
+            next_gen: AtomicU32::new(1),
+            poor_in_row: AtomicU32::new(0),
+            charged: AtomicU64::new(0),
+            balances: AtomicU64::new(0),
+            counters: Counters::default(),
+        }
+    }
+
+    pub(super) fn set_enabled(&self, on: bool) {
+        self.enabled.store(on, Relaxed);
+    }
+
+    pub(super) fn set_size(&self, size: ZtierSize) {
+        self.size.store(encode_size(size), Relaxed);
+    }
+
+    pub(super) fn size(&self) -> ZtierSize {
+        decode_size(self.size.load(Relaxed))
+    }
+
+    /// Sets the pool's limit for a memory limit of `limit_bytes`, gives back the memory of
+    /// emptied chunks, and returns the change in pool pages since the last call, for the
+    /// caller to charge (positive) or uncharge (negative) against the memory limit.
+    pub(super) fn balance(&self, limit_bytes: u64) -> i64 {
+        let size = decode_size(self.size.load(Relaxed));
+        self.limit.store(size.bytes(limit_bytes), Relaxed);
+        // Emptied chunks are looked for (a walk of every chunk) only once the pool holds
+        // clearly more than its objects take, and then every 16th call.
+        let stored = self.counters.stored_bytes.load(Relaxed);
+        let slack = stored / 8 + 4 * CHUNK_BYTES as u64;
+        if self.pool.bytes() > stored + slack
+            && self.balances.fetch_add(1, Relaxed).is_multiple_of(16)
+        {
+            self.pool.shrink();
+        }
+        let now = self.pool.bytes() / PAGE_SIZE as u64;
+        let before = self.charged.swap(now, Relaxed);
+        now as i64 - before as i64
+    }
+
+    /// Whether the pool holds `slot`'s data.
+    pub(super) fn holds(&self, slot: SlotId) -> bool {
+        self.locations.get(slot) != EMPTY
+    }
+
+    /// Stores the page at `page` for `slot` (whose location must be EMPTY: the device
+    /// invalidates first). False when the tier is off or the page goes to the file.
+    ///
+    /// # Safety
+    /// `page` must be valid for reading 4096 bytes, 8-byte aligned.
+    pub(super) unsafe fn store(&self, slot: SlotId, page: *const u8) -> bool {
+        if !self.enabled.load(Relaxed) {
+            return false;
+        }
+        let started = Instant::now();
+        let words = std::slice::from_raw_parts(page.cast::<u64>(), PAGE_WORDS);
+        let bytes = std::slice::from_raw_parts(page, PAGE_SIZE);
+        let crc = u64::from(crc32c::crc32c(bytes));
+        let mut object = [0u64; SCRATCH_WORDS];
+        let len = if words.iter().all(|&w| w == words[0]) {
+            object[0] = crc | SAME_FILLED;
+            object[1] = words[0];
+            2
+        } else {
+            let streak = self.poor_in_row.load(Relaxed);
+            if streak >= POOR_STREAK && !streak.is_multiple_of(POOR_STREAK) {
+                self.poor_in_row.fetch_add(1, Relaxed);
+                self.counters.skipped_poor.fetch_add(1, Relaxed);
+                return false;
+            }
+            let payload = object_payload(&mut object);
+            let Some((n, flag)) = self.compress(bytes, payload) else {
+                self.poor_in_row.fetch_add(1, Relaxed);
+                self.counters.reject_compress_poor.fetch_add(1, Relaxed);
+                return false;
+            };
+            self.poor_in_row.store(0, Relaxed);
+            object[0] = crc | ((n as u64) << LEN_SHIFT) | flag;
+            1 + n.div_ceil(8)
+        };
+        let Some(handle) = self.pool.store(&object[..len]) else {
+            self.counters.reject_alloc_fail.fetch_add(1, Relaxed);
+            return false;
+        };
+        let gen = u64::from(self.next_gen() & ((1 << GEN_BITS) - 1));
+        let word = (STORED << STATE_SHIFT) | (u64::from(handle.0) << HANDLE_SHIFT) | gen;
+        let location = self.locations.word(slot);
+        let before = location.swap(word, Release);
+        debug_assert_eq!(before, EMPTY, "slot {slot} stored over {before:#x}");
+        self.order.lock().push_back((slot, word));
+        let c = &self.counters;
+        c.stored_pages.fetch_add(1, Relaxed);
+        if len == 2 {
+            c.same_filled_pages.fetch_add(1, Relaxed);
+        }
+        c.stored_bytes
+            .fetch_add(self.pool.cell_bytes(handle), Relaxed);
+        c.stores.fetch_add(1, Relaxed);
+        c.store_ns.fetch_add(nanos(started), Relaxed);
+        true
+    }
+
+    /// Compresses `page` into `out`; its length and the header flag of the compressor, or
+    /// `None` when it takes more than [`MAX_PAYLOAD`] bytes.
+    fn compress(&self, page: &[u8], out: &mut [u8]) -> Option<(usize, u64)> {
+        let (n, flag) = match self.compressor {
+            Compressor::Lz4 => (lz4_flex::block::compress_into(page, out).ok()?, 0),
+            Compressor::Zstd(level) => (zstd_compress(page, &mut out[..MAX_PAYLOAD], level)?, ZSTD),
+        };
+        (n <= MAX_PAYLOAD).then_some((n, flag))
+    }
+
+    /// Forgets `slot`'s object, if any, waiting for a writeback of it to end. Takes no
+    /// lock and allocates nothing (the SIGBUS handler frees slots).
+    pub(super) fn invalidate(&self, slot: SlotId) {
+        let Some(location) = self.locations.entry(slot) else {
+            return;
+        };
+        let mut round = 0;
+        loop {
+            let word = location.load(Acquire);
+            match state(word) {
+                EMPTY => return,
+                STORED => {
+                    if location
+                        .compare_exchange(word, EMPTY, AcqRel, Relaxed)
+                        .is_ok()
+                    {
+                        self.release(word);
+                        return;
+                    }
+                }
+                _ => {
+                    crate::sync::backoff(round);
+                    round += 1;
+                }
+            }
+        }
+    }
+
+    /// Reads `slot`'s page into `dst` if the pool holds it, verified against its checksum.
+    /// Allocates nothing when `in_signal` (a zstd object is then left for the full path).
+    ///
+    /// # Safety
+    /// `dst` must be valid for writing 4096 bytes, 8-byte aligned.
+    pub(super) unsafe fn load(&self, slot: SlotId, dst: *mut u8, in_signal: bool) -> Load {
+        let Some(location) = self.locations.entry(slot) else {
+            return Load::NotHere;
+        };
+        let started = Instant::now();
+        let mut object = [0u64; MAX_OBJECT_WORDS];
+        loop {
+            let word = location.load(Acquire);
+            if state(word) == EMPTY {
+                return Load::NotHere;
+            }
+            let read = self.pool.read(handle(word), &mut object);
+            ZPool::read_done();
+            if location.load(Relaxed) != word {
+                continue;
+            }
+            let Some(read) = read else {
+                return Load::Corrupt;
+            };
+            let header = object[0];
+            if header & ZSTD != 0 && in_signal {
+                return Load::NotInSignal;
+            }
+            let out = std::slice::from_raw_parts_mut(dst, PAGE_SIZE);
+            let good = decompress(header, &object[1..read], out)
+                && u64::from(crc32c::crc32c(out)) == header & 0xffff_ffff;
+            if !good {
+                return Load::Corrupt;
+            }
+            self.counters.loads.fetch_add(1, Relaxed);
+            self.counters.load_ns.fetch_add(nanos(started), Relaxed);
+            return Load::Page;
+        }
+    }
+
+    /// Takes up to `max` of the oldest stored pages for writeback when the objects take
+    /// more than the limit (to 90% of it, as zswap accepts again below its threshold),
+    /// decompressing each into a buffer of its own. Pages that fail to decompress stay
+    /// (their fault reports them).
+    pub(super) fn victims(&self, max: usize) -> Vec<(Victim, PageBuf)> {
+        let limit = match self.enabled.load(Relaxed) {
+            true => self.limit.load(Relaxed),
+            false => 0,
+        };
+        let stored = self.counters.stored_bytes.load(Relaxed);
+        if stored <= limit || max == 0 {
+            return Vec::new();
+        }
+        let mut to_free = stored - limit / 10 * 9;
+        let mut taken = Vec::new();
+        let mut order = self.order.lock();
+        while taken.len() < max && to_free > 0 {
+            let Some((slot, word)) = order.pop_front() else {
+                break;
+            };
+            let Some(location) = self.locations.entry(slot) else {
+                continue;
+            };
+            let writing = with_state(word, WRITEBACK);
+            if location
+                .compare_exchange(word, writing, AcqRel, Relaxed)
+                .is_err()
+            {
+                continue;
+            }
+            let mut page = PageBuf::new();
+            let mut object = [0u64; MAX_OBJECT_WORDS];
+            let read = self.pool.read(handle(word), &mut object).unwrap_or(0);
+            let header = object[0];
+            let good = read > 0
+                && decompress(header, &object[1..read], page.as_mut_slice())
+                && u64::from(crc32c::crc32c(page.as_slice())) == header & 0xffff_ffff;
+            if !good {
+                location.store(word, Release);
+                continue;
+            }
+            to_free = to_free.saturating_sub(self.pool.cell_bytes(handle(word)));
+            taken.push((
+                Victim {
+                    slot,
+                    word: writing,
+                },
+                page,
+            ));
+        }
+        if order.len() > 2 * self.counters.stored_pages.load(Relaxed) as usize + 4096 {
+            order.retain(|&(slot, word)| self.locations.get(slot) == word);
+        }
+        taken
+    }
+
+    /// A victim's page is in the file now (its guard recorded): its object goes.
+    pub(super) fn written_back(&self, victim: &Victim, started: Instant) {
+        let location = self
+            .locations
+            .entry(victim.slot)
+            .expect("a stored slot's word");
+        let swapped = location.compare_exchange(victim.word, EMPTY, AcqRel, Relaxed);
+        debug_assert!(swapped.is_ok(), "only writeback leaves WRITEBACK");
+        self.release(victim.word);
+        self.counters.written_back.fetch_add(1, Relaxed);
+        self.counters
+            .writeback_ns
+            .fetch_add(nanos(started), Relaxed);
+    }
+
+    /// A victim's write failed: the pool keeps it.
+    pub(super) fn writeback_failed(&self, victim: &Victim) {
+        let location = self
+            .locations
+            .entry(victim.slot)
+            .expect("a stored slot's word");
+        let stored = with_state(victim.word, STORED);
+        location.store(stored, Release);
+        self.order.lock().push_back((victim.slot, stored));
+    }
+
+    /// Frees the cell of an object whose word just left it.
+    fn release(&self, word: u64) {
+        let handle = handle(word);
+        let c = &self.counters;
+        c.stored_bytes
+            .fetch_sub(self.pool.cell_bytes(handle), Relaxed);
+        c.stored_pages.fetch_sub(1, Relaxed);
+        if self.pool.cell_bytes(handle) == 16 {
+            c.same_filled_pages.fetch_sub(1, Relaxed);
+        }
+        self.pool.free(handle);
+    }
+
+    fn next_gen(&self) -> u32 {
+        loop {
+            let gen = self.next_gen.fetch_add(1, Relaxed);
+            if gen & ((1 << GEN_BITS) - 1) != 0 {
+                return gen;
+            }
+        }
+    }
+
+    pub(super) fn stats(&self) -> ZtierStats {
+        let c = &self.counters;
+        let stored_pages = c.stored_pages.load(Relaxed);
+        let pool_bytes = self.pool.bytes();
+        ZtierStats {
+            enabled: self.enabled.load(Relaxed),
+            compressor: self.compressor.to_string(),
+            limit_bytes: self.limit.load(Relaxed),
+            stored_pages,
+            same_filled_pages: c.same_filled_pages.load(Relaxed),
+            stored_bytes: c.stored_bytes.load(Relaxed),
+            pool_bytes,
+            charged_pages: self.charged.load(Relaxed),
+            compression_ratio: match pool_bytes {
+                0 => 0.0,
+                b => (stored_pages * PAGE_SIZE as u64) as f64 / b as f64,
+            },
+            stores: c.stores.load(Relaxed),
+            loads: c.loads.load(Relaxed),
+            written_back: c.written_back.load(Relaxed),
+            reject_compress_poor: c.reject_compress_poor.load(Relaxed),
+            reject_alloc_fail: c.reject_alloc_fail.load(Relaxed),
+            skipped_poor: c.skipped_poor.load(Relaxed),
+            store_ms: c.store_ns.load(Relaxed) as f64 / 1e6,
+            load_ms: c.load_ns.load(Relaxed) as f64 / 1e6,
+            writeback_ms: c.writeback_ns.load(Relaxed) as f64 / 1e6,
+        }
+    }
+
+    /// The statistics of the tier's locks (`zswap_order`, `zpool_class`).
+    pub(super) fn lockstat(&self) -> Vec<LockClass> {
+        vec![
+            LockClass::sum("zswap_order", [&self.order]),
+            self.pool.lockstat(),
+        ]
+    }
+}
+
+const PERCENT: u64 = 1 << 63;
+
+/// A pool size in one word: bytes, or a share with the top bit set.
+fn encode_size(size: ZtierSize) -> u64 {
+    match size {
+        ZtierSize::Bytes(b) => b & !PERCENT,
+        ZtierSize::Percent(p) => PERCENT | u64::from(p),
+    }
+}
+
+fn decode_size(word: u64) -> ZtierSize {
+    match word & PERCENT {
+        0 => ZtierSize::Bytes(word),
+        _ => ZtierSize::Percent(word as u8),
+    }
+}
+
+/// The bytes after an object's header, where the compressed page goes.
+fn object_payload(object: &mut [u64; SCRATCH_WORDS]) -> &mut [u8] {
+    let payload = &mut object[1..];
+    // SAFETY: plain words viewed as bytes, within the array.
+    unsafe { std::slice::from_raw_parts_mut(payload.as_mut_ptr().cast::<u8>(), payload.len() * 8) }
+}
+
+/// Rebuilds a page from an object's words after its header; false when they do not
+/// decompress to exactly one page.
+fn decompress(header: u64, payload: &[u64], out: &mut [u8]) -> bool {
+    if header & SAME_FILLED != 0 {
+        let Some(&value) = payload.first() else {
+            return false;
+        };
+        for chunk in out.chunks_exact_mut(8) {
+            chunk.copy_from_slice(&value.to_ne_bytes());
+        }
+        return true;
+    }
+    let len = ((header >> LEN_SHIFT) & LEN_MASK) as usize;
+    // SAFETY: plain words viewed as bytes.
+    let bytes =
+        unsafe { std::slice::from_raw_parts(payload.as_ptr().cast::<u8>(), payload.len() * 8) };
+    let Some(src) = bytes.get(..len) else {
+        return false;
+    };
+    match header & ZSTD != 0 {
+        false => matches!(lz4_flex::block::decompress_into(src, out), Ok(PAGE_SIZE)),
+        true => zstd_decompress(src, out),
+    }
+}
+
+thread_local! {
+    static ZSTD_CONTEXTS: std::cell::RefCell<Option<(zstd::bulk::Compressor<'static>, i32, zstd::bulk::Decompressor<'static>)>> =
+        const { std::cell::RefCell::new(None) };
+}
+
+/// Compresses with this thread's zstd context (made once per thread, and again when the
+/// level changes).
+fn zstd_compress(page: &[u8], out: &mut [u8], level: i32) -> Option<usize> {
+    ZSTD_CONTEXTS.with(|cell| {
+        let mut ctx = cell.borrow_mut();
+        if ctx.as_ref().is_none_or(|(_, l, _)| *l != level) {
+            *ctx = Some((
+                zstd::bulk::Compressor::new(level).ok()?,
+                level,
+                zstd::bulk::Decompressor::new().ok()?,
+            ));
+        }
+        let (compressor, _, _) = ctx.as_mut()?;
+        compressor.compress_to_buffer(page, out).ok()
+    })
+}
+
+fn zstd_decompress(src: &[u8], out: &mut [u8]) -> bool {
+    ZSTD_CONTEXTS.with(|cell| {
+        let mut ctx = cell.borrow_mut();
+        if ctx.is_none() {
+            let (Ok(c), Ok(d)) = (
+                zstd::bulk::Compressor::new(1),
+                zstd::bulk::Decompressor::new(),
+            ) else {
+                return false;
+            };
+            *ctx = Some((c, 1, d));
+        }
+        let Some((_, _, decompressor)) = ctx.as_mut() else {
+            return false;
+        };
+        matches!(decompressor.decompress_to_buffer(src, out), Ok(PAGE_SIZE))
+    })
+}
+
+fn nanos(since: Instant) -> u64 {
+    since.elapsed().as_nanos() as u64
+}
+
+#[cfg(test)]
+impl Zswap {
+    /// Test hook: flips a bit of `slot`'s stored object.
+    pub(super) fn corrupt(&self, slot: SlotId) {
+        let word = self.locations.get(slot);
+        assert_eq!(state(word), STORED, "slot {slot} is not in the pool");
+        self.pool.corrupt(handle(word));
+    }
+}
+
+/// The location word's transitions against each other, with pages that repeat one word
+/// (two-word objects keep the model small).
+#[cfg(all(test, loom))]
+mod loom_tests {
+    use super::*;
+    use loom::sync::Arc;
+
+    fn filled(word: u64) -> PageBuf {
+        let mut page = PageBuf::new();
+        for chunk in page.as_mut_slice().chunks_exact_mut(8) {
+            chunk.copy_from_slice(&word.to_ne_bytes());
+        }
+        page
+    }
+
+    fn tier() -> Zswap {
+        let cfg = Ztier {
+            enabled: true,
+            ..Ztier::default()
+        };
+        // Never balanced: its limit is 0, so writeback takes every stored page.
+        Zswap::new(&cfg, 4)
+    }
+
+    /// What a load of `slot` finds: the page's word, or `None` when the pool does not
+    /// hold it.
+    fn load(z: &Zswap, slot: SlotId) -> Option<u64> {
+        let mut page = PageBuf::new();
+        match unsafe { z.load(slot, page.as_mut_ptr(), true) } {
+            Load::Page => Some(u64::from_ne_bytes(page.as_slice()[..8].try_into().unwrap())),
+            Load::NotHere => None,
+            other => panic!("a load found {other:?}"),
+        }
+    }
+
+    /// A reader against the slot's invalidation and its cell's reuse by another slot: the
+    /// reader gets the page it stored or learns the pool no longer holds it, never a torn
+    /// or foreign page and never a false corruption.
+    #[test]
+    fn loom_a_reader_never_sees_a_reused_cell() {
+        loom::model(|| {
+            let z = Arc::new(tier());
+            assert!(unsafe { z.store(0, filled(0xa).as_ptr()) });
+            let reader = {
+                let z = z.clone();
+                loom::thread::spawn(move || load(&z, 0))
+            };
+            z.invalidate(0);
+            assert!(unsafe { z.store(1, filled(0xb).as_ptr()) });
+            let seen = reader.join().unwrap();
+            assert!(matches!(seen, Some(0xa) | None), "read {seen:?}");
+            assert_eq!(load(&z, 1), Some(0xb));
+        });
+    }
+
+    /// Writeback against the slot's owner freeing and storing it again: the owner waits
+    /// for a writeback in flight, no cell is freed twice, and the slot ends holding the
+    /// owner's new page.
+    #[test]
+    fn loom_writeback_and_a_rewrite_of_the_same_slot() {
+        loom::model(|| {
+            let z = Arc::new(tier());
+            assert!(unsafe { z.store(0, filled(0xa).as_ptr()) });
+            let writeback = {
+                let z = z.clone();
+                loom::thread::spawn(move || {
+                    let started = Instant::now();
+                    for (victim, page) in z.victims(4) {
+                        let word = u64::from_ne_bytes(page.as_slice()[..8].try_into().unwrap());
+                        assert!(
+                            matches!((victim.slot, word), (0, 0xa | 0xb)),
+                            "victim {word:#x}"
+                        );
+                        z.written_back(&victim, started);
+                    }
+                })
+            };
+            z.invalidate(0);
+            assert!(unsafe { z.store(0, filled(0xb).as_ptr()) });
+            writeback.join().unwrap();
+            let held = load(&z, 0);
+            let stats = z.stats();
+            // The new page is held unless the writeback took it after the store (then the
+            // file has it).
+            match held {
+                Some(word) => {
+                    assert_eq!(word, 0xb);
+                    assert_eq!(stats.stored_pages, 1);
+                }
+                None => assert_eq!(stats.stored_pages, 0),
+            }
+        });
+    }
+}
