@@ -1,5 +1,6 @@
 //! Value parsers for the command line and the options shared by the bench commands.
 
+use crate::kernel::tunables::{self, Tunable};
 use crate::kernel::KernelSwap;
 use anyhow::{Context, Result};
 use clap::{Args, ValueEnum};
@@ -7,8 +8,8 @@ use serde::Serialize;
 use std::path::PathBuf;
 use uswap_core::swapfile::Backing;
 use uswap_core::{
-    parse_size, Config, FaultMode, IoMode, LruLockMode, Readahead, ReadaheadPolicy, SlotAlloc,
-    SwapCacheMode, SwapEncryption, SwapLocation, Watermarks,
+    parse_size, Compressor, Config, FaultMode, IoMode, LruLockMode, Readahead, ReadaheadPolicy,
+    SlotAlloc, SwapCacheMode, SwapEncryption, SwapLocation, Watermarks, Ztier, ZtierSize,
 };
 
 /// Which swap runs the workload.
@@ -113,6 +114,21 @@ pub struct CoreArgs {
     #[arg(long, value_name = "ON|OFF", value_parser = |s: &str| s.parse::<SwapEncryption>())]
     pub swap_encryption: Option<SwapEncryption>,
 
+    /// The compressed tier in front of the swap file (zswap in user space): `on` (pages
+    /// that compress to at most 3 KiB are kept compressed in memory, charged to the memory
+    /// limit, the oldest written to the file when the pool is full) or `off` [default: off]
+    #[arg(long, value_name = "ON|OFF", value_parser = on_off)]
+    pub ztier: Option<bool>,
+
+    /// The compressed pool's size: a share of the memory limit (`25%`) or a size (`256M`)
+    /// [default: 20%]
+    #[arg(long, value_name = "SIZE|N%", value_parser = |s: &str| s.parse::<ZtierSize>())]
+    pub ztier_size: Option<ZtierSize>,
+
+    /// The compressed tier's compressor: `lz4`, `zstd` or `zstd:LEVEL` [default: lz4]
+    #[arg(long, value_name = "NAME", value_parser = |s: &str| s.parse::<Compressor>())]
+    pub ztier_compressor: Option<Compressor>,
+
     /// Swap cache locking: `trunks` (a lock per 64 MiB of swap) or `single` [default: trunks]
     #[arg(long, value_name = "MODE", value_parser = |s: &str| s.parse::<SwapCacheMode>())]
     pub swap_cache: Option<SwapCacheMode>,
@@ -156,9 +172,26 @@ pub struct KernelArgs {
     pub kernel_swap: KernelSwap,
 }
 
+impl KernelArgs {
+    /// The kernel settings a run changes: the readahead `core` asks for, and with
+    /// `--kernel-swap zswap`, zswap's, its pool `--ztier-size` of `memory`.
+    pub fn tunables(&self, core: &CoreArgs, memory: u64) -> Result<Vec<(Tunable, String)>> {
+        let mut settings = tunables::for_readahead(core.readahead, core.page_cluster)?;
+        if self.kernel_swap == KernelSwap::Zswap {
+            let ztier = core.ztier();
+            settings.extend(tunables::for_zswap(
+                ztier.compressor,
+                ztier.size.bytes(memory),
+            )?);
+        }
+        Ok(settings)
+    }
+}
+
 impl CoreArgs {
     /// The options set that only uswap has (not the swap directory, size and readahead,
-    /// which the kernel backend applies too), by name.
+    /// which the kernel backend applies too, nor the compressed pool's size and compressor,
+    /// which `--kernel-swap zswap` gives the kernel's), by name.
     pub fn uswap_only_options(&self) -> Vec<&'static str> {
         let set = [
             ("--fault-mode", self.fault_mode.is_some()),
@@ -171,6 +204,7 @@ impl CoreArgs {
             ("--slot-alloc", self.slot_alloc.is_some()),
             ("--swap-cache", self.swap_cache.is_some()),
             ("--swap-encryption", self.swap_encryption.is_some()),
+            ("--ztier", self.ztier.is_some()),
             ("--lru-lock", self.lru_lock.is_some()),
             ("--lru-batch", self.lru_batch.is_some()),
             ("--pcp", self.pcp.is_some()),
@@ -179,6 +213,16 @@ impl CoreArgs {
         set.into_iter()
             .filter_map(|(name, is_set)| is_set.then_some(name))
             .collect()
+    }
+
+    /// The compressed tier these options ask for (the library's default for what is unset).
+    pub fn ztier(&self) -> Ztier {
+        let default = Ztier::default();
+        Ztier {
+            enabled: self.ztier.unwrap_or(default.enabled),
+            size: self.ztier_size.unwrap_or(default.size),
+            compressor: self.ztier_compressor.unwrap_or(default.compressor),
+        }
     }
 
     /// The directory swap files go in.
@@ -240,6 +284,7 @@ impl CoreArgs {
         if let Some(mode) = self.swap_encryption {
             cfg.swap.encryption = mode;
         }
+        cfg.swap.ztier = self.ztier();
         cfg.readahead = self.readahead();
         if let Some(pcp) = self.pcp {
             cfg.pcp = pcp;

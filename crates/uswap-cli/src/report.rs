@@ -47,6 +47,27 @@ pub fn mb_per_s(pages: u64, seconds: f64) -> f64 {
     pages as f64 * uswap_core::PAGE_SIZE as f64 / seconds / 1e6
 }
 
+/// The compressed tier in one line: what it holds, and what it did.
+pub fn ztier(z: &uswap_core::ZtierStats) -> String {
+    format!(
+        "holds {} pages ({} same-filled) in {} (limit {}, {:.2} page bytes per pool byte); \
+         stored {}, loaded {}, written back {}, rejected {} (+{} untried); \
+         compress {:.0} ms, decompress {:.0} ms",
+        count(z.stored_pages),
+        count(z.same_filled_pages),
+        size(z.pool_bytes),
+        size(z.limit_bytes),
+        z.compression_ratio,
+        count(z.stores),
+        count(z.loads),
+        count(z.written_back),
+        count(z.reject_compress_poor + z.reject_alloc_fail),
+        count(z.skipped_poor),
+        z.store_ms,
+        z.load_ms,
+    )
+}
+
 pub fn access_latency(l: &Latency) -> String {
     format!(
         "p50 {:.1}  p90 {:.1}  p99 {:.1}  p99.9 {:.1}  max {:.1} µs  (mean {:.1})",

@@ -9,7 +9,7 @@
 
 use crate::args::Backend;
 use crate::args::{nonzero_size, CoreArgs, KernelArgs};
-use crate::kernel::tunables::{self, Tunable};
+use crate::kernel::tunables::Tunable;
 use crate::kernel::{self, program, KernelSwap};
 use anyhow::{bail, Context, Result};
 use clap::Args;
@@ -142,7 +142,7 @@ fn run_under_kernel(args: &RunArgs, memory: u64) -> Result<ExitCode> {
         args.core.swap_dir(),
         args.core.swap_size,
         args.kernel.kernel_swap,
-        tunables::for_readahead(args.core.readahead, args.core.page_cluster)?,
+        args.kernel.tunables(&args.core, memory)?,
     );
     let mut command = std::process::Command::new(&args.command[0]);
     command.args(&args.command[1..]);

@@ -49,6 +49,8 @@ struct Counters {
     major: Latency,
     resident_pages: u64,
     swap_used_pages: u64,
+    #[serde(default)]
+    ztier: uswap_core::ZtierStats,
 }
 
 pub fn run(a: &StatArgs) -> Result<()> {
@@ -98,13 +100,20 @@ fn print_block(pid: u32, s: &Snapshot) {
         mib(k.memory / PAGE_SIZE as u64),
         mib(c.swap_used_pages)
     );
+    if c.ztier.enabled || c.ztier.stored_pages > 0 {
+        println!(
+            "  ztier      {} ({})",
+            report::ztier(&c.ztier),
+            c.ztier.compressor
+        );
+    }
     if let Some(anon) = uswap_core::stats::rss_anon_bytes(pid) {
-        let held = c.resident_pages * PAGE_SIZE as u64;
+        let held = c.resident_pages * PAGE_SIZE as u64 + c.ztier.pool_bytes;
         println!(
             "  process    RssAnon {} MiB: uswap holds {} MiB, outside {} MiB (stacks, code, \
              the kernel's mappings, uswap's metadata)",
             mib(anon / PAGE_SIZE as u64),
-            mib(c.resident_pages),
+            mib(held / PAGE_SIZE as u64),
             mib(anon.saturating_sub(held) / PAGE_SIZE as u64)
         );
     }

@@ -112,10 +112,7 @@ impl Region {
             first_touch: latency(FaultKind::FirstTouch),
             minor: latency(FaultKind::Minor),
             major: latency(FaultKind::Major),
-            resident_pages: mm
-                .budget()
-                .resident()
-                .saturating_sub(mm.swap().ztier_stats().charged_pages),
+            resident_pages: mm.resident(),
             swap_used_pages: mm.slots_held(),
             metadata_bytes: metadata_bytes(mm.pages().len() as u64),
             io: mm.swap().io_stats(),
@@ -192,7 +189,7 @@ impl Region {
 
     /// Pages resident now (active + inactive): cheap enough to poll.
     pub fn resident_pages(&self) -> u64 {
-        self.inner().fault.mm().budget().resident()
+        self.inner().fault.mm().resident()
     }
 
     /// The swap-in readahead in force.

@@ -480,15 +480,10 @@ impl Reclaim {
     /// as a cgroup charges zswap's pool, so resident pages and pool together stay under
     /// the limit; the pool's size follows the limit.
     fn balance_ztier(&self) {
-        let budget = self.mm.budget();
-        match self
-            .mm
-            .swap()
-            .ztier_balance(budget.limit() * PAGE_SIZE as u64)
-        {
-            grew if grew > 0 => budget.overdraw(grew as u64),
-            shrank if shrank < 0 => budget.uncharge(shrank.unsigned_abs()),
-            _ => {}
+        let limit = self.mm.budget().limit() * PAGE_SIZE as u64;
+        match self.mm.swap().ztier_balance(limit) {
+            0 => {}
+            pages => self.mm.charge_pool(pages),
         }
     }
 

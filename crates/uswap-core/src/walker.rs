@@ -164,10 +164,12 @@ fn check_locked(
             errors.push(format!("{list:?} list: {e}"));
         }
     }
-    if resident != mm.budget().resident() {
+    if resident != mm.resident() {
         errors.push(format!(
-            "{resident} pages are resident but the budget counts {}",
-            mm.budget().resident()
+            "{resident} pages are resident but the budget counts {} (besides {} of the \
+             compressed pool)",
+            mm.resident(),
+            mm.pool_charged()
         ));
     }
     if slots.len() as u64 != mm.slots_held() {

@@ -3,7 +3,7 @@
 
 use super::{Backend, KERNEL_SWAP_MARGIN};
 use crate::args::{nonzero_size, seconds, CoreArgs, KernelArgs};
-use crate::kernel::{self, child, tunables, vmstat, Environment};
+use crate::kernel::{self, child, vmstat, Environment};
 use crate::report;
 use crate::workload::mem::Mapped;
 use crate::workload::probe::{self, ProbeOutcome, ProbeParams};
@@ -165,7 +165,7 @@ fn run_kernel(a: &ProbeArgs, bytes: u64, params: &ProbeParams) -> Result<Report>
             dir: a.core.swap_dir(),
             own: false,
         }),
-        tunables: tunables::for_readahead(a.core.readahead, a.core.page_cluster)?,
+        tunables: a.kernel.tunables(&a.core, a.memory)?,
     };
     let spec = child::Spec::Probe {
         size: bytes,

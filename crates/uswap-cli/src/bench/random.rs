@@ -3,10 +3,11 @@
 
 use super::{Backend, KERNEL_SWAP_MARGIN};
 use crate::args::{nonzero_size, seconds, CoreArgs, KernelArgs};
-use crate::kernel::{self, child, tunables, vmstat, Environment};
+use crate::kernel::{self, child, vmstat, Environment};
 use crate::report;
 use crate::workload::distribution::Distribution;
 use crate::workload::mem::Mapped;
+use crate::workload::pattern::Data;
 use crate::workload::random::{self, RandomOutcome, RandomParams};
 use anyhow::{bail, ensure, Context, Result};
 use clap::{value_parser, Args};
@@ -16,7 +17,7 @@ use std::sync::Arc;
 use uswap_core::control::ControlServer;
 use uswap_core::{
     LockClass, PhaseSummary, Region, SlotAlloc, Stats, SwapCacheMode, SwapCacheStats,
-    VmStatSnapshot,
+    VmStatSnapshot, ZtierStats,
 };
 
 #[derive(Args, Debug)]
@@ -48,6 +49,12 @@ pub struct RandomArgs {
     /// never). Scan reads count as accesses and are reported apart too
     #[arg(long, value_name = "N", default_value_t = 0)]
     pub scan: u64,
+
+    /// What the pages hold, which sets how well they compress: random, text,
+    /// compressible:R (about R:1) or zeros:P (P% of the pages zero but for their first
+    /// word); every read is checked against it
+    #[arg(long, value_name = "DATA", default_value = "random")]
+    pub data: Data,
 
     /// Length of the measured interval; filling the region first is not counted
     #[arg(long, value_name = "S", default_value = "8", value_parser = seconds)]
@@ -88,6 +95,8 @@ struct Report {
     distribution: String,
     /// `--scan`: accesses between a thread's scans of its share (0: none).
     scan_every: u64,
+    /// `--data`: what the pages hold.
+    data: String,
     slot_alloc: String,
     swap_cache_mode: String,
     accesses: u64,
@@ -100,6 +109,11 @@ struct Report {
     /// `ru_majflt` of the accessing process), over the measured interval.
     major_faults: u64,
     major_faults_per_1000: f64,
+    /// Pages written to the swap file over the measured interval (for uswap, pages
+    /// swapped out less those kept by the compressed tier, plus its writebacks; for the
+    /// kernel, `pswpout`, which zswap's stores do not count).
+    disk_writes: u64,
+    disk_write_mb_s: f64,
     verify_errors: u64,
     #[serde(flatten)]
     outcome: RandomOutcome,
@@ -126,6 +140,9 @@ struct UswapDetail {
     lockstat: Vec<LockClass>,
     /// Swap cache counters over the measured interval.
     swap_cache: SwapCacheStats,
+    /// The compressed tier over the measured interval (counts), and what it held at the
+    /// end.
+    ztier: ZtierStats,
     /// The region's statistics at the end of the measured interval (service times since
     /// the region was made).
     stats: Stats,
@@ -147,6 +164,7 @@ pub fn run(a: &RandomArgs) -> Result<()> {
         syscall_dispatch: a.syscall_dispatch || auto_sigbus,
         distribution: a.distribution,
         scan_every: a.scan,
+        data: a.data,
     };
     if a.syscall_dispatch
         && (a.backend != Backend::Uswap
@@ -187,11 +205,19 @@ fn run_uswap(a: &RandomArgs, params: &RandomParams) -> Result<Report> {
         _ => Vec::new(),
     };
     let vmstat = after.vmstat.since(&before.vmstat);
-    let swapped = (vmstat.pswpin, vmstat.pswpout, vmstat.pgmajfault);
+    let ztier = ztier_since(&after.ztier, &before.ztier);
+    let disk_writes = (vmstat.pswpout + ztier.written_back).saturating_sub(ztier.stores);
+    let swapped = (
+        vmstat.pswpin,
+        vmstat.pswpout,
+        vmstat.pgmajfault,
+        disk_writes,
+    );
     let detail = UswapDetail {
         vmstat,
         lockstat: report::lockstat_since(&after.lockstat, &before.lockstat),
         swap_cache: after.swap_cache.since(&before.swap_cache),
+        ztier,
         stats: after,
         breakdown,
     };
@@ -227,7 +253,7 @@ fn run_kernel(a: &RandomArgs, params: &RandomParams) -> Result<Report> {
             dir: a.core.swap_dir(),
             own: false,
         }),
-        tunables: tunables::for_readahead(a.core.readahead, a.core.page_cluster)?,
+        tunables: a.kernel.tunables(&a.core, a.memory)?,
     };
     let spec = child::Spec::Random {
         size: a.size,
@@ -241,7 +267,7 @@ fn run_kernel(a: &RandomArgs, params: &RandomParams) -> Result<Report> {
     Ok(build_report(
         a,
         outcome,
-        (swap.pswpin, swap.pswpout, major_faults),
+        (swap.pswpin, swap.pswpout, major_faults, swap.pswpout),
         None,
         Some(KernelDetail {
             environment,
@@ -250,10 +276,26 @@ fn run_kernel(a: &RandomArgs, params: &RandomParams) -> Result<Report> {
     ))
 }
 
+/// The tier's counts between two looks (what it holds stays as at the later one).
+fn ztier_since(after: &ZtierStats, before: &ZtierStats) -> ZtierStats {
+    ZtierStats {
+        stores: after.stores - before.stores,
+        loads: after.loads - before.loads,
+        written_back: after.written_back - before.written_back,
+        reject_compress_poor: after.reject_compress_poor - before.reject_compress_poor,
+        reject_alloc_fail: after.reject_alloc_fail - before.reject_alloc_fail,
+        skipped_poor: after.skipped_poor - before.skipped_poor,
+        store_ms: after.store_ms - before.store_ms,
+        load_ms: after.load_ms - before.load_ms,
+        writeback_ms: after.writeback_ms - before.writeback_ms,
+        ..after.clone()
+    }
+}
+
 fn build_report(
     a: &RandomArgs,
     outcome: RandomOutcome,
-    (pswpin, pswpout, major_faults): (u64, u64, u64),
+    (pswpin, pswpout, major_faults, disk_writes): (u64, u64, u64, u64),
     uswap: Option<UswapDetail>,
     kernel: Option<KernelDetail>,
 ) -> Report {
@@ -267,6 +309,7 @@ fn build_report(
         write_pct: a.write_pct,
         distribution: a.distribution.to_string(),
         scan_every: a.scan,
+        data: a.data.to_string(),
         slot_alloc: a.core.slot_alloc.unwrap_or(SlotAlloc::Percpu).to_string(),
         swap_cache_mode: a
             .core
@@ -280,6 +323,8 @@ fn build_report(
         swap_ins: pswpin,
         major_faults,
         major_faults_per_1000: 1000.0 * major_faults as f64 / outcome.accesses().max(1) as f64,
+        disk_writes,
+        disk_write_mb_s: report::mb_per_s(disk_writes, secs),
         verify_errors: outcome.verify_errors(),
         outcome,
         uswap,
@@ -291,13 +336,14 @@ fn print(r: &Report) {
     let o = &r.outcome;
     let pct = |n: u64| 100.0 * n as f64 / r.accesses.max(1) as f64;
     println!(
-        "uswap bench random: backend {}, {} region, {} memory, {} thread(s), {}% writes, {}",
+        "uswap bench random: backend {}, {} region, {} memory, {} thread(s), {}% writes, {}, {} data",
         r.backend,
         report::size(r.size),
         report::size(r.memory),
         r.threads,
         r.write_pct,
-        r.distribution
+        r.distribution,
+        r.data
     );
     println!(
         "  time             setup (fill) {:.2} s   measured {:.2} s   final check {:.2} s",
@@ -318,6 +364,19 @@ fn print(r: &Report) {
         report::count(r.major_faults),
         r.major_faults_per_1000
     );
+    println!(
+        "  swap file        written {:.1} MB/s ({} pages)",
+        r.disk_write_mb_s,
+        report::count(r.disk_writes)
+    );
+    if let Some(z) = r
+        .uswap
+        .as_ref()
+        .map(|u| &u.ztier)
+        .filter(|z| z.stores + z.stored_pages > 0)
+    {
+        println!("  ztier            {}", report::ztier(z));
+    }
     println!(
         "  access latency   {}",
         report::access_latency(&o.access_latency)

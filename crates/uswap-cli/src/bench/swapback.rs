@@ -6,7 +6,7 @@
 
 use super::{no_reclaim_limit, Backend, KERNEL_SWAP_MARGIN};
 use crate::args::{nonzero_size, CoreArgs, KernelArgs};
-use crate::kernel::{self, child, tunables, Environment};
+use crate::kernel::{self, child, Environment};
 use crate::report;
 use crate::workload::mem::Mapped;
 use crate::workload::swapback::{self, Mode, Order, SwapbackOutcome, SwapbackParams};
@@ -186,7 +186,7 @@ fn run_kernel(a: &SwapbackArgs, params: &SwapbackParams) -> Result<Report> {
             dir: a.core.swap_dir(),
             own: a.mode == Mode::Swapoff,
         }),
-        tunables: tunables::for_readahead(a.core.readahead, a.core.page_cluster)?,
+        tunables: a.kernel.tunables(&a.core, a.memory)?,
     };
     let spec = child::Spec::Swapback {
         size: a.size,

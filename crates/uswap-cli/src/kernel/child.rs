@@ -165,6 +165,7 @@ mod tests {
                     of_pct: 10,
                 },
                 scan_every: 50_000,
+                data: crate::workload::pattern::Data::Compressible(3),
             },
         };
         let args = command_args(&spec);

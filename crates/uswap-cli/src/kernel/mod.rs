@@ -31,6 +31,11 @@ pub enum KernelSwap {
     File,
     /// A zram device of our own (compressed RAM), above any swap already on
     Zram,
+    /// A swap file as `file` has, with the kernel's zswap (a compressed pool in front of
+    /// it) on for the run: the compressor of --ztier-compressor if the kernel has it, else
+    /// lzo-rle; the pool's limit --ztier-size of the memory limit, as a whole percent of
+    /// the machine's memory (the kernel's limit is machine-wide)
+    Zswap,
 }
 
 /// What the child needs around it.
@@ -228,11 +233,17 @@ pub fn lift_limit_and_swapoff() -> Result<()> {
     swap::turn_off(&path)
 }
 
-/// Sets what `settings` asks for; returns every setting's state.
+/// Sets what `settings` asks for, in its order; returns the state of every setting a
+/// report shows and of those set.
 fn apply_tunables(settings: &[(Tunable, String)]) -> Result<Vec<TunableState>> {
-    Tunable::ALL
+    let extra = settings
         .iter()
-        .map(|&tunable| {
+        .map(|&(t, _)| t)
+        .filter(|t| !Tunable::ALL.contains(t));
+    Tunable::ALL
+        .into_iter()
+        .chain(extra)
+        .map(|tunable| {
             let found = tunable.read()?;
             let wanted = settings.iter().find(|(t, _)| *t == tunable);
             let state = match wanted {
@@ -262,14 +273,16 @@ fn apply_tunables(settings: &[(Tunable, String)]) -> Result<Vec<TunableState>> {
 fn prepare_swap(plan: &SwapPlan) -> Result<String> {
     let active = swap::active()?;
     match plan.kind {
-        KernelSwap::File if !active.is_empty() && plan.own => bail!(
+        KernelSwap::File | KernelSwap::Zswap if !active.is_empty() && plan.own => bail!(
             "this run turns its swap off afterwards, but swap is already on ({}) and \
              --kernel-swap file would reuse it; turning that off is not ours to do: use \
              --kernel-swap zram, or turn that swap off first",
             names(&active)
         ),
-        KernelSwap::File if !active.is_empty() => Ok(reuse_note(&active, plan.bytes)),
-        KernelSwap::File => make_swap_file(&plan.dir, plan.bytes),
+        KernelSwap::File | KernelSwap::Zswap if !active.is_empty() => {
+            Ok(reuse_note(&active, plan.bytes))
+        }
+        KernelSwap::File | KernelSwap::Zswap => make_swap_file(&plan.dir, plan.bytes),
         KernelSwap::Zram => make_zram(&active, plan.bytes),
     }
 }

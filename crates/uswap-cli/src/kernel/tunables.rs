@@ -1,9 +1,11 @@
-//! The kernel's swap readahead settings: `vm.page-cluster` and VMA readahead.
+//! The kernel's swap settings a run may change: readahead (`vm.page-cluster`, VMA
+//! readahead) and zswap (on, its compressor and its pool's limit).
 
 use anyhow::{bail, Context, Result};
 use serde::Serialize;
 use std::fs;
-use uswap_core::ReadaheadPolicy;
+use std::path::Path;
+use uswap_core::{Compressor, ReadaheadPolicy};
 
 /// A machine-wide setting the kernel backend may change for a run (and restores after it).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -12,15 +14,25 @@ pub enum Tunable {
     PageCluster,
     /// VMA-based readahead (`true`) or the cluster-based, hit-scaled one (`false`).
     VmaReadahead,
+    /// zswap's compressor (a crypto API name).
+    ZswapCompressor,
+    /// zswap's pool limit, in percent of the machine's memory.
+    ZswapMaxPoolPercent,
+    /// Whether zswap stores pages (`Y`/`N`).
+    ZswapEnabled,
 }
 
 impl Tunable {
+    /// The settings every report shows (zswap's only when a run sets them).
     pub const ALL: [Tunable; 2] = [Tunable::PageCluster, Tunable::VmaReadahead];
 
     pub fn path(self) -> &'static str {
         match self {
             Tunable::PageCluster => "/proc/sys/vm/page-cluster",
             Tunable::VmaReadahead => "/sys/kernel/mm/swap/vma_ra_enabled",
+            Tunable::ZswapCompressor => "/sys/module/zswap/parameters/compressor",
+            Tunable::ZswapMaxPoolPercent => "/sys/module/zswap/parameters/max_pool_percent",
+            Tunable::ZswapEnabled => "/sys/module/zswap/parameters/enabled",
         }
     }
 
@@ -28,6 +40,9 @@ impl Tunable {
         match self {
             Tunable::PageCluster => "vm.page-cluster",
             Tunable::VmaReadahead => "vma_ra_enabled",
+            Tunable::ZswapCompressor => "zswap.compressor",
+            Tunable::ZswapMaxPoolPercent => "zswap.max_pool_percent",
+            Tunable::ZswapEnabled => "zswap.enabled",
         }
     }
 
@@ -96,6 +111,56 @@ pub fn for_readahead(
     Ok(settings)
 }
 
+/// The settings that turn the kernel's zswap on for a run, in the order they are set (the
+/// pool and compressor first): the compressor `wanted` if this kernel has it, else
+/// `lzo-rle` (the kernel's default family; this machine's kernel has no lz4 or zstd), and
+/// a pool limit of `pool_bytes` as a whole share of the machine's memory (the kernel's
+/// limit is machine-wide), at least 1%.
+pub fn for_zswap(wanted: Compressor, pool_bytes: u64) -> Result<Vec<(Tunable, String)>> {
+    if !Path::new(Tunable::ZswapEnabled.path()).exists() {
+        bail!(
+            "--kernel-swap zswap: this kernel has no zswap ({} is missing)",
+            Tunable::ZswapEnabled.path()
+        );
+    }
+    let crypto = fs::read_to_string("/proc/crypto").context("reading /proc/crypto")?;
+    let name = match wanted {
+        Compressor::Lz4 => "lz4",
+        Compressor::Zstd(_) => "zstd",
+    };
+    let compressor = match has_algorithm(&crypto, name) {
+        true => name,
+        false => "lzo-rle",
+    };
+    let total = fs::read_to_string("/proc/meminfo").context("reading /proc/meminfo")?;
+    let percent = pool_percent(
+        pool_bytes,
+        mem_total(&total).context("no MemTotal in /proc/meminfo")?,
+    );
+    Ok(vec![
+        (Tunable::ZswapCompressor, compressor.to_string()),
+        (Tunable::ZswapMaxPoolPercent, percent.to_string()),
+        (Tunable::ZswapEnabled, "Y".to_string()),
+    ])
+}
+
+fn has_algorithm(crypto: &str, name: &str) -> bool {
+    crypto
+        .lines()
+        .filter_map(|l| l.strip_prefix("name"))
+        .any(|l| l.trim_start().trim_start_matches(':').trim() == name)
+}
+
+fn mem_total(meminfo: &str) -> Option<u64> {
+    let line = meminfo.lines().find(|l| l.starts_with("MemTotal:"))?;
+    Some(line.split_whitespace().nth(1)?.parse::<u64>().ok()? << 10)
+}
+
+/// `pool_bytes` as the nearest whole percent of `total`, at least 1.
+fn pool_percent(pool_bytes: u64, total: u64) -> u64 {
+    ((pool_bytes * 100 + total / 2) / total.max(1)).max(1)
+}
+
 /// The readahead in effect from the two settings' values, as `--readahead` names it.
 pub fn describe(page_cluster: &str, vma_ra_enabled: &str) -> String {
     let policy = match (page_cluster, vma_ra_enabled) {
@@ -109,6 +174,22 @@ pub fn describe(page_cluster: &str, vma_ra_enabled: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn zswap_gets_a_compressor_this_kernel_has_and_a_whole_percent_pool() {
+        let crypto = "name         : lzo-rle\ndriver       : lzo-rle-scomp\nname         : lz4\n";
+        assert!(has_algorithm(crypto, "lz4"));
+        assert!(!has_algorithm(crypto, "zstd"));
+        assert!(!has_algorithm(crypto, "lzo"));
+        assert_eq!(
+            mem_total("MemTotal:       24576000 kB\nMemFree: 1 kB\n"),
+            Some(24576000 << 10)
+        );
+        let gib = 1u64 << 30;
+        assert_eq!(pool_percent(gib / 5, 24 * gib), 1, "at least 1%");
+        assert_eq!(pool_percent(6 * gib, 24 * gib), 25);
+        assert_eq!(pool_percent(gib / 2, 4 * gib), 13);
+    }
 
     fn set(policy: Option<ReadaheadPolicy>, pc: Option<u8>) -> Result<Vec<(Tunable, String)>> {
         for_readahead(policy, pc)

@@ -18,7 +18,7 @@ pub const LRU: [&str; 6] = [
 
 /// The /proc/vmstat counters of the swap fault path and of reclaim (machine-wide): what
 /// the kernel offers where uswap has a phase breakdown.
-pub const FAULT_PATH: [&str; 12] = [
+pub const FAULT_PATH: [&str; 15] = [
     "pgfault",
     "pgmajfault",
     "swap_ra",
@@ -31,6 +31,9 @@ pub const FAULT_PATH: [&str; 12] = [
     "pgactivate",
     "pgdeactivate",
     "workingset_refault_anon",
+    "zswpin",
+    "zswpout",
+    "zswpwb",
 ];
 
 /// /proc/vmstat counters by name.

@@ -176,11 +176,11 @@ fn fill(mem: Mem, hot_pages: usize, threads: usize) {
     for_page_ranges(mem.pages() - hot_pages, threads, |pages| {
         for page in pages {
             let page = hot_pages + page;
-            pattern::fill(mem.page(page), page as u64);
+            pattern::fill(mem.page(page), page as u64, pattern::Data::Random);
         }
     });
     for page in 0..hot_pages {
-        pattern::fill(mem.page(page), page as u64);
+        pattern::fill(mem.page(page), page as u64, pattern::Data::Random);
     }
 }
 
@@ -299,7 +299,10 @@ mod tests {
         assert_eq!(versions(mem, 0..4), out.rtt.probes);
         assert_eq!(versions(mem, 4..64), out.writes);
         for page in 4..64 {
-            assert!(pattern::check_page(mem.page(page), page as u64, 0)[1..].is_empty());
+            assert!(
+                pattern::check_page(mem.page(page), page as u64, 0, pattern::Data::Random)[1..]
+                    .is_empty()
+            );
         }
     }
 

@@ -13,7 +13,7 @@
 use super::cpu::CpuUse;
 use super::distribution::{Distribution, Picker};
 use super::mem::{Mem, WORDS};
-use super::pattern::{self, ErrorLog};
+use super::pattern::{self, Data, ErrorLog};
 use super::rng::Rng;
 use serde::{Deserialize, Serialize};
 use std::ops::Range;
@@ -42,6 +42,9 @@ pub struct RandomParams {
     /// page order (0: never).
     #[serde(default)]
     pub scan_every: u64,
+    /// What the pages hold (how well they compress).
+    #[serde(default)]
+    pub data: Data,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -89,7 +92,7 @@ pub fn run<S>(
     let started = Instant::now();
     for_page_ranges(mem.pages(), p.threads, |pages| {
         for page in pages {
-            pattern::fill(mem.page(page), page as u64);
+            pattern::fill(mem.page(page), page as u64, p.data);
         }
     });
     let setup_s = started.elapsed().as_secs_f64();
@@ -117,7 +120,7 @@ pub fn run<S>(
                     let r = access_loop(
                         mem,
                         written,
-                        (picker, p.write_pct, scan),
+                        (picker, p.write_pct, scan, p.data),
                         id as u64,
                         stop,
                         log,
@@ -141,7 +144,7 @@ pub fn run<S>(
     let after = snapshot();
 
     let started = Instant::now();
-    let final_errors = verify_all(mem, &written, p.threads.max(MIN_VERIFY_THREADS));
+    let final_errors = verify_all(mem, &written, p.threads.max(MIN_VERIFY_THREADS), p.data);
     let verify_s = started.elapsed().as_secs_f64();
 
     let mut hist = new_histogram();
@@ -181,7 +184,7 @@ struct Scan {
 fn access_loop(
     mem: Mem,
     written: &[AtomicU32],
-    (mut picker, write_pct, scan): (Picker, u8, Scan),
+    (mut picker, write_pct, scan, data): (Picker, u8, Scan, Data),
     seed: u64,
     stop: &AtomicBool,
     log: &ErrorLog,
@@ -205,7 +208,7 @@ fn access_loop(
                     }
                     let i = 1 + rng.below(WORDS as u64 - 1) as usize;
                     let started = Instant::now();
-                    let checks = read(mem, written, page as u64, i);
+                    let checks = read(mem, written, page as u64, i, data);
                     record(&mut r.latency, started.elapsed());
                     r.scan_reads += 1;
                     log.check(checks.0);
@@ -228,7 +231,7 @@ fn access_loop(
             log.check(pattern::check_header(page, old, 0));
         } else {
             let i = 1 + (dice >> 32) as usize % (WORDS - 1);
-            let checks = read(mem, written, page, i);
+            let checks = read(mem, written, page, i, data);
             record(&mut r.latency, started.elapsed());
             r.reads += 1;
             log.check(checks.0);
@@ -239,12 +242,13 @@ fn access_loop(
 }
 
 /// One read access: `page`'s header against the lowest version it may show, and its word
-/// `i`. The checks' results, for the caller to log after it has timed the read.
+/// `i` against what `data` puts there. The checks' results, for the caller to log after it has timed the read.
 fn read(
     mem: Mem,
     written: &[AtomicU32],
     page: u64,
     i: usize,
+    data: Data,
 ) -> (Result<(), pattern::Mismatch>, Result<(), pattern::Mismatch>) {
     let words = mem.page(page as usize);
     let min_version = written[page as usize].load(Acquire);
@@ -252,16 +256,21 @@ fn read(
     let word = words[i].load(Relaxed);
     (
         pattern::check_header(page, header, min_version),
-        pattern::check_word(page, i, word),
+        pattern::check_word(data, page, i, word),
     )
 }
 
 /// Checks every word of every page against its final version; returns the bad pages.
-fn verify_all(mem: Mem, written: &[AtomicU32], threads: usize) -> u64 {
+fn verify_all(mem: Mem, written: &[AtomicU32], threads: usize, data: Data) -> u64 {
     let log = ErrorLog::new("final pass");
     for_page_ranges(mem.pages(), threads, |pages| {
         for page in pages {
-            let bad = pattern::check_page(mem.page(page), page as u64, written[page].load(Relaxed));
+            let bad = pattern::check_page(
+                mem.page(page),
+                page as u64,
+                written[page].load(Relaxed),
+                data,
+            );
             if let Some(first) = bad.first() {
                 log.report(first, bad.len());
             }
@@ -296,6 +305,7 @@ mod tests {
             syscall_dispatch: false,
             distribution: Distribution::Zipf { s: 0.99 },
             scan_every: 100,
+            data: Data::Compressible(3),
         };
         let mut calls = 0;
         let (out, before, after) = run(map.mem(), &params, || {
@@ -316,13 +326,13 @@ mod tests {
         let mem = map.mem();
         let written: Vec<AtomicU32> = (0..8).map(|_| AtomicU32::new(0)).collect();
         for page in 0..8 {
-            pattern::fill(mem.page(page), page as u64);
+            pattern::fill(mem.page(page), page as u64, Data::Text);
         }
-        assert_eq!(verify_all(mem, &written, 3), 0);
+        assert_eq!(verify_all(mem, &written, 3, Data::Text), 0);
         mem.page(6)[17].store(0, Relaxed);
         // A lost write: the side table says version 1, the page still has 0.
         written[2].store(1, Relaxed);
-        assert_eq!(verify_all(mem, &written, 3), 2);
+        assert_eq!(verify_all(mem, &written, 3, Data::Text), 2);
     }
 
     #[test]

@@ -73,7 +73,7 @@ pub fn run<S>(
 ) -> Result<(SwapbackOutcome, S, S)> {
     let started = Instant::now();
     for page in 0..mem.pages() {
-        pattern::fill(mem.page(page), page as u64);
+        pattern::fill(mem.page(page), page as u64, pattern::Data::Random);
     }
     let fill_s = started.elapsed().as_secs_f64();
 
@@ -126,7 +126,12 @@ fn touch(mem: Mem, order: &[u32], log: &ErrorLog) {
         let header = words[0].load(Relaxed);
         let i = 1 + page as usize % (WORDS - 1);
         log.check(pattern::check_header(page, header, 0));
-        log.check(pattern::check_word(page, i, words[i].load(Relaxed)));
+        log.check(pattern::check_word(
+            pattern::Data::Random,
+            page,
+            i,
+            words[i].load(Relaxed),
+        ));
     }
 }
 
@@ -134,7 +139,7 @@ fn touch(mem: Mem, order: &[u32], log: &ErrorLog) {
 fn check_all(mem: Mem) -> u64 {
     let log = ErrorLog::new("final check");
     for page in 0..mem.pages() {
-        let bad = pattern::check_page(mem.page(page), page as u64, 0);
+        let bad = pattern::check_page(mem.page(page), page as u64, 0, pattern::Data::Random);
         if let Some(first) = bad.first() {
             log.report(first, bad.len());
         }

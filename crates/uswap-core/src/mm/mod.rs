@@ -154,6 +154,9 @@ pub(crate) struct Mm {
     pins: Pins,
     lru: Lru,
     budget: Budget,
+    /// Pages of the compressed pool charged to `budget` (`Reclaim::balance_ztier`): the
+    /// budget counts them beside the resident pages.
+    pool_charged: AtomicU64,
     swap: Arc<SwapDevice>,
     caps: Caps,
     mode: FaultMode,
@@ -209,6 +212,7 @@ impl Mm {
             pins: Pins::new(),
             lru: Lru::new(pages, p.lru_lock, p.lru_batch, crate::cpu::count()),
             budget,
+            pool_charged: AtomicU64::new(0),
             bounce: BouncePool::new(p.bounce_buffers),
             pagemap: std::fs::File::open("/proc/self/pagemap").ok(),
             uffd: p.uffd,
@@ -243,6 +247,33 @@ impl Mm {
 
     pub fn budget(&self) -> &Budget {
         &self.budget
+    }
+
+    /// Pages the budget counts that are resident (it also counts the compressed pool).
+    pub fn resident(&self) -> u64 {
+        self.budget.resident().saturating_sub(self.pool_charged())
+    }
+
+    /// Pages of the compressed pool charged to the budget.
+    pub fn pool_charged(&self) -> u64 {
+        self.pool_charged.load(Relaxed)
+    }
+
+    /// Charges `pages` of pool growth to the budget (past the limit: reclaim brings it
+    /// back), or, negative, takes pages the pool gave back off it (no more than this
+    /// region was charged, when regions share a device).
+    pub fn charge_pool(&self, pages: i64) {
+        if pages >= 0 {
+            self.pool_charged.fetch_add(pages as u64, Relaxed);
+            self.budget.overdraw(pages as u64);
+            return;
+        }
+        let want = pages.unsigned_abs();
+        let took = self
+            .pool_charged
+            .fetch_update(Relaxed, Relaxed, |c| Some(c - c.min(want)))
+            .map_or(0, |c| c.min(want));
+        self.budget.uncharge(took);
     }
 
     pub fn staging(&self) -> &Staging {
