@@ -116,7 +116,7 @@ pub struct CoreArgs {
 
     /// The compressed tier in front of the swap file (zswap in user space): `on` (pages
     /// that compress to at most 3 KiB are kept compressed in memory, charged to the memory
-    /// limit, the oldest written to the file when the pool is full) or `off` [default: off]
+    /// limit, the oldest written to the file when the pool is full) or `off` [default: on]
     #[arg(long, value_name = "ON|OFF", value_parser = on_off)]
     pub ztier: Option<bool>,
 

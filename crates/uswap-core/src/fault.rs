@@ -653,7 +653,7 @@ impl FaultPath {
         let outcome = if window == Window::None {
             let mut buf = mm.take_bounce(false)?;
             // SAFETY: the buffer is one aligned page we own.
-            let read = unsafe { mm.swap().read_page_in_place(slot, buf.as_mut_ptr()) };
+            let read = unsafe { mm.swap().read_page_in_place(slot, buf.as_mut_ptr(), room()) };
             read.then(|| self.map_in_signal(&mut lock, buf.as_ptr(), false))?
         } else {
             let dest = match writable {

@@ -145,13 +145,16 @@ impl Reclaim {
         aging_block: usize,
     ) -> Reclaim {
         let limit = mm.budget().limit();
-        Reclaim {
+        let reclaim = Reclaim {
             marks: Marks::new(limit, fixed, inactive_percent, batch),
             mm,
             batch,
             aging_block,
             kswapd: Kswapd::default(),
-        }
+        };
+        // Sets the compressed pool's limit and owner before anything is stored.
+        reclaim.balance_ztier();
+        reclaim
     }
 
     pub fn mm(&self) -> &Mm {
@@ -479,11 +482,15 @@ impl Reclaim {
     /// Charges the compressed pool's growth to the budget and takes off what it gave back,
     /// as a cgroup charges zswap's pool, so resident pages and pool together stay under
     /// the limit; the pool's size follows the limit.
+    /// A pool over its size (the limit went down, or this batch had no dirty page to
+    /// write its oldest pages out with) writes some back first.
     fn balance_ztier(&self) {
-        let limit = self.mm.budget().limit() * PAGE_SIZE as u64;
-        match self.mm.swap().ztier_balance(limit) {
+        let (mm, swap) = (&self.mm, self.mm.swap());
+        swap.ztier_writeback(self.batch);
+        let limit = mm.budget().limit() * PAGE_SIZE as u64;
+        match swap.ztier_balance(limit, mm.id()) {
             0 => {}
-            pages => self.mm.charge_pool(pages),
+            pages => mm.charge_pool(pages),
         }
     }
 
@@ -679,7 +686,7 @@ mod tests {
         drop(locks);
         assert_eq!(count(mm, VmEvent::pswpout), 8);
         assert_eq!(mm.slots_held(), 8);
-        assert_eq!(mm.budget().resident(), resident - 8);
+        assert_eq!(mm.resident(), resident - 8);
         region.check_invariants().unwrap();
         for page in 0..8 {
             assert_eq!(testing::read(&region, page), page as u8 + 1);

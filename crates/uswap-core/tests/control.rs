@@ -134,7 +134,8 @@ fn readahead_knobs_switch_the_running_region() {
     let knobs = control::request(pid(), &json!({"cmd": "get"})).unwrap();
     assert_eq!(
         knobs["knobs"],
-        json!({"memory": 2 * MIB, "swap_ra_policy": "fixed", "page-cluster": 5})
+        json!({"memory": 2 * MIB, "swap_ra_policy": "fixed", "page-cluster": 5,
+               "ztier": "on", "ztier_size": "20%"})
     );
     assert_eq!(stat()["stats"]["readahead"]["policy"], "fixed");
 }

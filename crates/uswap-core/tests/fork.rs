@@ -396,7 +396,7 @@ fn a_handle_to_the_parents_swap_device_refuses_io_in_a_fork_child() {
             other => return Err(format!("a read through the parent's device: {other:?}")),
         }
         // SAFETY: as above.
-        if unsafe { device.read_page_in_place(0, buf) } {
+        if unsafe { device.read_page_in_place(0, buf, true) } {
             return Err("a signal-handler read through the parent's device succeeded".into());
         }
         // The child's own region still works: its memory came through its own device.

@@ -1,10 +1,11 @@
 //! `uswap bench run -- CMD ARGS…`: one program under the kernel's swap and under `uswap
-//! run` (thread mode, and the default fault mode), in interleaved rounds, every run timed
-//! and measured; the report is [`super::run_report`]'s.
+//! run` (thread mode, the default fault mode, the compressed tier on or off), in
+//! interleaved rounds, every run timed and measured; the report is [`super::run_report`]'s.
 
 use super::run_report::{self, Mode, Record, Report};
 use crate::args::{existing_dir, nonzero_size, KernelArgs};
-use crate::kernel::{self, program, Environment};
+use crate::kernel::tunables;
+use crate::kernel::{self, program, Environment, KernelSwap};
 use anyhow::{bail, ensure, Context, Result};
 use clap::{value_parser, Args};
 use indicatif::{ProgressBar, ProgressStyle};
@@ -12,6 +13,7 @@ use std::ffi::OsString;
 use std::fs::{self, File};
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode, Stdio};
+use uswap_core::{Ztier, ZtierSize};
 
 #[derive(Args, Debug)]
 #[command(after_help = run_report::COLUMNS_HELP)]
@@ -26,7 +28,7 @@ pub struct BenchRunArgs {
 
     /// What to run the program under: `kernel` (the kernel's swap in a memory cgroup, root),
     /// `thread` (`uswap run --fault-mode thread`), `default` (`uswap run` with its default
-    /// fault mode)
+    /// fault mode), `ztier-on` and `ztier-off` (`uswap run --ztier on|off`)
     #[arg(long, value_enum, value_name = "MODE,…", value_delimiter = ',',
           default_values_t = [Mode::Kernel, Mode::Thread, Mode::Default])]
     pub modes: Vec<Mode>,
@@ -39,6 +41,11 @@ pub struct BenchRunArgs {
     /// Swap size of every run [default: as `uswap run` picks it]
     #[arg(long, value_name = "SIZE", value_parser = nonzero_size)]
     pub swap_size: Option<u64>,
+
+    /// The compressed pool's size in every uswap run, and for `--kernel-swap zswap` the
+    /// kernel's zswap pool limit [default: as `uswap run` picks it]
+    #[arg(long, value_name = "SIZE|N%", value_parser = |s: &str| s.parse::<ZtierSize>())]
+    pub ztier_size: Option<ZtierSize>,
 
     #[command(flatten)]
     pub kernel: KernelArgs,
@@ -89,7 +96,7 @@ pub fn run(a: &BenchRunArgs) -> Result<ExitCode> {
                     environment.get_or_insert(env);
                     record
                 }
-                Mode::Thread | Mode::Default => run_uswap(a, &swap_dir, mode, round, output)?,
+                _ => run_uswap(a, &swap_dir, mode, round, output)?,
             };
             records.push(Record { log, ..record });
             progress.inc(1);
@@ -199,7 +206,13 @@ fn run_kernel(
         swap_dir.to_path_buf(),
         a.swap_size,
         a.kernel.kernel_swap,
-        Vec::new(),
+        match a.kernel.kernel_swap {
+            KernelSwap::Zswap => {
+                let size = a.ztier_size.unwrap_or(Ztier::default().size);
+                tunables::for_zswap(Ztier::default().compressor, size.bytes(a.memory))?
+            }
+            _ => Vec::new(),
+        },
     );
     let mut command = Command::new(&a.command[0]);
     command.args(&a.command[1..]);
@@ -212,7 +225,7 @@ fn run_kernel(
     Ok((record, env))
 }
 
-/// `uswap run` (this binary) with the mode's fault mode, the program under it.
+/// `uswap run` (this binary) with the mode's settings, the program under it.
 fn run_uswap(
     a: &BenchRunArgs,
     swap_dir: &Path,
@@ -223,8 +236,14 @@ fn run_uswap(
     let exe = std::env::current_exe().context("finding the uswap binary")?;
     let mut command = Command::new(exe);
     command.args(["run", "--memory", &a.memory.to_string()]);
-    if mode == Mode::Thread {
-        command.args(["--fault-mode", "thread"]);
+    match mode {
+        Mode::Thread => command.args(["--fault-mode", "thread"]),
+        Mode::ZtierOn => command.args(["--ztier", "on"]),
+        Mode::ZtierOff => command.args(["--ztier", "off"]),
+        Mode::Kernel | Mode::Default => &mut command,
+    };
+    if let Some(size) = a.ztier_size {
+        command.arg(format!("--ztier-size={size}"));
     }
     command.arg("--swap-dir").arg(swap_dir);
     if let Some(size) = a.swap_size {

@@ -30,6 +30,10 @@ pub enum Mode {
     Thread,
     /// `uswap run` with its default fault mode
     Default,
+    /// `uswap run --ztier on` (default fault mode)
+    ZtierOn,
+    /// `uswap run --ztier off` (default fault mode)
+    ZtierOff,
 }
 
 impl std::fmt::Display for Mode {
@@ -38,6 +42,8 @@ impl std::fmt::Display for Mode {
             Mode::Kernel => "kernel",
             Mode::Thread => "thread",
             Mode::Default => "default",
+            Mode::ZtierOn => "ztier-on",
+            Mode::ZtierOff => "ztier-off",
         })
     }
 }

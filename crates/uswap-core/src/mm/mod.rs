@@ -245,6 +245,11 @@ impl Mm {
         &self.lru
     }
 
+    /// The region's number (swap slot owners name it).
+    pub fn id(&self) -> u32 {
+        self.id
+    }
+
     pub fn budget(&self) -> &Budget {
         &self.budget
     }

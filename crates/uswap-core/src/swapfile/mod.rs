@@ -249,13 +249,18 @@ impl SwapDevice {
             size: None,
             ..self.cfg.clone()
         };
-        SwapDevice::open(&cfg)
+        let device = SwapDevice::open(&cfg)?;
+        // The parent writes the child's image through it: kept compressed, it would sit in
+        // the parent's memory, uncharged. The child turns the tier on (`renew_io`).
+        device.zswap.set_enabled(false);
+        Ok(device)
     }
 
     /// In a fork child: I/O on rings of its own. The rings the device was made with are
     /// shared with the parent, whose device this was made for (`open_like`).
     pub(crate) fn renew_io(&mut self) {
         self.owner_pid = refresh_pid();
+        self.zswap.set_enabled(self.cfg.ztier.enabled);
         self.io = IoEngine::new(
             self.cfg.io.resolve(self.backing.in_memory()),
             self.cfg.faults,
@@ -266,11 +271,13 @@ impl SwapDevice {
 
     /// In a fork child: closes the descriptors of the parent's swap file, which the child
     /// never uses (it would keep the file's space alive after the parent is gone), and of
-    /// its io_uring rings. The device must never be used or dropped after this.
+    /// its io_uring rings, and unmaps its compressed pool. The device must never be used
+    /// or dropped after this.
     pub(crate) fn close_in_child(&self) {
         // SAFETY: closing a descriptor of the leaked parent device, never used again.
         unsafe { libc::close(self.file.as_raw_fd()) };
         self.io.close_in_child();
+        self.zswap.close_in_child();
     }
 
     /// The swap file, unless this is a fork child's copy of its parent's device: there
@@ -439,22 +446,38 @@ impl SwapDevice {
             .zip(&results)
             .filter(|(_, stored)| stored.is_none())
             .map(|(&page, _)| page)
-            .chain(victims.iter().map(|(v, page)| (v.slot, page.as_ptr())))
+            .chain(victims.iter().map(|v| (v.slot, v.page.as_ptr())))
             .collect();
         let mut written = self.write_to_file(file, &to_file).into_iter();
         for result in results.iter_mut().filter(|r| r.is_none()) {
             *result = written.next();
         }
-        for ((victim, _), result) in victims.iter().zip(written) {
-            match result {
-                Ok(()) => self.zswap.written_back(victim, started),
-                Err(_) => self.zswap.writeback_failed(victim),
-            }
-        }
+        settle(victims, written, started);
         results
             .into_iter()
             .map(|r| r.expect("a result for every page"))
             .collect()
+    }
+
+    /// Writes the compressed pool's oldest pages (at most `max`) to their slots in the file
+    /// when the pool is over its size, with no batch of reclaim's own to go along (its
+    /// pages were all clean, or the limit went down). Returns how many went.
+    pub fn ztier_writeback(&self, max: usize) -> usize {
+        let Ok(file) = self.file() else {
+            return 0;
+        };
+        let victims = self.zswap.victims(max);
+        if victims.is_empty() {
+            return 0;
+        }
+        let started = Instant::now();
+        let batch: Vec<(SlotId, *const u8)> =
+            victims.iter().map(|v| (v.slot, v.page.as_ptr())).collect();
+        // SAFETY: each source is a victim's own page buffer, alive until it is settled.
+        let results = unsafe { self.write_to_file(file, &batch) };
+        let written = results.iter().filter(|r| r.is_ok()).count();
+        settle(victims, results.into_iter(), started);
+        written
     }
 
     /// Writes each page to its slot in the file as one batch, recording the guard of
@@ -612,8 +635,12 @@ impl SwapDevice {
     ///
     /// # Safety
     /// As [`SwapDevice::read_page`].
-    pub unsafe fn read_page_in_place(&self, slot: SlotId, dst: *mut u8) -> bool {
+    pub unsafe fn read_page_in_place(&self, slot: SlotId, dst: *mut u8, stack_room: bool) -> bool {
         if !self.owned() {
+            return false;
+        }
+        if !stack_room && self.zswap.holds(slot) {
+            // The pool's copy of an object takes 3 KiB of stack: left to the full path.
             return false;
         }
         match self.zswap.load(slot, dst, true) {
@@ -698,8 +725,11 @@ impl SwapDevice {
     /// chunks back, and returns the change in the pool's memory, in pages, since the last
     /// call: the caller charges it to (or takes it off) the memory limit, as a cgroup
     /// charges zswap's pool.
-    pub fn ztier_balance(&self, limit_bytes: u64) -> i64 {
-        self.zswap.balance(limit_bytes)
+    ///
+    /// On a device regions share, the first region to call this owns the pool: its limit
+    /// sets the pool's, and the pool is charged to it alone (others get 0).
+    pub fn ztier_balance(&self, limit_bytes: u64, region: u32) -> i64 {
+        self.zswap.balance(limit_bytes, region)
     }
 
     /// Whether `slot`'s page is in the compressed pool (a fault that reads it frees the
@@ -967,6 +997,20 @@ unsafe fn page_checksum(page: *const u8) -> u32 {
     crc32c::crc32c(std::slice::from_raw_parts(page, PAGE_SIZE))
 }
 
+/// Settles each writeback victim by the result of its write, in order.
+fn settle(
+    victims: Vec<zswap::Victim<'_>>,
+    results: impl Iterator<Item = io::Result<()>>,
+    started: Instant,
+) {
+    for (victim, result) in victims.into_iter().zip(results) {
+        match result {
+            Ok(()) => victim.written_back(started),
+            Err(_) => victim.failed(),
+        }
+    }
+}
+
 /// Set in a checksum word whose slot holds a written page; the low 32 bits are its crc32c.
 /// Keeping validity apart from the value lets a page whose checksum is 0 be told from a
 /// slot never written.
@@ -1161,11 +1205,17 @@ mod tests {
     use swap_io::tests::uring_allowed;
     use swap_io::PageBuf;
 
+    /// A device's settings for the tests of the file: the compressed tier off, so every
+    /// page goes to the file (its own tests turn it on).
     fn config(location: SwapLocation, size: Option<u64>, io: IoMode) -> SwapConfig {
         SwapConfig {
             location,
             size,
             io,
+            ztier: crate::Ztier {
+                enabled: false,
+                ..crate::Ztier::default()
+            },
             ..SwapConfig::default()
         }
     }
@@ -1859,7 +1909,7 @@ mod tests {
             )
         })
         .unwrap();
-        dev.ztier_balance(1 << 30);
+        dev.ztier_balance(1 << 30, 0);
         (dir, dev)
     }
 
@@ -1905,7 +1955,7 @@ mod tests {
                 "read_page {slot}"
             );
             let mut buf = PageBuf::new();
-            assert!(unsafe { dev.read_page_in_place(slot, buf.as_mut_ptr()) });
+            assert!(unsafe { dev.read_page_in_place(slot, buf.as_mut_ptr(), true) });
             assert_eq!(buf.as_slice(), want.as_slice(), "read_page_in_place {slot}");
         }
         let mut bufs: Vec<PageBuf> = slots.iter().map(|_| PageBuf::new()).collect();
@@ -1967,7 +2017,7 @@ mod tests {
                 for (&slot, want) in slots.iter().zip(&pages) {
                     assert_eq!(read(&dev, slot).unwrap().as_slice(), want.as_slice());
                     let mut buf = PageBuf::new();
-                    let in_place = unsafe { dev.read_page_in_place(slot, buf.as_mut_ptr()) };
+                    let in_place = unsafe { dev.read_page_in_place(slot, buf.as_mut_ptr(), true) };
                     assert_eq!(
                         in_place,
                         !dev.in_ztier(slot) || buf.as_slice() == want.as_slice()
@@ -2038,6 +2088,50 @@ mod tests {
     }
 
     #[test]
+    fn a_pool_over_its_size_drains_without_a_batch_and_unsettled_victims_stay() {
+        let (_dir, dev) = ztier_device(crate::Compressor::Lz4, 64 << 20);
+        let slots: Vec<SlotId> = (0..64).map(|_| dev.alloc_slot().unwrap()).collect();
+        let pages: Vec<PageBuf> = (0..64u64).map(compressible).collect();
+        write(&dev, &slots.iter().copied().zip(&pages).collect::<Vec<_>>());
+        assert_eq!(dev.ztier_writeback(64), 0, "under its size: nothing to do");
+        // Victims dropped unsettled (a panic mid-writeback) go back to the pool.
+        dev.set_ztier_size(crate::ZtierSize::Bytes(0));
+        dev.ztier_balance(1 << 30, 0);
+        drop(dev.zswap.victims(8));
+        assert_eq!(dev.ztier_stats().stored_pages, 64);
+        dev.free_slot(slots[0]);
+        assert!(matches!(
+            read(&dev, slots[0]),
+            Err(ReadError::NeverWritten { .. })
+        ));
+        // A limit lowered under what the pool holds drains it, no batch needed.
+        let mut drained = 0;
+        while dev.ztier_stats().stored_pages > 0 {
+            let n = dev.ztier_writeback(16);
+            assert!(n > 0, "{:?}", dev.ztier_stats());
+            drained += n;
+        }
+        assert_eq!(drained, 63);
+        read_every_way(&dev, &slots[1..], &pages[1..]);
+    }
+
+    /// A single read in the SIGBUS handler without stack to spare leaves pooled pages to
+    /// the full path, and still reads the file's.
+    #[test]
+    fn a_handler_short_of_stack_leaves_pooled_pages_to_the_full_path() {
+        let (_dir, dev) = ztier_device(crate::Compressor::Lz4, 64 << 20);
+        let (pooled, filed) = (dev.alloc_slot().unwrap(), dev.alloc_slot().unwrap());
+        write(
+            &dev,
+            &[(pooled, &compressible(1)), (filed, &random_page(2))],
+        );
+        let mut buf = PageBuf::new();
+        assert!(!unsafe { dev.read_page_in_place(pooled, buf.as_mut_ptr(), false) });
+        assert!(unsafe { dev.read_page_in_place(filed, buf.as_mut_ptr(), false) });
+        assert_eq!(buf.as_slice(), random_page(2).as_slice());
+    }
+
+    #[test]
     fn a_rewritten_slot_in_the_pool_reads_its_latest_page() {
         let (_dir, dev) = ztier_device(crate::Compressor::Lz4, 64 << 20);
         let slot = dev.alloc_slot().unwrap();
@@ -2067,7 +2161,7 @@ mod tests {
         dev.zswap.corrupt(slot);
         assert!(matches!(read(&dev, slot), Err(ReadError::Pool { .. })));
         let mut buf = PageBuf::new();
-        assert!(!unsafe { dev.read_page_in_place(slot, buf.as_mut_ptr()) });
+        assert!(!unsafe { dev.read_page_in_place(slot, buf.as_mut_ptr(), true) });
         assert_eq!(dev.io_stats().checksum_errors, 1);
     }
 
@@ -2118,7 +2212,9 @@ mod tests {
                         if n % 2 == 0 {
                             unsafe { dev.read_page(slot, buf.as_mut_ptr()) }.unwrap();
                         } else {
-                            assert!(unsafe { dev.read_page_in_place(slot, buf.as_mut_ptr()) });
+                            assert!(unsafe {
+                                dev.read_page_in_place(slot, buf.as_mut_ptr(), true)
+                            });
                         }
                         assert_eq!(
                             buf.as_slice(),

@@ -136,6 +136,11 @@ impl ChunkData {
         unsafe { &*self.0.add(i) }
     }
 
+    fn unmap(&self) {
+        let (at, len) = (self.0 as u64, CHUNK_BYTES as u64);
+        crate::sud::raw_syscall(libc::SYS_munmap, [at, len, 0, 0, 0, 0]);
+    }
+
     /// Gives the memory back; the words read as zero afterwards.
     fn release(&self) {
         let (at, len) = (self.0 as u64, CHUNK_BYTES as u64);
@@ -149,8 +154,7 @@ impl ChunkData {
 #[cfg(not(loom))]
 impl Drop for ChunkData {
     fn drop(&mut self) {
-        let (at, len) = (self.0 as u64, CHUNK_BYTES as u64);
-        crate::sud::raw_syscall(libc::SYS_munmap, [at, len, 0, 0, 0, 0]);
+        self.unmap();
     }
 }
 
@@ -174,6 +178,8 @@ impl ChunkData {
             w.store(0, Relaxed);
         }
     }
+
+    fn unmap(&self) {}
 }
 
 /// The chunks of one class, for takers (under the class's lock).
@@ -326,6 +332,17 @@ impl ZPool {
             }
         }
         released
+    }
+
+    /// In a fork child, for a pool it abandons: unmaps every chunk (the child's copy of
+    /// the parent's pool, which the child never reads). The pool must never be used or
+    /// dropped after this.
+    pub(super) fn unmap_in_child(&self) {
+        for id in 0..self.table.count.load(Relaxed) as usize {
+            if let Some(chunk) = self.table.get(id) {
+                chunk.data.unmap();
+            }
+        }
     }
 
     /// The statistics of the classes' locks (`zpool_class`).

@@ -92,10 +92,44 @@ pub(super) enum Load {
     NotInSignal,
 }
 
-/// A stored page taken for writeback, decompressed.
-pub(super) struct Victim {
+/// A stored page taken for writeback, decompressed into `page`. It must be settled with
+/// [`Victim::written_back`] or [`Victim::failed`]; one dropped unsettled (a panic between
+/// taking it and writing it) goes back to the pool, so no slot is left in WRITEBACK, where
+/// a free of it would wait forever.
+pub(super) struct Victim<'z> {
+    zswap: &'z Zswap,
     pub(super) slot: SlotId,
     word: u64,
+    pub(super) page: PageBuf,
+    settled: bool,
+}
+
+impl Victim<'_> {
+    /// The page is in the file now (its guard recorded): its object goes.
+    pub(super) fn written_back(mut self, started: Instant) {
+        self.settled = true;
+        let z = self.zswap;
+        let location = z.locations.entry(self.slot).expect("a stored slot's word");
+        let swapped = location.compare_exchange(self.word, EMPTY, AcqRel, Relaxed);
+        debug_assert!(swapped.is_ok(), "only writeback leaves WRITEBACK");
+        z.release(self.word);
+        z.counters.written_back.fetch_add(1, Relaxed);
+        z.counters.writeback_ns.fetch_add(nanos(started), Relaxed);
+    }
+
+    /// The write failed: the pool keeps the page.
+    pub(super) fn failed(mut self) {
+        self.settled = true;
+        self.zswap.keep(self.slot, with_state(self.word, STORED));
+    }
+}
+
+impl Drop for Victim<'_> {
+    fn drop(&mut self) {
+        if !self.settled {
+            self.zswap.keep(self.slot, with_state(self.word, STORED));
+        }
+    }
 }
 
 /// The tier's counters, named after zswap's.
@@ -156,7 +190,8 @@ pub(super) struct Zswap {
     enabled: AtomicBool,
     /// The pool's size as set ([`encode_size`]).
     size: AtomicU64,
-    /// The most bytes the objects may take (from `size` and the memory limit).
+    /// The most bytes the objects may take (from `size` and the memory limit; none, so no
+    /// writeback, until [`Zswap::balance`] first sets it).
     limit: AtomicU64,
     pool: ZPool,
     locations: SlotTable,
@@ -167,6 +202,8 @@ pub(super) struct Zswap {
     poor_in_row: AtomicU32,
     /// Pool pages charged to the memory limit so far ([`Zswap::balance`]).
     charged: AtomicU64,
+    /// The region the pool is charged to (the first to balance it), or [`NO_OWNER`].
+    owner: AtomicU32,
     balances: AtomicU64,
     counters: Counters,
 }
@@ -177,13 +214,14 @@ impl Zswap {
             compressor: cfg.compressor,
             enabled: AtomicBool::new(cfg.enabled),
             size: AtomicU64::new(encode_size(cfg.size)),
-            limit: AtomicU64::new(0),
+            limit: AtomicU64::new(u64::MAX),
             pool: ZPool::new(),
             locations: SlotTable::new(slots),
             order: StatMutex::new(Rank::ZswapLru, VecDeque::new()),
             next_gen: AtomicU32::new(1),
             poor_in_row: AtomicU32::new(0),
             charged: AtomicU64::new(0),
+            owner: AtomicU32::new(NO_OWNER),
             balances: AtomicU64::new(0),
             counters: Counters::default(),
         }
@@ -201,12 +239,19 @@ impl Zswap {
         decode_size(self.size.load(Relaxed))
     }
 
-    /// Sets the pool's limit for a memory limit of `limit_bytes`, gives back the memory of
+    /// Sets the pool's limit for a memory limit of `limit_bytes` (at most 90% of it), gives back the memory of
     /// emptied chunks, and returns the change in pool pages since the last call, for the
     /// caller to charge (positive) or uncharge (negative) against the memory limit.
-    pub(super) fn balance(&self, limit_bytes: u64) -> i64 {
+    pub(super) fn balance(&self, limit_bytes: u64, region: u32) -> i64 {
+        let owner = self
+            .owner
+            .compare_exchange(NO_OWNER, region, Relaxed, Relaxed);
+        if owner.is_err_and(|o| o != region) {
+            return 0;
+        }
         let size = decode_size(self.size.load(Relaxed));
-        self.limit.store(size.bytes(limit_bytes), Relaxed);
+        let most = limit_bytes / 10 * 9;
+        self.limit.store(size.bytes(limit_bytes).min(most), Relaxed);
         // Emptied chunks are looked for (a walk of every chunk) only once the pool holds
         // clearly more than its objects take, and then every 16th call.
         let stored = self.counters.stored_bytes.load(Relaxed);
@@ -267,10 +312,7 @@ impl Zswap {
         };
         let gen = u64::from(self.next_gen() & ((1 << GEN_BITS) - 1));
         let word = (STORED << STATE_SHIFT) | (u64::from(handle.0) << HANDLE_SHIFT) | gen;
-        let location = self.locations.word(slot);
-        let before = location.swap(word, Release);
-        debug_assert_eq!(before, EMPTY, "slot {slot} stored over {before:#x}");
-        self.order.lock().push_back((slot, word));
+        // Counted before it is published: a writeback may take it and release it at once.
         let c = &self.counters;
         c.stored_pages.fetch_add(1, Relaxed);
         if len == 2 {
@@ -278,6 +320,16 @@ impl Zswap {
         }
         c.stored_bytes
             .fetch_add(self.pool.cell_bytes(handle), Relaxed);
+        let location = self.locations.word(slot);
+        let before = location.swap(word, Release);
+        debug_assert_eq!(before, EMPTY, "slot {slot} stored over {before:#x}");
+        let mut order = self.order.lock();
+        order.push_back((slot, word));
+        // Pages loaded or freed leave their entries behind: dropped once they are most.
+        if order.len() > 2 * c.stored_pages.load(Relaxed) as usize + 4096 {
+            order.retain(|&(slot, word)| self.locations.get(slot) == word);
+        }
+        drop(order);
         c.stores.fetch_add(1, Relaxed);
         c.store_ns.fetch_add(nanos(started), Relaxed);
         true
@@ -361,23 +413,38 @@ impl Zswap {
         }
     }
 
-    /// Takes up to `max` of the oldest stored pages for writeback when the objects take
-    /// more than the limit (to 90% of it, as zswap accepts again below its threshold),
-    /// decompressing each into a buffer of its own. Pages that fail to decompress stay
-    /// (their fault reports them).
-    pub(super) fn victims(&self, max: usize) -> Vec<(Victim, PageBuf)> {
+    /// Takes up to `max` of the oldest stored pages for writeback, decompressing each
+    /// into a buffer of its own, when the pool is over its size: its objects over it (down
+    /// to 90%, as zswap accepts again below its threshold), or its chunks over it by a
+    /// quarter and a few chunks (cells freed all over leave chunks that cannot be given
+    /// back; writing the oldest pages back empties whole chunks, which were filled
+    /// together). A page that
+    /// fails its check stays, last in line (its fault reports it).
+    pub(super) fn victims(&self, max: usize) -> Vec<Victim<'_>> {
         let limit = match self.enabled.load(Relaxed) {
             true => self.limit.load(Relaxed),
             false => 0,
         };
         let stored = self.counters.stored_bytes.load(Relaxed);
-        if stored <= limit || max == 0 {
-            return Vec::new();
-        }
-        let mut to_free = stored - limit / 10 * 9;
+        let objects_over = match stored > limit {
+            true => stored - limit / 10 * 9,
+            false => 0,
+        };
+        // A few chunks are partly full whatever is freed (a class's last one): not counted.
+        let slack = limit / 4 + 8 * CHUNK_BYTES as u64;
+        let chunks_over = self
+            .pool
+            .bytes()
+            .saturating_sub(limit.saturating_add(slack));
+        let mut to_free = objects_over.max(chunks_over);
         let mut taken = Vec::new();
+        if to_free == 0 || max == 0 {
+            return taken;
+        }
         let mut order = self.order.lock();
-        while taken.len() < max && to_free > 0 {
+        let mut looked = order.len();
+        while taken.len() < max && to_free > 0 && looked > 0 {
+            looked -= 1;
             let Some((slot, word)) = order.pop_front() else {
                 break;
             };
@@ -400,47 +467,26 @@ impl Zswap {
                 && u64::from(crc32c::crc32c(page.as_slice())) == header & 0xffff_ffff;
             if !good {
                 location.store(word, Release);
+                order.push_back((slot, word));
                 continue;
             }
             to_free = to_free.saturating_sub(self.pool.cell_bytes(handle(word)));
-            taken.push((
-                Victim {
-                    slot,
-                    word: writing,
-                },
+            taken.push(Victim {
+                zswap: self,
+                slot,
+                word: writing,
                 page,
-            ));
-        }
-        if order.len() > 2 * self.counters.stored_pages.load(Relaxed) as usize + 4096 {
-            order.retain(|&(slot, word)| self.locations.get(slot) == word);
+                settled: false,
+            });
         }
         taken
     }
 
-    /// A victim's page is in the file now (its guard recorded): its object goes.
-    pub(super) fn written_back(&self, victim: &Victim, started: Instant) {
-        let location = self
-            .locations
-            .entry(victim.slot)
-            .expect("a stored slot's word");
-        let swapped = location.compare_exchange(victim.word, EMPTY, AcqRel, Relaxed);
-        debug_assert!(swapped.is_ok(), "only writeback leaves WRITEBACK");
-        self.release(victim.word);
-        self.counters.written_back.fetch_add(1, Relaxed);
-        self.counters
-            .writeback_ns
-            .fetch_add(nanos(started), Relaxed);
-    }
-
-    /// A victim's write failed: the pool keeps it.
-    pub(super) fn writeback_failed(&self, victim: &Victim) {
-        let location = self
-            .locations
-            .entry(victim.slot)
-            .expect("a stored slot's word");
-        let stored = with_state(victim.word, STORED);
+    /// Puts a page taken for writeback back in the pool, last in line.
+    fn keep(&self, slot: SlotId, stored: u64) {
+        let location = self.locations.entry(slot).expect("a stored slot's word");
         location.store(stored, Release);
-        self.order.lock().push_back((victim.slot, stored));
+        self.order.lock().push_back((slot, stored));
     }
 
     /// Frees the cell of an object whose word just left it.
@@ -472,7 +518,10 @@ impl Zswap {
         ZtierStats {
             enabled: self.enabled.load(Relaxed),
             compressor: self.compressor.to_string(),
-            limit_bytes: self.limit.load(Relaxed),
+            limit_bytes: match self.limit.load(Relaxed) {
+                u64::MAX => 0,
+                limit => limit,
+            },
             stored_pages,
             same_filled_pages: c.same_filled_pages.load(Relaxed),
             stored_bytes: c.stored_bytes.load(Relaxed),
@@ -494,6 +543,11 @@ impl Zswap {
         }
     }
 
+    /// In a fork child, for a device it abandons: the parent's pool goes.
+    pub(super) fn close_in_child(&self) {
+        self.pool.unmap_in_child();
+    }
+
     /// The statistics of the tier's locks (`zswap_order`, `zpool_class`).
     pub(super) fn lockstat(&self) -> Vec<LockClass> {
         vec![
@@ -504,6 +558,8 @@ impl Zswap {
 }
 
 const PERCENT: u64 = 1 << 63;
+
+const NO_OWNER: u32 = u32::MAX;
 
 /// A pool size in one word: bytes, or a share with the top bit set.
 fn encode_size(size: ZtierSize) -> u64 {
@@ -627,8 +683,10 @@ mod loom_tests {
             enabled: true,
             ..Ztier::default()
         };
-        // Never balanced: its limit is 0, so writeback takes every stored page.
-        Zswap::new(&cfg, 4)
+        // A limit of 0: writeback takes every stored page.
+        let z = Zswap::new(&cfg, 4);
+        z.balance(0, 1);
+        z
     }
 
     /// What a load of `slot` finds: the page's word, or `None` when the pool does not
@@ -674,13 +732,14 @@ mod loom_tests {
                 let z = z.clone();
                 loom::thread::spawn(move || {
                     let started = Instant::now();
-                    for (victim, page) in z.victims(4) {
-                        let word = u64::from_ne_bytes(page.as_slice()[..8].try_into().unwrap());
+                    for victim in z.victims(4) {
+                        let page = victim.page.as_slice();
+                        let word = u64::from_ne_bytes(page[..8].try_into().unwrap());
                         assert!(
                             matches!((victim.slot, word), (0, 0xa | 0xb)),
                             "victim {word:#x}"
                         );
-                        z.written_back(&victim, started);
+                        victim.written_back(started);
                     }
                 })
             };
