@@ -374,7 +374,9 @@ impl Zswap {
     }
 
     /// Reads `slot`'s page into `dst` if the pool holds it, verified against its checksum.
-    /// Allocates nothing when `in_signal` (a zstd object is then left for the full path).
+    /// Allocates nothing when `in_signal` (a zstd object is then left for the full path);
+    /// takes about 3 KiB of stack for the object's copy, which a signal handler must have
+    /// to spare (`SwapDevice::read_page_in_place` asks).
     ///
     /// # Safety
     /// `dst` must be valid for writing 4096 bytes, 8-byte aligned.
