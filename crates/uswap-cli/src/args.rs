@@ -177,14 +177,17 @@ impl KernelArgs {
     /// `--kernel-swap zswap`, zswap's, its pool `--ztier-size` of `memory`.
     pub fn tunables(&self, core: &CoreArgs, memory: u64) -> Result<Vec<(Tunable, String)>> {
         let mut settings = tunables::for_readahead(core.readahead, core.page_cluster)?;
-        if self.kernel_swap == KernelSwap::Zswap {
-            let ztier = core.ztier();
-            settings.extend(tunables::for_zswap(
-                ztier.compressor,
-                ztier.size.bytes(memory),
-            )?);
-        }
+        settings.extend(self.zswap_tunables(core.ztier(), memory)?);
         Ok(settings)
+    }
+
+    /// With `--kernel-swap zswap`, the settings that give the kernel's zswap `ztier`'s
+    /// compressor and its pool size under `memory`; none otherwise.
+    pub fn zswap_tunables(&self, ztier: Ztier, memory: u64) -> Result<Vec<(Tunable, String)>> {
+        match self.kernel_swap {
+            KernelSwap::Zswap => tunables::for_zswap(ztier.compressor, ztier.size.bytes(memory)),
+            KernelSwap::File | KernelSwap::Zram => Ok(Vec::new()),
+        }
     }
 }
 

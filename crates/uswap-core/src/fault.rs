@@ -654,7 +654,7 @@ impl FaultPath {
             let mut buf = mm.take_bounce(false)?;
             // SAFETY: the buffer is one aligned page we own.
             let read = unsafe { mm.swap().read_page_in_place(slot, buf.as_mut_ptr(), room()) };
-            read.then(|| self.map_in_signal(&mut lock, buf.as_ptr(), false))?
+            read.then(|| self.map_in_signal(&mut lock, slot, buf.as_ptr(), false))?
         } else {
             let dest = match writable {
                 true => Destination::Writable,
@@ -668,7 +668,7 @@ impl FaultPath {
                     (page, slot),
                     window,
                     dest,
-                    |data| self.map_in_signal(&mut lock, data, writable),
+                    |data| self.map_in_signal(&mut lock, slot, data, writable),
                 )
             }
         }?;
@@ -679,19 +679,19 @@ impl FaultPath {
         Some(outcome)
     }
 
-    /// Charges (without reclaim) and maps the swapped-in copy of `lock`'s page at `data`,
-    /// clean and cached while the slot is kept, dirty when `writable` (a window the walk
-    /// writes). `None` when it cannot be charged or mapped for a reason the full path
-    /// reports.
+    /// Charges (without reclaim) and maps the swapped-in copy of `lock`'s page (which
+    /// holds `slot`) at `data`, clean and cached while the slot is kept, dirty when
+    /// `writable` (a window the walk writes). `None` when it cannot be charged or mapped
+    /// for a reason the full path reports.
     fn map_in_signal(
         &self,
         lock: &mut PageLock<'_>,
+        slot: u32,
         data: *const u8,
         writable: bool,
     ) -> Option<Outcome> {
         let mm = self.mm();
         self.reclaim.charge_without_reclaim(1)?;
-        let slot = lock.state().slot().expect("a swapped page holds its slot");
         let keep = mm.caps().write_protect && mm.swap().keeps_slot(slot) && !writable;
         mm.count(VmEvent::pswpin, 1);
         mm.count(VmEvent::pgmajfault, 1);

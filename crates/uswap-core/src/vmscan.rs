@@ -481,9 +481,9 @@ impl Reclaim {
 
     /// Charges the compressed pool's growth to the budget and takes off what it gave back,
     /// as a cgroup charges zswap's pool, so resident pages and pool together stay under
-    /// the limit; the pool's size follows the limit.
-    /// A pool over its size (the limit went down, or this batch had no dirty page to
-    /// write its oldest pages out with) writes some back first.
+    /// the limit; the pool's size follows the limit. A pool over its size (the limit went
+    /// down, or this batch had no dirty page to write its oldest pages out with) writes
+    /// some back first.
     fn balance_ztier(&self) {
         let (mm, swap) = (&self.mm, self.mm.swap());
         swap.ztier_writeback(self.batch);

@@ -205,7 +205,7 @@ fn run_uswap(a: &RandomArgs, params: &RandomParams) -> Result<Report> {
         _ => Vec::new(),
     };
     let vmstat = after.vmstat.since(&before.vmstat);
-    let ztier = ztier_since(&after.ztier, &before.ztier);
+    let ztier = after.ztier.since(&before.ztier);
     let disk_writes = (vmstat.pswpout + ztier.written_back).saturating_sub(ztier.stores);
     let swapped = (
         vmstat.pswpin,
@@ -274,22 +274,6 @@ fn run_kernel(a: &RandomArgs, params: &RandomParams) -> Result<Report> {
             vmstat: vm,
         }),
     ))
-}
-
-/// The tier's counts between two looks (what it holds stays as at the later one).
-fn ztier_since(after: &ZtierStats, before: &ZtierStats) -> ZtierStats {
-    ZtierStats {
-        stores: after.stores - before.stores,
-        loads: after.loads - before.loads,
-        written_back: after.written_back - before.written_back,
-        reject_compress_poor: after.reject_compress_poor - before.reject_compress_poor,
-        reject_alloc_fail: after.reject_alloc_fail - before.reject_alloc_fail,
-        skipped_poor: after.skipped_poor - before.skipped_poor,
-        store_ms: after.store_ms - before.store_ms,
-        load_ms: after.load_ms - before.load_ms,
-        writeback_ms: after.writeback_ms - before.writeback_ms,
-        ..after.clone()
-    }
 }
 
 fn build_report(

@@ -4,8 +4,7 @@
 
 use super::run_report::{self, Mode, Record, Report};
 use crate::args::{existing_dir, nonzero_size, KernelArgs};
-use crate::kernel::tunables;
-use crate::kernel::{self, program, Environment, KernelSwap};
+use crate::kernel::{self, program, Environment};
 use anyhow::{bail, ensure, Context, Result};
 use clap::{value_parser, Args};
 use indicatif::{ProgressBar, ProgressStyle};
@@ -206,13 +205,13 @@ fn run_kernel(
         swap_dir.to_path_buf(),
         a.swap_size,
         a.kernel.kernel_swap,
-        match a.kernel.kernel_swap {
-            KernelSwap::Zswap => {
-                let size = a.ztier_size.unwrap_or(Ztier::default().size);
-                tunables::for_zswap(Ztier::default().compressor, size.bytes(a.memory))?
-            }
-            _ => Vec::new(),
-        },
+        a.kernel.zswap_tunables(
+            Ztier {
+                size: a.ztier_size.unwrap_or(Ztier::default().size),
+                ..Ztier::default()
+            },
+            a.memory,
+        )?,
     );
     let mut command = Command::new(&a.command[0]);
     command.args(&a.command[1..]);

@@ -265,8 +265,8 @@ impl Mm {
     }
 
     /// Charges `pages` of pool growth to the budget (past the limit: reclaim brings it
-    /// back), or, negative, takes pages the pool gave back off it (no more than this
-    /// region was charged, when regions share a device).
+    /// back), or, negative, takes pages the pool gave back off it (never more than was
+    /// charged).
     pub fn charge_pool(&self, pages: i64) {
         if pages >= 0 {
             self.pool_charged.fetch_add(pages as u64, Relaxed);

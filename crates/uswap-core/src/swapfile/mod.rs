@@ -732,12 +732,6 @@ impl SwapDevice {
         self.zswap.balance(limit_bytes, region)
     }
 
-    /// Whether `slot`'s page is in the compressed pool (a fault that reads it frees the
-    /// slot, as the kernel drops a zswap entry it loads, rather than keep a second copy).
-    pub fn in_ztier(&self, slot: SlotId) -> bool {
-        self.zswap.holds(slot)
-    }
-
     /// The cipher sealing the device's slots; None with encryption off.
     pub fn cipher(&self) -> Option<&'static str> {
         match &self.guard {
@@ -2008,7 +2002,7 @@ mod tests {
             assert_eq!(z.reject_compress_poor, 25);
             assert!(z.stored_bytes < 50 * PAGE_SIZE as u64 / 4, "{z:?}");
             for (i, &slot) in slots.iter().enumerate() {
-                assert_eq!(dev.in_ztier(slot), i % 4 != 1);
+                assert_eq!(dev.zswap.holds(slot), i % 4 != 1);
             }
             if compressor == crate::Compressor::Lz4 {
                 read_every_way(&dev, &slots, &pages);
@@ -2020,7 +2014,7 @@ mod tests {
                     let in_place = unsafe { dev.read_page_in_place(slot, buf.as_mut_ptr(), true) };
                     assert_eq!(
                         in_place,
-                        !dev.in_ztier(slot) || buf.as_slice() == want.as_slice()
+                        !dev.zswap.holds(slot) || buf.as_slice() == want.as_slice()
                     );
                 }
             }
@@ -2053,10 +2047,10 @@ mod tests {
         assert!(z.written_back >= 300, "{z:?}");
         assert_eq!(z.stored_pages + z.written_back, 400, "{z:?}");
         assert!(
-            dev.in_ztier(*slots.last().unwrap()),
+            dev.zswap.holds(*slots.last().unwrap()),
             "the newest pages stay"
         );
-        assert!(!dev.in_ztier(slots[0]), "the oldest went to the file");
+        assert!(!dev.zswap.holds(slots[0]), "the oldest went to the file");
         read_every_way(&dev, &slots, &pages);
     }
 
@@ -2138,7 +2132,7 @@ mod tests {
         write(&dev, &[(slot, &compressible(1))]);
         write(&dev, &[(slot, &random_page(2))]);
         assert!(
-            !dev.in_ztier(slot),
+            !dev.zswap.holds(slot),
             "an incompressible rewrite goes to the file"
         );
         assert_eq!(

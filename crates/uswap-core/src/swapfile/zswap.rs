@@ -35,6 +35,7 @@ use crate::lockstat::{LockClass, StatMutex};
 use crate::sync::{AtomicBool, AtomicU32, AtomicU64};
 use crate::{Compressor, Ztier, ZtierSize, PAGE_SIZE};
 use serde::Serialize;
+use std::cell::RefCell;
 use std::collections::VecDeque;
 use std::sync::atomic::Ordering::{AcqRel, Acquire, Relaxed, Release};
 use std::time::Instant;
@@ -183,6 +184,24 @@ pub struct ZtierStats {
     pub store_ms: f64,
     pub load_ms: f64,
     pub writeback_ms: f64,
+}
+
+impl ZtierStats {
+    /// The counts since `earlier` (what the tier holds stays as it is now).
+    pub fn since(&self, earlier: &ZtierStats) -> ZtierStats {
+        ZtierStats {
+            stores: self.stores - earlier.stores,
+            loads: self.loads - earlier.loads,
+            written_back: self.written_back - earlier.written_back,
+            reject_compress_poor: self.reject_compress_poor - earlier.reject_compress_poor,
+            reject_alloc_fail: self.reject_alloc_fail - earlier.reject_alloc_fail,
+            skipped_poor: self.skipped_poor - earlier.skipped_poor,
+            store_ms: self.store_ms - earlier.store_ms,
+            load_ms: self.load_ms - earlier.load_ms,
+            writeback_ms: self.writeback_ms - earlier.writeback_ms,
+            ..self.clone()
+        }
+    }
 }
 
 pub(super) struct Zswap {
@@ -404,9 +423,7 @@ impl Zswap {
                 return Load::NotInSignal;
             }
             let out = std::slice::from_raw_parts_mut(dst, PAGE_SIZE);
-            let good = decompress(header, &object[1..read], out)
-                && u64::from(crc32c::crc32c(out)) == header & 0xffff_ffff;
-            if !good {
+            if !unpack(&object[..read], out) {
                 return Load::Corrupt;
             }
             self.counters.loads.fetch_add(1, Relaxed);
@@ -420,8 +437,7 @@ impl Zswap {
     /// to 90%, as zswap accepts again below its threshold), or its chunks over it by a
     /// quarter and a few chunks (cells freed all over leave chunks that cannot be given
     /// back; writing the oldest pages back empties whole chunks, which were filled
-    /// together). A page that
-    /// fails its check stays, last in line (its fault reports it).
+    /// together). A page that fails its check stays, last in line (its fault reports it).
     pub(super) fn victims(&self, max: usize) -> Vec<Victim<'_>> {
         let limit = match self.enabled.load(Relaxed) {
             true => self.limit.load(Relaxed),
@@ -463,11 +479,7 @@ impl Zswap {
             let mut page = PageBuf::new();
             let mut object = [0u64; MAX_OBJECT_WORDS];
             let read = self.pool.read(handle(word), &mut object).unwrap_or(0);
-            let header = object[0];
-            let good = read > 0
-                && decompress(header, &object[1..read], page.as_mut_slice())
-                && u64::from(crc32c::crc32c(page.as_slice())) == header & 0xffff_ffff;
-            if !good {
+            if !unpack(&object[..read], page.as_mut_slice()) {
                 location.store(word, Release);
                 order.push_back((slot, word));
                 continue;
@@ -494,11 +506,10 @@ impl Zswap {
     /// Frees the cell of an object whose word just left it.
     fn release(&self, word: u64) {
         let handle = handle(word);
-        let c = &self.counters;
-        c.stored_bytes
-            .fetch_sub(self.pool.cell_bytes(handle), Relaxed);
+        let (c, bytes) = (&self.counters, self.pool.cell_bytes(handle));
+        c.stored_bytes.fetch_sub(bytes, Relaxed);
         c.stored_pages.fetch_sub(1, Relaxed);
-        if self.pool.cell_bytes(handle) == 16 {
+        if bytes == 16 {
             c.same_filled_pages.fetch_sub(1, Relaxed);
         }
         self.pool.free(handle);
@@ -585,6 +596,16 @@ fn object_payload(object: &mut [u64; SCRATCH_WORDS]) -> &mut [u8] {
     unsafe { std::slice::from_raw_parts_mut(payload.as_mut_ptr().cast::<u8>(), payload.len() * 8) }
 }
 
+/// Rebuilds a page from an object (its header first) and checks it against the header's
+/// CRC32C; false for an empty object, one that does not decompress to exactly one page,
+/// or a page that fails its check.
+fn unpack(object: &[u64], out: &mut [u8]) -> bool {
+    let Some((&header, payload)) = object.split_first() else {
+        return false;
+    };
+    decompress(header, payload, out) && u64::from(crc32c::crc32c(out)) == header & 0xffff_ffff
+}
+
 /// Rebuilds a page from an object's words after its header; false when they do not
 /// decompress to exactly one page.
 fn decompress(header: u64, payload: &[u64], out: &mut [u8]) -> bool {
@@ -611,43 +632,34 @@ fn decompress(header: u64, payload: &[u64], out: &mut [u8]) -> bool {
 }
 
 thread_local! {
-    static ZSTD_CONTEXTS: std::cell::RefCell<Option<(zstd::bulk::Compressor<'static>, i32, zstd::bulk::Decompressor<'static>)>> =
-        const { std::cell::RefCell::new(None) };
+    /// This thread's zstd compressor and its level (a thread compresses for one device's
+    /// level at a time), made on first use.
+    static ZSTD_COMPRESSOR: RefCell<Option<(zstd::bulk::Compressor<'static>, i32)>> =
+        const { RefCell::new(None) };
+    static ZSTD_DECOMPRESSOR: RefCell<Option<zstd::bulk::Decompressor<'static>>> =
+        const { RefCell::new(None) };
 }
 
-/// Compresses with this thread's zstd context (made once per thread, and again when the
-/// level changes).
+/// Compresses with this thread's zstd context (made again when the level changes).
 fn zstd_compress(page: &[u8], out: &mut [u8], level: i32) -> Option<usize> {
-    ZSTD_CONTEXTS.with(|cell| {
+    ZSTD_COMPRESSOR.with(|cell| {
         let mut ctx = cell.borrow_mut();
-        if ctx.as_ref().is_none_or(|(_, l, _)| *l != level) {
-            *ctx = Some((
-                zstd::bulk::Compressor::new(level).ok()?,
-                level,
-                zstd::bulk::Decompressor::new().ok()?,
-            ));
+        if ctx.as_ref().is_none_or(|&(_, l)| l != level) {
+            *ctx = Some((zstd::bulk::Compressor::new(level).ok()?, level));
         }
-        let (compressor, _, _) = ctx.as_mut()?;
+        let (compressor, _) = ctx.as_mut()?;
         compressor.compress_to_buffer(page, out).ok()
     })
 }
 
 fn zstd_decompress(src: &[u8], out: &mut [u8]) -> bool {
-    ZSTD_CONTEXTS.with(|cell| {
+    ZSTD_DECOMPRESSOR.with(|cell| {
         let mut ctx = cell.borrow_mut();
         if ctx.is_none() {
-            let (Ok(c), Ok(d)) = (
-                zstd::bulk::Compressor::new(1),
-                zstd::bulk::Decompressor::new(),
-            ) else {
-                return false;
-            };
-            *ctx = Some((c, 1, d));
+            *ctx = zstd::bulk::Decompressor::new().ok();
         }
-        let Some((_, _, decompressor)) = ctx.as_mut() else {
-            return false;
-        };
-        matches!(decompressor.decompress_to_buffer(src, out), Ok(PAGE_SIZE))
+        ctx.as_mut()
+            .is_some_and(|d| matches!(d.decompress_to_buffer(src, out), Ok(PAGE_SIZE)))
     })
 }
 
