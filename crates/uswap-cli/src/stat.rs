@@ -50,6 +50,8 @@ struct Counters {
     resident_pages: u64,
     swap_used_pages: u64,
     #[serde(default)]
+    shared_pages: u64,
+    #[serde(default)]
     ztier: uswap_core::ZtierStats,
 }
 
@@ -100,6 +102,19 @@ fn print_block(pid: u32, s: &Snapshot) {
         mib(k.memory / PAGE_SIZE as u64),
         mib(c.swap_used_pages)
     );
+    if v.fork_shared + v.fork_copied > 0 {
+        println!(
+            "  fork       shared {} MiB (copy-on-write, counted by the process that made them); \
+             inherited shared {}, copied at forks {}; copy-on-write breaks {}, left alone {}, \
+             copied for reclaim {} pages",
+            mib(c.shared_pages),
+            n(v.fork_shared),
+            n(v.fork_copied),
+            n(v.cow_break),
+            n(v.cow_alone),
+            n(v.cow_reclaim)
+        );
+    }
     if c.ztier.enabled || c.ztier.stored_pages > 0 {
         println!(
             "  ztier      {} ({})",

@@ -234,6 +234,7 @@ impl Assembly {
         classes.extend(mm.swap().lockstat());
         classes.extend(self.fault.lockstat());
         classes.push(self.fault.reclaim().lockstat());
+        classes.push(LockClass::sum("fork_fence", [mm.fork_fence()]));
         if let Some(Source::Handlers(h)) = &self.source {
             classes.extend(h.lockstat());
         }

@@ -215,7 +215,7 @@ impl FaultPath {
                 }
                 Some(e) if e.present => return Outcome::Resolved,
                 // Without pagemap, a clean page's fault is taken for its first write.
-                None if lock.state().slot().is_some() => return self.write_fault_reported(lock),
+                None if lock.state().write_faults() => return self.write_fault_reported(lock),
                 None => return Outcome::Resolved,
                 Some(_) => {}
             },
@@ -306,9 +306,29 @@ impl FaultPath {
         self.write_fault(lock, true).expect("reported")
     }
 
-    /// `None` when it failed and `report` is off (as in [`FaultPath::activate`]).
+    /// `None` when it failed and `report` is off (as in [`FaultPath::activate`]); `report`
+    /// off also means a signal handler, which may not reclaim.
     fn write_fault(&self, mut lock: PageLock<'_>, report: bool) -> Option<Outcome> {
         let mm = self.mm();
+        if lock.state().shared() {
+            // The kernel copies the page for this write (or takes it over, if the other
+            // process let go of it): one page more is this process's.
+            let charged = if report {
+                match self.reclaim.charge(1, true) {
+                    Ok(_) => true,
+                    Err(ChargeFailure::EventsPending) => return Some(Outcome::Retry),
+                    Err(ChargeFailure::OutOfMemory) => {
+                        return Some(self.fail(lock, OOM, true));
+                    }
+                }
+            } else {
+                self.reclaim.charge_without_reclaim(1).is_some()
+            };
+            if !charged {
+                return None;
+            }
+            mm.unshared(&mut lock, VmEvent::cow_break);
+        }
         // The slot goes first: clearing the protection wakes the thread, which must find the
         // page dirty by then. A page whose protection then stays is made writable by its
         // next write fault.

@@ -1,36 +1,36 @@
 //! `fork(2)` for regions: the child gets a region of its own at the same address, holding
 //! the memory as it was when the parent forked (resident, inactive and swapped pages
-//! alike), as the kernel gives a child its parent's anonymous memory.
-//!
-//! The kernel cannot give it here. A region's mapping is `MADV_DONTFORK`: a child sharing
-//! the parent's pages would stop `UFFDIO_MOVE` from taking them in the parent (it moves
-//! only pages mapped once), and, without the parent's userfaultfd, would read zeros where
-//! pages are out on swap. So uswap checkpoints each region to a swap device of the
-//! child's:
+//! alike), as the kernel gives a child its parent's anonymous memory, and at much of the
+//! kernel's cost: what is mapped is shared copy-on-write, not copied.
 //!
 //! - **prepare** (the parent, in the forking thread, just before the fork system call):
-//!   for each region, a new swap device made like the region's (an unlinked file beside
-//!   it), and every page holding data is written to a slot of it, a resident page from
-//!   memory and a swapped one from its slot (verified on the way). Pages are locked while
-//!   they are copied, and mapped ones are read inside the fill gate, so no vma event's zap
-//!   lands meanwhile, through `/proc/self/mem`, which fails instead of waiting on a page
-//!   that is not there (the kernel may drop a lazily freed page at any time: it then reads
-//!   as zeros in the child). The image says which page went to which slot.
-//! - **child**: each region is built again at the same address from its image: every
-//!   page with data is `Swapped` in the child's own device, and comes back on access. The
-//!   parent's structures, copied into the child's memory, are abandoned and never dropped
-//!   (their threads do not exist there); the descriptors they hold are closed, so the
-//!   child cannot act on the parent's memory through them.
-//! - **parent**: lets go of the child's device. Nothing of its own changed.
+//!   for each region, its fork fence is taken (`Mm::fork_fence`: aging moves no mapped
+//!   page out of the region until the child exists) and a new swap device is made like
+//!   the region's (an unlinked file beside it). Then, batch by batch under page locks, a
+//!   mapped page (active or lazily freed) is only noted: the kernel will map it in the
+//!   child, shared with the parent; a page that is not mapped (inactive, in a staging
+//!   frame, or swapped out) is written to a slot of the child's device, verified on the
+//!   way. The image says which page is where. Last, the region's runs are let be inherited
+//!   (`MADV_DOFORK`; they are `MADV_DONTFORK` at any other time, so a fork these handlers
+//!   do not see leaves the child no region memory rather than zeros where pages were
+//!   swapped).
+//! - **child**: each region is built again on the mapping the kernel gave it, from its
+//!   image: a page the kernel mapped is *shared* (`PageState::shared`: write-protected,
+//!   charged to the parent, on no LRU list) until its first write here or until the parent
+//!   no longer maps it; every copied page is `Swapped` in the child's own device, and comes
+//!   back on access. The parent's structures, copied into the child's memory, are
+//!   abandoned and never dropped (their threads do not exist there); the descriptors they
+//!   hold are closed, so the child cannot act on the parent's memory through them.
+//! - **parent**: the runs are not inherited again, the fences are let go, and the child's
+//!   device is the child's alone. A page it still shares is copied by reclaim before it is
+//!   moved out (UFFDIO_MOVE moves only pages mapped once; `vmscan.rs`).
 //!
-//! Parent and child share no page and no slot afterwards: each reclaims and swaps on its
-//! own, within its own limit or its share of the tree's (`memcg.rs`). The cost is paid by
-//! the fork: it writes every page of its regions that holds data, and the child starts
-//! with nothing resident. A child that cannot get its copy (no space for the device, a
-//! write error) is stopped with a message and exit status 125 before it runs any code of
-//! the program: it would read wrong memory otherwise.
+//! The fork costs the page tables (the kernel's share) plus writing the pages that were not
+//! mapped. A child that cannot get its copy (no space for the device, a write error) is
+//! stopped with a message and exit status 125 before it runs any code of the program: it
+//! would read wrong memory otherwise.
 //!
-//! Regions of both fault modes are copied. A SIGBUS-mode child gets a SIGBUS service of
+//! Regions of both fault modes are served. A SIGBUS-mode child gets a SIGBUS service of
 //! its own, and the parent's registration is forgotten there (`sigbus::Service::
 //! forget_in_child`), so the child's faults find the child's region. Syscall dispatch is
 //! not inherited (the kernel clears it in a child): a child that wants it turns it on.
@@ -40,8 +40,8 @@
 //! contents, as with a write racing the kernel's fork; unlike the kernel's fork, a write
 //! to a page copied earlier is not held back until the fork ends.
 //!
-//! Lock order: the registry lock, then page locks (a batch at a time, in address order),
-//! then what reclaim and the swap device take under them.
+//! Lock order: the registry lock, then each region's fork fence, then page locks (a batch
+//! at a time, in address order), then what reclaim and the swap device take under them.
 
 use crate::assembly::Assembly;
 use crate::error::{Error, Result};
@@ -50,16 +50,16 @@ use crate::lockdep::{Rank, Ranked};
 use crate::mm::Mm;
 use crate::page::{Kind, PageLock};
 use crate::signals::Quiet;
+use crate::stats::VmEvent;
 use crate::swapfile::swap_io::PageBuf;
 use crate::swapfile::{SlotId, SwapDevice};
-use crate::sync::lock_std;
+use crate::sync::{lock_std, RwLockWriteGuard};
 use crate::PAGE_SIZE;
 use std::cell::UnsafeCell;
+use std::collections::HashMap;
 use std::ops::Range;
-use std::os::unix::fs::FileExt;
 use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use std::sync::{Arc, Mutex, MutexGuard, Once, OnceLock};
-use std::time::Duration;
 
 /// A region of this process, where its contents live (boxed, so it stays put).
 struct Entry(*const UnsafeCell<Assembly>);
@@ -173,20 +173,21 @@ enum Copy {
     Made {
         image: RegionImage,
         owned: Vec<Range<usize>>,
-        /// Page ranges the program gave a protection other than read-write.
-        protections: Vec<(Range<usize>, libc::c_int)>,
         /// Its device, in `Held::devices`.
         device: usize,
+        /// The region's fork fence, held until the child exists.
+        fence: Ranked<RwLockWriteGuard<'static, ()>>,
     },
     Failed(Error),
 }
 
-/// What the forking thread holds from `prepare` to `parent` or `child`.
+/// What the forking thread holds from `prepare` to `parent` or `child`. The copies go
+/// first: their fences must be let go while the registry still keeps their regions alive.
 struct Held {
-    regions: Ranked<MutexGuard<'static, Vec<Entry>>>,
     copies: Vec<Copy>,
     /// The child's devices, one per device of the parent's regions (same order).
     devices: Vec<Arc<SwapDevice>>,
+    regions: Ranked<MutexGuard<'static, Vec<Entry>>>,
 }
 
 static mut HELD: Option<Held> = None;
@@ -203,18 +204,30 @@ pub fn prepare() {
         .map(|e| copy_region(unsafe { &*(*e.0).get() }, &mut devices))
         .collect();
     let held = Held {
-        regions,
         copies,
         devices: devices.children,
+        regions,
     };
     // SAFETY: only the forking thread touches HELD, between prepare and parent/child.
     unsafe { *std::ptr::addr_of_mut!(HELD) = Some(held) };
 }
 
-/// After the fork, in the parent: the child's devices are the child's alone now.
+/// After the fork, in the parent: the regions are not inherited by a fork again unless
+/// through these handlers, reclaim goes on, and the child's devices are the child's alone.
 pub fn parent() {
     // SAFETY: as in prepare.
-    drop(unsafe { (*std::ptr::addr_of_mut!(HELD)).take() });
+    let Some(held) = (unsafe { (*std::ptr::addr_of_mut!(HELD)).take() }) else {
+        return;
+    };
+    for (e, copy) in held.regions.iter().zip(&held.copies) {
+        if let Copy::Made { owned, .. } = copy {
+            // SAFETY: as in prepare.
+            let mm = unsafe { &*(*e.0).get() }.fault().mm();
+            mm.inherit_on_fork(owned, false);
+            mm.set_reclaim_paused(false);
+        }
+    }
+    drop(held);
 }
 
 /// After the fork, in the child (one thread): builds every region again from its copy.
@@ -228,23 +241,27 @@ pub fn child() {
         return;
     };
     let Held {
-        regions,
         copies,
         mut devices,
+        regions,
     } = held;
-    // Before anything is mapped: the regions' addresses, held.
-    for (e, copy) in regions.iter().zip(&copies) {
-        // SAFETY: as in prepare.
-        let start = unsafe { &*(*e.0).get() }.fault().mm().start();
-        let reserved = match copy {
-            Copy::Made { owned, .. } => crate::mapping::Mapping::reserve_in_child(start, owned),
-            Copy::Failed(_) => Ok(()),
-        };
-        if let Err(e) = reserved {
-            die(&e);
-        }
-    }
-    // The parent's descriptors go next, so that nothing made here takes their numbers
+    // The fences are the parent's structures' (abandoned here); every copy must be whole.
+    let copies: Vec<(RegionImage, Vec<Range<usize>>, usize)> = copies
+        .into_iter()
+        .map(|copy| match copy {
+            Copy::Made {
+                image,
+                owned,
+                device,
+                fence,
+            } => {
+                drop(fence);
+                (image, owned, device)
+            }
+            Copy::Failed(e) => die(&e),
+        })
+        .collect();
+    // The parent's descriptors go first, so that nothing made here takes their numbers
     // while the abandoned structures still name them.
     let mut closed: Vec<*const SwapDevice> = Vec::new();
     for e in regions.iter() {
@@ -260,27 +277,16 @@ pub fn child() {
         }
     }
     let mut inherited = Vec::new();
-    for (e, copy) in regions.drain(..).zip(copies) {
-        let (image, owned, protections, device) = match copy {
-            Copy::Made {
-                image,
-                owned,
-                protections,
-                device,
-            } => (image, owned, protections, &devices[device]),
-            Copy::Failed(e) => die(&e),
-        };
+    for (e, (image, owned, device)) in regions.drain(..).zip(copies) {
         // SAFETY: see `Entry`; the child has one thread and no reference into the old
         // contents, which are abandoned: overwritten without being dropped.
         let cell = unsafe { &*e.0 };
         let old = unsafe { &*cell.get() };
-        let start = old.fault().mm().start();
-        match rebuild(old, &image, &owned, device.clone()) {
+        match rebuild(old, &image, &owned, devices[device].clone()) {
             // SAFETY: as above.
             Ok(inner) => unsafe { std::ptr::write(cell.get(), inner) },
             Err(e) => die(&e),
         }
-        protect(start, &owned, &protections);
         inherited.push(e);
     }
     *regions = inherited;
@@ -301,7 +307,8 @@ fn die(e: &Error) -> ! {
     }
 }
 
-/// A child's region made as `old` was, at the same address, from `image`.
+/// A child's region made as `old` was, at the same address, on the mapping the kernel
+/// gave the child, from `image`.
 fn rebuild(
     old: &Assembly,
     image: &RegionImage,
@@ -312,8 +319,11 @@ fn rebuild(
     let mut cfg = old.config().clone();
     // A private group was the parent's alone; a tree's group is joined anew.
     cfg.memcg = cfg.memcg.filter(|cg| cg.is_shared());
-    let map = crate::mapping::Mapping::fixed(mm.start(), mm.len(), owned)?;
-    Assembly::build(cfg, device, map, owned, Some(image))
+    // The parent's own runs, where the child has them: a run the program unmapped just
+    // before the fork (its event not read yet) is not the child's.
+    let owned = mapped_runs(mm.start(), mm.len(), owned);
+    let map = crate::mapping::Mapping::inherited(mm.start(), mm.len(), &owned);
+    Assembly::build(cfg, device, map, &owned, Some(image))
 }
 
 /// The child's devices: one made like each device of the parent's regions.
@@ -337,102 +347,103 @@ impl Devices {
 }
 
 /// Copies one region for the child, onto the child's device standing for its own.
+///
+/// First, batch by batch, the pages that are not mapped are copied while the program and
+/// reclaim go on (a thread that holds a page lock may be waiting for reclaim). Then, under
+/// the fork fence, the pages mapped now are noted: they stay mapped until the child exists.
+/// A page that left the region since the copy (aging moved it out) is copied in turn,
+/// without the fence, and the note taken again.
 fn copy_region(inner: &Assembly, devices: &mut Devices) -> Copy {
-    let fault = inner.fault();
-    let mm = fault.mm();
+    let mm = inner.fault().mm();
     let device = match devices.child_of(mm.swap()) {
         Ok(i) => i,
         Err(e) => return Copy::Failed(e),
     };
-    let memory = match std::fs::File::open("/proc/self/mem") {
-        Ok(m) => m,
-        Err(source) => {
-            return Copy::Failed(Error::Os {
-                op: "opening /proc/self/mem",
-                source,
-            })
-        }
-    };
     let mut copier = Copier {
         mm,
-        memory: &memory,
         device: &devices.children[device],
         bufs: (0..BATCH).map(|_| PageBuf::new()).collect(),
-        image: RegionImage::default(),
+        copied: HashMap::new(),
     };
     let pages = mm.pages().len();
+    let unmapped = |p: usize| {
+        matches!(
+            mm.pages().peek(p).0.kind(),
+            Kind::Inactive | Kind::Swapped | Kind::Poisoned
+        )
+    };
+    let mut left: Vec<usize> = Vec::with_capacity(BATCH);
     for first in (0..pages).step_by(BATCH) {
-        if let Err(e) = copier.copy_batch(first..(first + BATCH).min(pages)) {
+        left.clear();
+        left.extend((first..(first + BATCH).min(pages)).filter(|&p| unmapped(p)));
+        if let Err(e) = copier.copy(&left) {
             return Copy::Failed(e);
         }
     }
-    let image = copier.image;
-    Copy::Made {
-        protections: protections(mm.start(), mm.len()),
-        owned: owned_runs(mm),
-        image,
-        device,
+    loop {
+        let fence = mm.fork_fence().exclusive();
+        let (image, left) = copier.note();
+        if left.is_empty() {
+            // SAFETY: the region stays registered, so alive, while the registry is held,
+            // which is until `parent` or `child`; `Held` lets the fence go before it.
+            let fence: Ranked<RwLockWriteGuard<'static, ()>> =
+                unsafe { std::mem::transmute(fence) };
+            mm.set_reclaim_paused(true);
+            let owned = owned_runs(mm);
+            mm.inherit_on_fork(&owned, true);
+            return Copy::Made {
+                owned,
+                image,
+                device,
+                fence,
+            };
+        }
+        drop(fence);
+        for batch in left.chunks(BATCH) {
+            if let Err(e) = copier.copy(batch) {
+                return Copy::Failed(e);
+            }
+        }
     }
 }
 
-/// The page ranges of `[start, start + len)` with a protection other than read-write
-/// (`mprotect` by the program), from `/proc/self/maps`; none when it cannot be read.
-fn protections(start: usize, len: usize) -> Vec<(Range<usize>, libc::c_int)> {
+/// The page runs of `owned` (of the region at `start`, `len` bytes) that are mapped in
+/// this process, from `/proc/self/maps`; `owned` itself when that cannot be read.
+fn mapped_runs(start: usize, len: usize, owned: &[Range<usize>]) -> Vec<Range<usize>> {
     let Ok(maps) = std::fs::read_to_string("/proc/self/maps") else {
-        return Vec::new();
+        return owned.to_vec();
     };
     let end = start + len;
-    let mut found = Vec::new();
+    let mut mapped = Vec::new();
     for line in maps.lines() {
-        let mut fields = line.split_whitespace();
-        let (Some(range), Some(perms)) = (fields.next(), fields.next()) else {
-            continue;
-        };
-        let Some((a, b)) = range.split_once('-') else {
+        let Some((a, b)) = line
+            .split_whitespace()
+            .next()
+            .and_then(|range| range.split_once('-'))
+        else {
             continue;
         };
         let (Ok(a), Ok(b)) = (usize::from_str_radix(a, 16), usize::from_str_radix(b, 16)) else {
             continue;
         };
         let (a, b) = (a.max(start), b.min(end));
-        if a >= b {
-            continue;
-        }
-        let bit = |i: usize, c: u8, p: libc::c_int| {
-            if perms.as_bytes().get(i) == Some(&c) {
-                p
-            } else {
-                0
-            }
-        };
-        let prot = bit(0, b'r', libc::PROT_READ)
-            | bit(1, b'w', libc::PROT_WRITE)
-            | bit(2, b'x', libc::PROT_EXEC);
-        if prot != libc::PROT_READ | libc::PROT_WRITE {
-            found.push(((a - start) / PAGE_SIZE..(b - start) / PAGE_SIZE, prot));
+        if a < b {
+            mapped.push((a - start) / PAGE_SIZE..(b - start) / PAGE_SIZE);
         }
     }
-    found
-}
-
-/// Gives the child's region (at `start`) the protections the parent's had, within its
-/// own runs (what lies in the gaps is someone else's).
-fn protect(start: usize, owned: &[Range<usize>], protections: &[(Range<usize>, libc::c_int)]) {
-    for (range, prot) in protections {
-        for run in owned {
-            let (a, b) = (range.start.max(run.start), range.end.min(run.end));
+    let mut runs = Vec::new();
+    for own in owned {
+        for m in &mapped {
+            let (a, b) = (own.start.max(m.start), own.end.min(m.end));
             if a < b {
-                // SAFETY: pages of the child's own region.
-                unsafe {
-                    libc::mprotect(
-                        (start + a * PAGE_SIZE) as *mut libc::c_void,
-                        (b - a) * PAGE_SIZE,
-                        *prot,
-                    )
-                };
+                match runs.last_mut() {
+                    Some(Range { end, .. }) if *end == a => *end = b,
+                    _ => runs.push(a..b),
+                }
             }
         }
     }
+    runs
 }
 
 /// The page runs that are still the region's (not unmapped by the program).
@@ -455,109 +466,85 @@ fn owned_runs(mm: &Mm) -> Vec<Range<usize>> {
     runs
 }
 
-/// Kinds whose page holds data (or lost data) a child must get.
-fn holds_data(kind: Kind) -> bool {
-    matches!(
-        kind,
-        Kind::Active | Kind::Inactive | Kind::Swapped | Kind::Lazyfree | Kind::Poisoned
-    )
-}
-
-/// Where a locked page's data is read from.
+/// Where a locked page that is not mapped has its data.
 enum Source {
-    /// Mapped in the region: read inside the fill gate.
-    Mapped(usize),
-    /// In a staging frame, or anywhere else only its lock holder changes.
+    /// In a staging frame, which only its lock holder changes.
     Parked(usize),
     Slot(SlotId),
-    /// A lazily freed page the kernel dropped: it reads as zeros, in the child too.
-    Zero,
     Lost,
 }
 
 struct Copier<'a> {
     mm: &'a Mm,
-    /// `/proc/self/mem`.
-    memory: &'a std::fs::File,
     device: &'a Arc<SwapDevice>,
     bufs: Vec<PageBuf>,
-    image: RegionImage,
+    /// Pages copied so far, and the slot of the child's device each went to (`None`: its
+    /// data is lost, and the child's accesses fail too).
+    copied: HashMap<u32, Option<SlotId>>,
 }
 
 impl Copier<'_> {
-    /// Copies the pages of `range` that hold data to the child's device.
-    fn copy_batch(&mut self, range: Range<usize>) -> Result<()> {
-        let pages = self.mm.pages();
-        if !range.clone().any(|p| holds_data(pages.peek(p).0.kind())) {
+    /// Copies those of `pages` (at most a batch, in address order) that are not mapped and
+    /// not copied yet to the child's device.
+    fn copy(&mut self, pages: &[usize]) -> Result<()> {
+        let table = self.mm.pages();
+        let locks: Vec<PageLock<'_>> = pages
+            .iter()
+            .filter(|&&p| !self.copied.contains_key(&(p as u32)))
+            .map(|&p| table.lock(p))
+            .filter(|l| matches!(l.kind(), Kind::Inactive | Kind::Swapped | Kind::Poisoned))
+            .collect();
+        if locks.is_empty() {
             return Ok(());
         }
-        let mut round = 0u32;
-        loop {
-            let locks: Vec<PageLock<'_>> = range
-                .clone()
-                .filter(|&p| holds_data(pages.peek(p).0.kind()))
-                .map(|p| pages.lock(p))
-                .filter(|l| holds_data(l.kind()))
-                .collect();
-            let sources = self.read(&locks);
-            let Some(sources) = sources else {
-                // Vma events are being handled and may need these page locks.
-                drop(locks);
-                std::thread::sleep(Duration::from_micros(50 << round.min(6)));
-                round += 1;
-                continue;
-            };
-            return self.write(&locks, &sources);
-        }
+        let sources = self.read(&locks);
+        self.write(&locks, &sources)
     }
 
-    /// Reads the locked pages into the buffers; `None` when vma events are being handled
-    /// and the batch must let go of its locks first.
-    fn read(&mut self, locks: &[PageLock<'_>]) -> Option<Vec<Source>> {
+    /// Under the fork fence: the image of the region as the child gets it, and the pages
+    /// that are not mapped and were not copied (the fence must be let go to copy them). A
+    /// page copied earlier that is mapped now, or was discarded since, gives its slot back.
+    fn note(&mut self) -> (RegionImage, Vec<usize>) {
+        let mut image = RegionImage::default();
+        let mut left = Vec::new();
+        for page in 0..self.mm.pages().len() {
+            let kind = self.mm.pages().peek(page).0.kind();
+            let key = page as u32;
+            match kind {
+                Kind::Inactive | Kind::Swapped | Kind::Poisoned => {
+                    if !self.copied.contains_key(&key) {
+                        left.push(page);
+                    }
+                    continue;
+                }
+                Kind::Active => image.add_mapped(page),
+                Kind::Lazyfree => image.lazyfree.push(key),
+                Kind::None | Kind::Discarded | Kind::Unmapped => {}
+            }
+            if let Some(Some(slot)) = self.copied.remove(&key) {
+                self.device.free_slot(slot);
+            }
+        }
+        for (&page, &slot) in &self.copied {
+            match slot {
+                Some(slot) => image.pages.push((page, slot)),
+                None => image.poisoned.push(page),
+            }
+        }
+        (image, left)
+    }
+
+    /// Reads the locked pages into the buffers.
+    fn read(&mut self, locks: &[PageLock<'_>]) -> Vec<Source> {
         let mm = self.mm;
         let mut sources: Vec<Source> = locks
             .iter()
-            .map(|l| match (l.kind(), l.state().frame()) {
-                (Kind::Active | Kind::Lazyfree, _) => Source::Mapped(mm.page_addr(l.page())),
-                (Kind::Inactive, Some(frame)) => Source::Parked(mm.staging().addr(frame)),
-                (Kind::Swapped, _) => match l.state().slot() {
-                    Some(slot) => Source::Slot(slot),
-                    None => Source::Lost,
-                },
+            .map(|l| match (l.kind(), l.state().frame(), l.state().slot()) {
+                (Kind::Inactive, Some(frame), _) => Source::Parked(mm.staging().addr(frame)),
+                (Kind::Swapped, _, Some(slot)) => Source::Slot(slot),
                 _ => Source::Lost,
             })
             .collect();
-        if sources.iter().any(|s| matches!(s, Source::Mapped(_))) {
-            // Inside the gate no vma event is read, so no zap runs until it is left.
-            let _pass = mm.fill_gate().enter_fill()?;
-            for (i, (l, source)) in locks.iter().zip(sources.iter_mut()).enumerate() {
-                let Source::Mapped(addr) = *source else {
-                    continue;
-                };
-                // A mapped page the kernel no longer has would fault here, on a page this
-                // thread holds locked: a lazily freed one was dropped by the kernel (it
-                // reads as zeros), any other was taken from under uswap (lost).
-                let gone = mm
-                    .pagemap_entry(l.page())
-                    .is_some_and(|e| !e.present && !e.kernel_swapped);
-                if gone {
-                    *source = match l.kind() {
-                        Kind::Lazyfree => Source::Zero,
-                        _ => Source::Lost,
-                    };
-                    continue;
-                }
-                // Through /proc/self/mem, which reads a page the program made unreadable
-                // (mprotect) instead of faulting.
-                if self
-                    .memory
-                    .read_exact_at(self.bufs[i].as_mut_slice(), addr as u64)
-                    .is_err()
-                {
-                    *source = Source::Lost;
-                }
-            }
-        }
         let mut reads: Vec<(SlotId, *mut u8)> = Vec::new();
         let mut read_index = Vec::new();
         for (i, source) in sources.iter().enumerate() {
@@ -568,7 +555,7 @@ impl Copier<'_> {
                     reads.push((slot, self.bufs[i].as_mut_ptr()));
                     read_index.push(i);
                 }
-                _ => {}
+                Source::Lost => {}
             }
         }
         if !reads.is_empty() {
@@ -582,7 +569,7 @@ impl Copier<'_> {
                 }
             }
         }
-        Some(sources)
+        sources
     }
 
     /// Writes what `read` gathered to new slots of the child's device.
@@ -590,13 +577,9 @@ impl Copier<'_> {
         let mut batch: Vec<(SlotId, *const u8)> = Vec::new();
         let mut written = Vec::new();
         for (i, (l, source)) in locks.iter().zip(sources).enumerate() {
-            match source {
-                Source::Lost => {
-                    self.image.poisoned.push(l.page() as u32);
-                    continue;
-                }
-                Source::Zero => continue,
-                _ => {}
+            if let Source::Lost = source {
+                self.copied.insert(l.page() as u32, None);
+                continue;
             }
             let slot = self
                 .device
@@ -617,7 +600,9 @@ impl Copier<'_> {
                 source,
             })?;
         }
-        self.image.pages.extend(written);
+        self.mm.count(VmEvent::fork_copied, written.len() as u64);
+        self.copied
+            .extend(written.into_iter().map(|(page, slot)| (page, Some(slot))));
         Ok(())
     }
 }

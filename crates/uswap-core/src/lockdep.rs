@@ -18,6 +18,9 @@
 //!
 //! 1. `ForkRegistry` (`fork.rs`, the registry of live regions): held by `fork::prepare`
 //!    until `parent` or `child`; page locks, reclaim and swap I/O under it.
+//!    - `ForkFence` (`Mm::fork_fence`, one per region): taken exclusive under the registry
+//!      by `fork::prepare`, every region's in the registry's order (held like it), before
+//!      page locks; aging only try-locks it shared, under its isolated pages' locks.
 //! 2. `Page` (the lock bit of a page's word, `page.rs`): the fault path holds one across
 //!    swap I/O and `charge` (direct reclaim try-locks others under it); `Vma::discard`,
 //!    the walker and `fork::Copier` take many blocking, in address order; reclaim only
@@ -66,6 +69,7 @@ macro_rules! ranks {
 
 ranks! {
     ForkRegistry,
+    ForkFence,
     Page,
     VmaPlacements,
     LruBatch,
@@ -97,10 +101,11 @@ mod checked {
     const RANKS: usize = ALL.len();
 
     impl Rank {
-        /// Whether a thread may hold several locks of this rank (taking them in address
-        /// order, or only try-locking).
+        /// Whether a thread may hold several locks of this rank (pages: taking them in
+        /// address order, or only try-locking; fork fences: taken exclusive only by the
+        /// forking thread, under the registry, in its order).
         fn nests_with_itself(self) -> bool {
-            self == Rank::Page
+            matches!(self, Rank::Page | Rank::ForkFence)
         }
     }
 

@@ -281,6 +281,17 @@ impl StatRwLock {
         })
     }
 
+    /// Shared, when no one holds or waits for it exclusive; never waits.
+    pub(crate) fn try_shared(&self) -> Option<Ranked<RwLockReadGuard<'_, ()>>> {
+        let guard = match self.inner.try_read() {
+            Ok(g) => g,
+            Err(std::sync::TryLockError::Poisoned(e)) => e.into_inner(),
+            Err(std::sync::TryLockError::WouldBlock) => return None,
+        };
+        self.counters.acquired();
+        Some(Ranked::taken(self.rank, guard))
+    }
+
     pub(crate) fn exclusive(&self) -> Ranked<RwLockWriteGuard<'_, ()>> {
         Ranked::take(self.rank, || {
             self.counters

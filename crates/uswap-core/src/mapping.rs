@@ -43,35 +43,41 @@ impl Mapping {
         Ok(m)
     }
 
-    /// In a fork child, first thing: holds the page runs `owned` of the parent's region at
-    /// `addr` with inaccessible memory, so that nothing else is mapped there before the
-    /// region is built again (`fixed`), and an access to a region the child does not
-    /// inherit fails with SIGSEGV instead of reaching whatever the kernel put there.
-    pub fn reserve_in_child(addr: usize, owned: &[std::ops::Range<usize>]) -> Result<()> {
-        // MAP_FIXED_NOREPLACE maps only where nothing is mapped (the parent's region is not
-        // inherited: MADV_DONTFORK).
-        map_runs(addr, owned, libc::PROT_NONE, libc::MAP_FIXED_NOREPLACE)
-    }
-
-    /// A fork child's copy of a region's mapping at `addr`, over what `reserve_in_child`
-    /// reserved: the page runs `owned` are mapped, fresh; the rest of `[addr, addr + len)`
-    /// is left as it is (the parent had unmapped it; it may hold someone else's mapping).
-    pub fn fixed(addr: usize, len: usize, owned: &[std::ops::Range<usize>]) -> Result<Self> {
-        // MAP_FIXED replaces the runs' reservations, ours.
-        map_runs(
-            addr,
-            owned,
-            libc::PROT_READ | libc::PROT_WRITE,
-            libc::MAP_FIXED,
-        )?;
-        for run in owned {
-            advise_private(addr + run.start * PAGE_SIZE, run.len() * PAGE_SIZE)?;
-        }
-        Ok(Mapping {
+    /// A fork child's region mapping at `addr`, as the kernel gave it (the parent let the
+    /// page runs `owned` be inherited for the fork, `Mm::inherit_on_fork`): not inherited
+    /// by this child's own children again, except through a fork's handlers. The rest of
+    /// `[addr, addr + len)` is left as it is (the parent had unmapped it; it may hold
+    /// someone else's mapping).
+    pub fn inherited(addr: usize, len: usize, owned: &[std::ops::Range<usize>]) -> Self {
+        let m = Mapping {
             addr,
             len,
             owned: AtomicBool::new(true),
-        })
+        };
+        for run in owned {
+            m.inherit_on_fork(run.start, run.len(), false);
+        }
+        m
+    }
+
+    /// Whether a child of fork gets `pages` pages at page index `first` (MADV_DOFORK) or
+    /// nothing there (MADV_DONTFORK, the default: see `advise_private`).
+    pub fn inherit_on_fork(&self, first: usize, pages: usize, inherit: bool) {
+        let advice = if inherit {
+            libc::MADV_DOFORK
+        } else {
+            libc::MADV_DONTFORK
+        };
+        // SAFETY: advising our own mapping; it changes no data. A range the program
+        // unmapped meanwhile is refused (ENOMEM) where nothing is mapped, and nothing is
+        // lost: the child has no page there either way.
+        unsafe {
+            libc::madvise(
+                (self.addr + first * PAGE_SIZE) as *mut _,
+                pages * PAGE_SIZE,
+                advice,
+            )
+        };
     }
 
     pub fn addr(&self) -> usize {
@@ -160,40 +166,9 @@ impl Mapping {
     }
 }
 
-/// Maps fresh anonymous memory over each page run of `runs` at `addr`, where the runs are,
-/// with `prot` and `fixed` (`MAP_FIXED` or `MAP_FIXED_NOREPLACE`).
-fn map_runs(
-    addr: usize,
-    runs: &[std::ops::Range<usize>],
-    prot: libc::c_int,
-    fixed: libc::c_int,
-) -> Result<()> {
-    for run in runs {
-        let (start, len) = (addr + run.start * PAGE_SIZE, run.len() * PAGE_SIZE);
-        let flags = libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE | fixed;
-        // SAFETY: an anonymous mapping at a fixed place the caller owns (MAP_FIXED) or
-        // where nothing is (MAP_FIXED_NOREPLACE).
-        let got = unsafe { libc::mmap(start as *mut _, len, prot, flags, -1, 0) };
-        if got == libc::MAP_FAILED {
-            return Err(Error::os("mmap of a fork child's region"));
-        }
-        if got as usize != start {
-            // SAFETY: unmapping what this call just mapped elsewhere (old kernels treat
-            // MAP_FIXED_NOREPLACE as a hint).
-            unsafe { libc::munmap(got, len) };
-            return Err(Error::invalid(
-                "fork",
-                "the kernel did not map the child's region where the parent had it",
-            ));
-        }
-    }
-    Ok(())
-}
-
-/// uswap manages base pages; and a child of fork() must not inherit the mapping: it would
-/// read zeros where pages are swapped out, and sharing the parent's pages would stop
-/// UFFDIO_MOVE from taking them (it moves only pages mapped once). The child gets a copy
-/// of its own instead (`fork.rs`).
+/// uswap manages base pages; and a child of fork() inherits a region only through uswap's
+/// fork handlers, which let the kernel share its mapped pages and give the child the rest
+/// (`fork.rs`): without them the child would read zeros where pages are swapped out.
 fn advise_private(addr: usize, len: usize) -> Result<()> {
     for advice in [libc::MADV_NOHUGEPAGE, libc::MADV_DONTFORK] {
         // SAFETY: advising our own mapping.

@@ -4,13 +4,15 @@
 //! ```text
 //!  63            32 31            6   5    4    3    2..0
 //! +----------------+---------------+----+----+----+------+
-//! | swap slot      | staging frame | ra | ref|lock| kind |
+//! | swap slot      | staging frame | sh | ref|lock| kind |
 //! +----------------+---------------+----+----+----+------+
 //! ```
 //! `kind` says where the data is. A page with a swap slot has a valid copy on the swap
 //! device (it is clean); a write after swap-in frees the slot. The frame is the staging
 //! frame holding an inactive page's data. `ref` is the referenced bit (second-chance
-//! aging of hot pages); `ra` is spare for the readahead marker. The lock bit serialises every transition.
+//! aging of hot pages); `sh` marks an active page shared copy-on-write with another
+//! process since a fork (see [`PageState::shared`]). The lock bit serialises every
+//! transition.
 //!
 //! # Locking
 //!
@@ -61,8 +63,9 @@ const LOCKED: u64 = 1 << 3;
 /// (it faulted back from the inactive list): aging passes over it once more (second
 /// chance), as the kernel's accessed bit would keep a hot page.
 const REFERENCED: u64 = 1 << 4;
-/// Spare, zero until used: the marker of a page brought in by readahead until its first use.
-const SPARE: u64 = 1 << 5;
+/// An active page a fork child inherited mapped: the kernel maps it copy-on-write here and
+/// in the process that made it, which pays for it (see [`PageState::shared`]).
+const SHARED: u64 = 1 << 5;
 const FRAME_SHIFT: u32 = 6;
 const FRAME_BITS: u32 = 26;
 const FRAME_NONE: u32 = (1 << FRAME_BITS) - 1;
@@ -131,17 +134,40 @@ impl PageState {
         self.0 & REFERENCED != 0
     }
 
-    /// Whether the page counts against the resident budget.
+    /// Whether the page's data is in memory (mapped, parked or lazily freed).
     pub fn is_resident(self) -> bool {
         matches!(self.kind(), Kind::Active | Kind::Inactive | Kind::Lazyfree)
     }
 
+    /// An active page this process inherited at a fork, still mapped copy-on-write with
+    /// the process that made it (a cgroup charges a page once, to whoever allocated it):
+    /// not charged here, on no LRU list (moving it out would copy it, and free nothing
+    /// while the other process maps it), write-protected so its first write here is seen.
+    /// It becomes an ordinary active page at that write, or when found mapped here alone.
+    pub fn shared(self) -> bool {
+        self.0 & SHARED != 0
+    }
+
+    /// Whether a write to this active page faults to uswap first: it keeps a swap copy
+    /// (clean), or is shared with a fork relative; both are write-protected.
+    pub fn write_faults(self) -> bool {
+        self.slot().is_some() || self.shared()
+    }
+
+    /// Whether the page counts against the resident budget (and sits on an LRU list).
+    pub fn is_charged(self) -> bool {
+        self.is_resident() && !self.shared()
+    }
+
     /// The invariants of each kind: which of frame and slot it may carry.
     pub fn is_well_formed(self) -> bool {
-        if self.0 & (SPARE | LOCKED) != 0 {
+        if self.0 & LOCKED != 0 {
             return false;
         }
-        if self.referenced() && self.kind() != Kind::Active {
+        if (self.referenced() || self.shared()) && self.kind() != Kind::Active {
+            return false;
+        }
+        if self.shared() && self.slot().is_some() {
             return false;
         }
         match self.kind() {
@@ -268,7 +294,7 @@ impl PageLock<'_> {
         let old = self.state;
         self.state = PageState::of(kind, frame, slot);
         if kind == Kind::Active && old.kind() == Kind::Active {
-            self.state.0 |= old.0 & REFERENCED;
+            self.state.0 |= old.0 & (REFERENCED | SHARED);
         }
         debug_assert!(self.state.is_well_formed(), "{:?}", self.state);
         old
@@ -364,7 +390,24 @@ impl PageLock<'_> {
     /// The first write to a clean page: its swap copy is stale. Returns the slot to free.
     pub fn dirty(&mut self) -> Option<u32> {
         self.expect(&[Kind::Active], "dirty");
+        debug_assert!(!self.state.shared(), "a shared page is unshared first");
         self.become_(Kind::Active, None, None).slot()
+    }
+
+    /// A fork child's page the kernel mapped copy-on-write from the parent (see
+    /// [`PageState::shared`]).
+    pub fn share(&mut self) {
+        self.expect(&[Kind::None], "share");
+        self.become_(Kind::Active, None, None);
+        self.state.0 |= SHARED;
+    }
+
+    /// A shared page became this process's own (its first write here, or the other
+    /// process no longer maps it): an ordinary active page from now on.
+    pub fn unshare(&mut self) {
+        self.expect(&[Kind::Active], "unshare");
+        debug_assert!(self.state.shared());
+        self.state.0 &= !SHARED;
     }
 
     /// A fork child's page: its data, as the parent had it, is in `slot` of the child's
@@ -444,7 +487,7 @@ mod tests {
             prop_assert_eq!(s.kind(), KINDS[kind]);
             prop_assert_eq!(s.frame(), frame);
             prop_assert_eq!(s.slot(), slot);
-            prop_assert_eq!(s.0 & (LOCKED | SPARE), 0);
+            prop_assert_eq!(s.0 & (LOCKED | SHARED), 0);
         }
     }
 

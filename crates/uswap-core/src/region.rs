@@ -114,6 +114,7 @@ impl Region {
             major: latency(FaultKind::Major),
             resident_pages: mm.resident(),
             swap_used_pages: mm.slots_held(),
+            shared_pages: mm.shared_pages(),
             metadata_bytes: metadata_bytes(mm.pages().len() as u64),
             io: mm.swap().io_stats(),
             swap_cache: mm.swap().cache().stats(),

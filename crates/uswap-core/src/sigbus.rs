@@ -757,7 +757,7 @@ fn bring_in(served: &Served, pages: std::ops::Range<usize>, write: bool) {
                     Kind::Active | Kind::Lazyfree if known => {
                         entry.present && !(write && entry.write_protected)
                     }
-                    Kind::Active => !write || state.slot().is_none(),
+                    Kind::Active => !write || !state.write_faults(),
                     _ => false,
                 };
             if !usable {
@@ -777,8 +777,8 @@ const MAX_DIRECT_PAGES: usize = 16_384;
 /// no-op), so that a missing, discarded or write-protected page is served by the SIGBUS
 /// handler as a program access would be. Then each must be active and unlocked (aging,
 /// which locks a page before it reads the pins, either saw this pin or is done with the
-/// page, so it stays mapped) and, when written, without a swap copy (one kept means
-/// write-protected). False when a page is not the program's (unmapped, poisoned: the
+/// page, so it stays mapped) and, when written, not write-protected (no swap copy kept,
+/// not shared with a fork relative). False when a page is not the program's (unmapped, poisoned: the
 /// dispatched path fails the call as the kernel would) or does not settle.
 fn made_usable(served: &Served, pages: std::ops::Range<usize>, write: bool) -> bool {
     let mm = served.fault.mm();
@@ -794,7 +794,7 @@ fn made_usable(served: &Served, pages: std::ops::Range<usize>, write: bool) -> b
     }
     pages.into_iter().all(|page| {
         let (state, locked) = table.peek(page);
-        !locked && state.kind() == Kind::Active && !(write && state.slot().is_some())
+        !locked && state.kind() == Kind::Active && !(write && state.write_faults())
     })
 }
 

@@ -147,6 +147,21 @@ vmstat! {
     /// Swapped-in pages mapped over the memory limit because neither memory nor a swap
     /// slot could be had for them (their data has nowhere else to go).
     overdraft,
+    /// Pages a fork child got mapped copy-on-write from its parent (in the child), shared
+    /// and not charged to it until they become its own.
+    fork_shared,
+    /// Pages a fork wrote to the child's swap device (in the parent): those that were not
+    /// mapped (inactive or swapped out), which the kernel cannot share.
+    fork_copied,
+    /// Shared pages that became this process's own at their first write here (the
+    /// kernel's copy-on-write break).
+    cow_break,
+    /// Shared pages that became this process's own because the other process no longer
+    /// maps them (it wrote, reclaimed or unmapped its copy, or exited).
+    cow_alone,
+    /// Pages reclaim copied to take them out of the region because a fork relative still
+    /// mapped them (UFFDIO_MOVE moves only pages mapped once).
+    cow_reclaim,
 }
 
 /// What a handled fault was, for the service-time histograms.
@@ -253,6 +268,10 @@ pub struct Stats {
     pub resident_pages: u64,
     /// Swap slots in use now.
     pub swap_used_pages: u64,
+    /// Pages mapped copy-on-write with the process that made them (a fork's), counted
+    /// there and not in `resident_pages`.
+    #[serde(default)]
+    pub shared_pages: u64,
     /// Memory uswap keeps for the region outside its limit (page table, LRU links).
     pub metadata_bytes: u64,
     /// The swap device's I/O counters (retries, re-reads, errors; shared by the regions on

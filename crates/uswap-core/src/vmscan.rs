@@ -220,8 +220,8 @@ impl Reclaim {
                 // may be waiting for the page lock this fault holds: back out.
                 return Err(ChargeFailure::EventsPending);
             }
-            if self.mm.walking() {
-                // The walker holds every page for a while: not out of memory.
+            if self.mm.reclaim_paused() {
+                // The walker or a fork holds pages for a while: not out of memory.
                 deadline = None;
             }
             // Only a charge that has to wait reads the clock.
@@ -367,8 +367,11 @@ impl Reclaim {
         }
         mm.count(VmEvent::pgreferenced, spared as u64);
         mm.count(VmEvent::pgskip_pinned, pinned.len() as u64);
-        let moving = movable - spared;
+        // A fork taking its snapshot counts on mapped pages staying mapped: none moves.
+        let fence = mm.fork_fence().try_shared();
+        let moving = if fence.is_some() { movable - spared } else { 0 };
         self.move_to_staging(&mut locks[..moving]);
+        drop(fence);
         // The pages parked are on the inactive list now, and a lazily freed one found
         // zapped on none; the rest stayed as they were and go back to the active list.
         let stayed = locks
@@ -379,7 +382,8 @@ impl Reclaim {
     }
 
     /// Moves active pages (sorted by page) into staging frames, runs of neighbours with
-    /// adjacent frames in one UFFDIO_MOVE; a lazily freed page found zapped is freed instead.
+    /// adjacent frames in one UFFDIO_MOVE; a lazily freed page found zapped is freed instead,
+    /// and a page a fork relative still maps is made this process's own copy first.
     fn move_to_staging(&self, locks: &mut [PageLock<'_>]) {
         let mm = &self.mm;
         let frames = mm.staging().alloc_many(locks.len());
@@ -390,6 +394,9 @@ impl Reclaim {
         // spanning two mappings (the program changed the protection of part of the
         // region) fails whole, where its pages one by one may move.
         let mut alone = false;
+        // The page last copied for being shared: tried once more, alone, then left.
+        let mut copied = None;
+        let mut again = false;
         while start < frames.len() {
             let mut end = start + 1;
             while !alone
@@ -424,6 +431,12 @@ impl Reclaim {
                             Some(libc::ENOENT) if stuck.kind() == Kind::Lazyfree => {
                                 mm.lazyfree_zapped(stuck);
                             }
+                            Some(libc::EBUSY)
+                                if copied != Some(stuck.page()) && self.break_cow(stuck) =>
+                            {
+                                copied = Some(stuck.page());
+                                again = true;
+                            }
                             _ => {}
                         }
                         partial.done / PAGE_SIZE
@@ -431,6 +444,12 @@ impl Reclaim {
                 };
             for i in start..start + moved {
                 moved_to[i] = Some(frames[i]);
+            }
+            if std::mem::take(&mut again) {
+                // Its own copy now: once more, alone, into the frame it had.
+                start += moved;
+                alone = true;
+                continue;
             }
             if start + moved < end {
                 mm.staging().release_empty(frames[start + moved]);
@@ -440,6 +459,43 @@ impl Reclaim {
             }
         }
         mm.parked(locks, &moved_to);
+    }
+
+    /// Makes a mapped page that a fork relative maps too (UFFDIO_MOVE refused it: EBUSY)
+    /// this process's own copy, so it can move: the kernel's copy-on-write, asked for with
+    /// MADV_POPULATE_WRITE (data unchanged; a racing write by the program lands in one copy
+    /// or the other, as it would in a fork). A clean page gives up its slot and its write
+    /// protection first: the fault would otherwise come to uswap, whose handler waits for
+    /// this page's lock. False when the page is not mapped, or cannot be copied.
+    ///
+    /// Inside the fill gate: a discard's zap cannot land between the look at the page and
+    /// the fault, which would then be a missing fault waiting for this page's lock.
+    fn break_cow(&self, lock: &mut PageLock<'_>) -> bool {
+        let mm = &self.mm;
+        let addr = mm.page_addr(lock.page());
+        let Some(_pass) = mm.fill_gate().enter_fill() else {
+            return false;
+        };
+        let Some(entry) = mm.pagemap_entry(lock.page()) else {
+            return false;
+        };
+        if !entry.present || lock.state().shared() {
+            return false;
+        }
+        if entry.write_protected {
+            mm.forget_slot(lock);
+            if mm.uffd().write_protect(addr, PAGE_SIZE, false).is_err() {
+                return false;
+            }
+        }
+        // SAFETY: one page of the region, which this thread holds locked; the advice
+        // changes no data.
+        let rc = unsafe { libc::madvise(addr as *mut _, PAGE_SIZE, libc::MADV_POPULATE_WRITE) };
+        if rc != 0 {
+            return false;
+        }
+        mm.count(VmEvent::cow_reclaim, 1);
+        true
     }
 
     /// Reclaims isolated inactive pages: all-zero pages are forgotten, clean pages with a
@@ -634,8 +690,13 @@ impl Reclaim {
 /// they reach the high one, then calls `balanced`.
 fn kswapd(r: &Reclaim, balanced: impl Fn()) {
     let budget = r.mm.budget();
+    let mut shared_looked = Instant::now();
     while !r.mm.shutting_down() {
         r.kswapd.sleep();
+        if r.mm.shared_pages() > 0 && shared_looked.elapsed() >= SHARED_LOOK_EVERY {
+            r.claim_unshared();
+            shared_looked = Instant::now();
+        }
         if r.mm.shutting_down() || budget.free() >= r.marks.low() {
             continue;
         }
@@ -652,6 +713,45 @@ fn kswapd(r: &Reclaim, balanced: impl Fn()) {
             }
         }
         balanced();
+    }
+}
+
+/// How often kswapd looks for shared pages the other process no longer maps.
+const SHARED_LOOK_EVERY: Duration = Duration::from_secs(1);
+
+impl Reclaim {
+    /// Shared pages (a fork's, `PageState::shared`) that this process now maps alone (the
+    /// other process wrote to its copy, reclaimed it, unmapped it or exited) become its
+    /// own: charged, on the active list, as a cgroup charges the page left to the process
+    /// still using it. Reclaim then brings the budget back under the limit.
+    fn claim_unshared(&self) {
+        let mm = &self.mm;
+        let pages = mm.pages();
+        let mut entries = [Default::default(); 64];
+        let mut first = 0;
+        while first < pages.len() {
+            let n = entries.len().min(pages.len() - first);
+            let chunk = first..first + n;
+            first += n;
+            if !chunk.clone().any(|p| pages.peek(p).0.shared()) {
+                continue;
+            }
+            if !mm.pagemap_entries(chunk.start, &mut entries[..n]) {
+                return;
+            }
+            for (page, entry) in chunk.zip(&entries[..n]) {
+                if !(entry.present && entry.exclusive) {
+                    continue;
+                }
+                let Some(mut lock) = pages.try_lock(page) else {
+                    continue;
+                };
+                if lock.state().shared() {
+                    mm.budget().overdraw(1);
+                    mm.unshared(&mut lock, VmEvent::cow_alone);
+                }
+            }
+        }
     }
 }
 

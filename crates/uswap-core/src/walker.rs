@@ -73,16 +73,16 @@ pub(crate) fn check_region(mm: &Mm, vma: &Vma<'_>) -> Result<(), String> {
 /// (the program may be changing them): it only try-locks, and gives up (`None`, nothing
 /// checked) at the first page another thread holds. A thread holding a
 /// page lock may be waiting for memory, which reclaim cannot free while the walker holds
-/// the rest; reclaim's out-of-memory clock stops while the walker runs (`Mm::walking`).
+/// the rest; reclaim's out-of-memory clock stops while the walker runs (`Mm::reclaim_paused`).
 #[cfg(debug_assertions)]
 fn try_check_region(mm: &Mm, vma: &Vma<'_>) -> Option<Result<(), String>> {
     mm.lru().drain_all();
-    mm.set_walking(true);
+    mm.set_reclaim_paused(true);
     let locks: Option<Vec<PageLock<'_>>> = (0..mm.pages().len())
         .map(|p| mm.pages().try_lock(p))
         .collect();
     let checked = locks.map(|locks| check_locked(mm, vma, locks, false));
-    mm.set_walking(false);
+    mm.set_reclaim_paused(false);
     checked
 }
 
@@ -97,6 +97,7 @@ fn check_locked(
 ) -> Result<(), String> {
     let mut errors = Vec::new();
     let mut resident = 0u64;
+    let mut shared = 0u64;
     let mut slots = std::collections::HashSet::new();
     let mut frames = std::collections::HashSet::new();
     let placing = vma.placing();
@@ -124,8 +125,12 @@ fn check_locked(
             if active && st.slot().is_some() && mm.caps().write_protect && !e.write_protected {
                 errors.push(format!("clean page {} is not write-protected", l.page()));
             }
+            if st.shared() && !e.write_protected {
+                errors.push(format!("shared page {} is not write-protected", l.page()));
+            }
         }
-        let want = LruList::of_kind(st.kind());
+        // A shared page is on no list: reclaim leaves it to the process that pays for it.
+        let want = LruList::of_kind(st.kind()).filter(|_| !st.shared());
         if mm.lru().list_of(l.page()) != want {
             errors.push(format!(
                 "page {} is {st:?} but on list {:?}",
@@ -133,7 +138,8 @@ fn check_locked(
                 mm.lru().list_of(l.page())
             ));
         }
-        resident += st.is_resident() as u64;
+        resident += st.is_charged() as u64;
+        shared += st.shared() as u64;
         if let Some(slot) = st.slot() {
             if !slots.insert(slot) {
                 errors.push(format!("slot {slot} is held by two pages"));
@@ -170,6 +176,12 @@ fn check_locked(
              compressed pool)",
             mm.resident(),
             mm.pool_charged()
+        ));
+    }
+    if shared != mm.shared_pages() {
+        errors.push(format!(
+            "{shared} pages are shared but the region counts {}",
+            mm.shared_pages()
         ));
     }
     if slots.len() as u64 != mm.slots_held() {

@@ -140,6 +140,16 @@ fn child_gets_the_memory_as_it_was(mode: FaultMode) {
     let before = region.stats();
     assert!(before.swap_used_pages > 0, "some pages are out on swap");
     let status = in_child(|| {
+        // What was mapped is shared, not copied: not charged here, and write-protected
+        // (the walker checks that) so the child's first write to each is seen.
+        let shared = region.stats();
+        if shared.vmstat.fork_shared == 0 || shared.shared_pages != shared.vmstat.fork_shared {
+            return Err(format!(
+                "{} pages shared at the fork, {} shared now",
+                shared.vmstat.fork_shared, shared.shared_pages
+            ));
+        }
+        region.check_invariants()?;
         check_all(&region, &versions)?;
         // The child's writes go to its own memory and swap: twice its limit.
         let pages = region.len() / PAGE_SIZE;
@@ -157,11 +167,188 @@ fn child_gets_the_memory_as_it_was(mode: FaultMode) {
                 stats.resident_pages
             ));
         }
+        if stats.shared_pages != 0 || stats.vmstat.cow_break == 0 {
+            return Err(format!(
+                "after writing every page the child still shares {} ({} copy-on-write \
+                 breaks)",
+                stats.shared_pages, stats.vmstat.cow_break
+            ));
+        }
         Ok(())
     });
     assert!(exited_ok(status), "child status {status:#x}");
     // The parent's memory is as it was, whatever the child wrote.
     check_all(&region, &versions).unwrap();
+    region.check_invariants().unwrap();
+}
+
+/// A pipe whose read end waits at most `secs` for a line.
+struct Line {
+    read: std::fs::File,
+    write: std::fs::File,
+}
+
+impl Line {
+    fn new() -> Line {
+        use std::os::fd::FromRawFd;
+        let mut fds = [0; 2];
+        assert_eq!(unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) }, 0);
+        // SAFETY: both descriptors are new and ours.
+        unsafe {
+            Line {
+                read: std::fs::File::from_raw_fd(fds[0]),
+                write: std::fs::File::from_raw_fd(fds[1]),
+            }
+        }
+    }
+
+    fn say(&self, what: &str) {
+        use std::io::Write;
+        let _ = (&self.write).write_all(format!("{what}\n").as_bytes());
+    }
+
+    /// The next line, or an error after `secs` seconds of silence.
+    fn hear(&self, secs: i32) -> Result<String, String> {
+        use std::io::Read;
+        use std::os::fd::AsRawFd;
+        let mut got = Vec::new();
+        loop {
+            let mut pfd = libc::pollfd {
+                fd: self.read.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            };
+            if unsafe { libc::poll(&mut pfd, 1, secs * 1000) } != 1 {
+                return Err(format!("nothing said in {secs} s"));
+            }
+            let mut byte = [0u8];
+            if (&self.read).read(&mut byte).map_err(|e| e.to_string())? == 0 {
+                return Err("the other side closed without a word".into());
+            }
+            if byte[0] == b'\n' {
+                return Ok(String::from_utf8_lossy(&got).into_owned());
+            }
+            got.push(byte[0]);
+        }
+    }
+}
+
+#[test]
+fn parent_and_child_each_see_only_their_own_writes_after_the_fork() {
+    let (region, versions) = mixed_region(FaultMode::Thread);
+    let versions = settled(versions, &region);
+    let pages = versions.len();
+    let (go, done) = (Line::new(), Line::new());
+    // The child waits while the parent rewrites all of it (twice its limit), then checks
+    // that it still has the memory as it was at the fork and rewrites it in turn.
+    let pid = unsafe { libc::fork() };
+    assert!(pid >= 0);
+    if pid == 0 {
+        let result = go.hear(60).and_then(|_| {
+            check_all(&region, &versions)?;
+            for page in 0..pages {
+                unsafe { fill(region.as_ptr(), page, 21) };
+            }
+            (0..pages).try_for_each(|page| unsafe { check(region.as_ptr(), page, 21) })?;
+            region.check_invariants()
+        });
+        done.say(&result.err().unwrap_or_else(|| "ok".into()));
+        unsafe { libc::_exit(0) };
+    }
+    // Pages the child still maps too are copied to be moved out (the kernel's move takes
+    // only pages mapped once).
+    let before = region.stats().vmstat.cow_reclaim;
+    region.advise(0, region.len(), Advice::PageOut).unwrap();
+    let copied = region.stats().vmstat.cow_reclaim - before;
+    for page in 0..pages {
+        unsafe { fill(region.as_ptr(), page, 20) };
+    }
+    go.say("go");
+    let heard = done.hear(60);
+    let mut status = 0;
+    unsafe { libc::waitpid(pid, &mut status, 0) };
+    assert_eq!(heard, Ok("ok".into()));
+    assert!(copied > 0, "no shared page was copied to be paged out");
+    for page in 0..pages {
+        unsafe { check(region.as_ptr(), page, 20) }.unwrap();
+    }
+    region.check_invariants().unwrap();
+}
+
+#[test]
+fn a_child_carries_on_when_its_parent_is_killed_and_claims_what_it_shared() {
+    let (region, versions) = mixed_region(FaultMode::Thread);
+    let versions = settled(versions, &region);
+    let pages = versions.len();
+    let (go, done) = (Line::new(), Line::new());
+    // The middle process forks the grandchild and is killed (SIGKILL) at once. This
+    // process then rewrites every page, so the grandchild is the last to map what it
+    // inherited: it checks all of it, and its shared pages become its own (charged).
+    let status = in_child(|| {
+        let middle = unsafe { libc::getpid() };
+        let pid = unsafe { libc::fork() };
+        if pid == 0 {
+            let result = go.hear(60).and_then(|_| {
+                if unsafe { libc::getppid() } == middle {
+                    return Err("the middle process is still there".into());
+                }
+                check_all(&region, &versions)?;
+                let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+                while region.stats().shared_pages > 0 {
+                    if std::time::Instant::now() > deadline {
+                        return Err(format!(
+                            "{} pages still shared 10 s after the others let go",
+                            region.stats().shared_pages
+                        ));
+                    }
+                    std::thread::sleep(std::time::Duration::from_millis(50));
+                }
+                if region.stats().vmstat.cow_alone == 0 {
+                    return Err("no shared page was claimed as left alone".into());
+                }
+                region.check_invariants()
+            });
+            done.say(&result.err().unwrap_or_else(|| "ok".into()));
+            unsafe { libc::_exit(0) };
+        }
+        unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
+        unreachable!("killed");
+    });
+    assert!(
+        libc::WIFSIGNALED(status),
+        "the middle process was killed: {status:#x}"
+    );
+    for page in 0..pages {
+        unsafe { fill(region.as_ptr(), page, 30) };
+    }
+    go.say("go");
+    assert_eq!(done.hear(60), Ok("ok".into()));
+    (0..pages).for_each(|page| unsafe { check(region.as_ptr(), page, 30) }.unwrap());
+    region.check_invariants().unwrap();
+}
+
+#[test]
+fn fifty_forks_of_a_half_swapped_region_each_see_their_moment() {
+    let (region, pages) = filled_region();
+    for round in 0..50u32 {
+        // The parent moves on between forks: a stripe rewritten each round.
+        let version = round + 2;
+        for page in (round as usize % 7..pages).step_by(7) {
+            unsafe { fill(region.as_ptr(), page, version) };
+        }
+        let expect = |page: usize| -> u32 {
+            (0..=round)
+                .rev()
+                .find(|&r| page >= r as usize % 7 && (page - r as usize % 7) % 7 == 0)
+                .map_or(1, |r| r + 2)
+        };
+        let status = in_child(|| {
+            (0..pages)
+                .step_by(13)
+                .try_for_each(|page| unsafe { check(region.as_ptr(), page, expect(page)) })
+        });
+        assert!(exited_ok(status), "round {round}: child status {status:#x}");
+    }
     region.check_invariants().unwrap();
 }
 

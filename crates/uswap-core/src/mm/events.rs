@@ -18,6 +18,7 @@ use crate::page::{Kind, PageLock, PageState};
 use crate::stats::VmEvent;
 use crate::PAGE_SIZE;
 use std::ops::Range;
+use std::sync::atomic::Ordering::Relaxed;
 
 /// How an inactive page went back into place, which says what its frame holds now.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -241,6 +242,11 @@ impl Mm {
     /// tail of the active list, with the rest of its batch.
     pub fn lazyfreed(&self, lock: &mut PageLock<'_>) {
         self.forget_slot(lock);
+        if lock.state().shared() {
+            // A lazily freed page is charged: this process answers for it from now on.
+            self.budget().overdraw(1);
+            self.shared_pages.fetch_sub(1, Relaxed);
+        }
         lock.lazyfree();
         self.count(VmEvent::pglazyfree, 1);
         self.debug_check(lock);
@@ -294,6 +300,39 @@ impl Mm {
         self.debug_check(lock);
     }
 
+    /// Page event, fork: a child's page the kernel mapped copy-on-write from the parent
+    /// (its caller write-protects it): shared, not charged, on no list.
+    pub fn shared(&self, lock: &mut PageLock<'_>) {
+        lock.share();
+        self.shared_pages.fetch_add(1, Relaxed);
+        self.count(VmEvent::fork_shared, 1);
+        self.debug_check(lock);
+    }
+
+    /// Page event, fork: a child's page the kernel mapped from the parent, not to be
+    /// shared: lazily freed there (`lazyfree`, kept so here), or with no write protection to
+    /// see its first write here. Its own from the start: charged, on the active list.
+    pub fn inherited_mapped(&self, lock: &mut PageLock<'_>, lazyfree: bool) {
+        lock.map_new();
+        if lazyfree {
+            lock.lazyfree();
+        }
+        self.budget().overdraw(1);
+        self.lru().add(LruList::Active, [lock.page()]);
+        self.debug_check(lock);
+    }
+
+    /// Page event: a shared page became this process's own, charged by the caller
+    /// (`event` says how: the first write here, or found mapped here alone): an ordinary
+    /// active page, on the active list.
+    pub fn unshared(&self, lock: &mut PageLock<'_>, event: VmEvent) {
+        lock.unshare();
+        self.shared_pages.fetch_sub(1, Relaxed);
+        self.lru().cache_add(LruList::Active, lock.page(), false);
+        self.count(event, 1);
+        self.debug_check(lock);
+    }
+
     /// Page event, fork: a child's page starts out with the parent's data in `slot` of
     /// the child's own swap device.
     pub fn inherited(&self, lock: &mut PageLock<'_>, slot: u32) {
@@ -305,8 +344,11 @@ impl Mm {
 
     /// Gives back what a page held: budget, staging frame, swap slot.
     pub fn release_held(&self, held: PageState) {
-        if held.is_resident() {
+        if held.is_charged() {
             self.budget().uncharge(1);
+        }
+        if held.shared() {
+            self.shared_pages.fetch_sub(1, Relaxed);
         }
         if let Some(frame) = held.frame() {
             self.staging().release(frame);
@@ -335,9 +377,9 @@ impl Mm {
         true
     }
 
-    /// Takes a page off the LRU list its kind puts it on (only resident pages are on one).
+    /// Takes a page off the LRU list its kind puts it on (only charged pages are on one).
     fn off_list(&self, lock: &PageLock<'_>) {
-        if lock.state().is_resident() {
+        if lock.state().is_charged() {
             self.lru().remove(lock.page());
         }
     }

@@ -11,6 +11,8 @@ use crate::budget::Budget;
 use crate::config::FaultMode;
 use crate::error::{Error, Result};
 use crate::gup::Pins;
+use crate::lockdep::Rank;
+use crate::lockstat::StatRwLock;
 use crate::lru::Lru;
 use crate::mapping::Mapping;
 use crate::mmap_changing::MmapChanging;
@@ -23,7 +25,7 @@ use crate::swapfile::SwapDevice;
 use crate::uffd::Uffd;
 use crate::PAGE_SIZE;
 use std::os::unix::fs::FileExt;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -112,8 +114,8 @@ pub(crate) struct PagemapEntry {
     pub present: bool,
     /// The userfaultfd write-protect bit (`PM_UFFD_WP`).
     pub write_protected: bool,
-    /// Out on the kernel's own swap (`PM_SWAP`): still there, an access brings it back.
-    pub kernel_swapped: bool,
+    /// Mapped by this process alone (`PM_MMAP_EXCLUSIVE`): no fork relative maps it too.
+    pub exclusive: bool,
 }
 
 /// The pieces a region is made of, built by `Region::with_swap`.
@@ -166,13 +168,16 @@ pub(crate) struct Mm {
     breakdown: Option<Breakdown>,
     /// Swap slots this region's pages hold.
     slots_held: AtomicU64,
+    /// Pages shared copy-on-write with the process that made them (`PageState::shared`).
+    shared_pages: AtomicU64,
     /// Page-sized buffers for swap-in, preallocated so the fault path allocates nothing.
     bounce: BouncePool,
     /// `/proc/self/pagemap`, to tell whether a page the table calls active is really mapped.
     pagemap: Option<std::fs::File>,
     shutdown: AtomicBool,
-    /// Set while the invariant walker holds every page lock (`walker.rs`).
-    walking: AtomicBool,
+    /// See [`Mm::reclaim_paused`].
+    reclaim_paused: AtomicU32,
+    fork_fence: StatRwLock,
     /// This region's number in its swap device's swap cache and owner table.
     id: u32,
 }
@@ -227,8 +232,10 @@ impl Mm {
             latency: FaultLatency::default(),
             breakdown: p.breakdown.then(Breakdown::new),
             slots_held: AtomicU64::new(0),
+            shared_pages: AtomicU64::new(0),
             shutdown: AtomicBool::new(false),
-            walking: AtomicBool::new(false),
+            reclaim_paused: AtomicU32::new(0),
+            fork_fence: StatRwLock::new(Rank::ForkFence),
             id: next_region_id(),
         })
     }
@@ -344,8 +351,8 @@ impl Mm {
         }
     }
 
-    /// The fence fills pass; `fork` reads mapped pages inside it, so that no zap of a
-    /// vma event lands meanwhile.
+    /// The fence fills pass. Inside it no vma event is read, so the kernel's zap of a
+    /// discard (which waits for its event to be read) cannot land meanwhile.
     pub(crate) fn fill_gate(&self) -> &MmapChanging {
         &self.mmap_changing
     }
@@ -385,15 +392,37 @@ impl Mm {
         (lo - self.start()) / PAGE_SIZE..(hi - self.start()).div_ceil(PAGE_SIZE)
     }
 
-    /// Whether the invariant walker holds every page lock: reclaim finds nothing to take
-    /// meanwhile, which is not a sign of being out of memory.
-    pub fn walking(&self) -> bool {
-        self.walking.load(Relaxed)
+    /// Whether the invariant walker holds every page lock, or a fork holds mapped pages in
+    /// place (`Mm::fork_fence`): reclaim finds little to take meanwhile, which is not a
+    /// sign of being out of memory.
+    pub fn reclaim_paused(&self) -> bool {
+        self.reclaim_paused.load(Relaxed) > 0
     }
 
-    #[cfg(debug_assertions)]
-    pub(crate) fn set_walking(&self, walking: bool) {
-        self.walking.store(walking, Relaxed);
+    /// Starts (`true`) or ends one pause of reclaim (the walker's, a fork's; they may
+    /// overlap).
+    pub(crate) fn set_reclaim_paused(&self, paused: bool) {
+        if paused {
+            self.reclaim_paused.fetch_add(1, Relaxed);
+        } else {
+            self.reclaim_paused.fetch_sub(1, Relaxed);
+        }
+    }
+
+    /// Whether a fork child gets the page runs `runs` (the region's own) mapped as they
+    /// are, shared copy-on-write by the kernel (only while a fork's handlers run: a fork
+    /// they do not see must not give a child region memory without its swapped pages).
+    pub(crate) fn inherit_on_fork(&self, runs: &[std::ops::Range<usize>], inherit: bool) {
+        for run in runs {
+            self.map.inherit_on_fork(run.start, run.len(), inherit);
+        }
+    }
+
+    /// Held exclusive by a fork from its snapshot of the region until the child exists,
+    /// shared (try-lock) by aging around its moves: no mapped page leaves the region while
+    /// the fork counts on the kernel to give it to the child.
+    pub(crate) fn fork_fence(&self) -> &StatRwLock {
+        &self.fork_fence
     }
 
     pub fn shutting_down(&self) -> bool {
@@ -441,6 +470,11 @@ impl Mm {
         self.swap.set_owner(slot, self.id, page as u32);
     }
 
+    /// Pages mapped copy-on-write with the process that made them, not charged here.
+    pub fn shared_pages(&self) -> u64 {
+        self.shared_pages.load(Relaxed)
+    }
+
     pub fn slots_held(&self) -> u64 {
         self.slots_held.load(Relaxed)
     }
@@ -482,7 +516,7 @@ impl Mm {
             *entry = PagemapEntry {
                 present: bits & (1 << 63) != 0,
                 write_protected: bits & (1 << 57) != 0,
-                kernel_swapped: bits & (1 << 62) != 0,
+                exclusive: bits & (1 << 56) != 0,
             };
         }
         true
