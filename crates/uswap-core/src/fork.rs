@@ -365,7 +365,6 @@ fn copy_region(inner: &Assembly, devices: &mut Devices) -> Copy {
         bufs: (0..BATCH).map(|_| PageBuf::new()).collect(),
         copied: HashMap::new(),
     };
-    let pages = mm.pages().len();
     let unmapped = |p: usize| {
         matches!(
             mm.pages().peek(p).0.kind(),
@@ -373,11 +372,13 @@ fn copy_region(inner: &Assembly, devices: &mut Devices) -> Copy {
         )
     };
     let mut left: Vec<usize> = Vec::with_capacity(BATCH);
-    for first in (0..pages).step_by(BATCH) {
-        left.clear();
-        left.extend((first..(first + BATCH).min(pages)).filter(|&p| unmapped(p)));
-        if let Err(e) = copier.copy(&left) {
-            return Copy::Failed(e);
+    for run in mm.pages().used_runs() {
+        for first in run.clone().step_by(BATCH) {
+            left.clear();
+            left.extend((first..(first + BATCH).min(run.end)).filter(|&p| unmapped(p)));
+            if let Err(e) = copier.copy(&left) {
+                return Copy::Failed(e);
+            }
         }
     }
     loop {
@@ -448,20 +449,20 @@ fn mapped_runs(start: usize, len: usize, owned: &[Range<usize>]) -> Vec<Range<us
 
 /// The page runs that are still the region's (not unmapped by the program).
 fn owned_runs(mm: &Mm) -> Vec<Range<usize>> {
+    let pages = mm.pages();
     let mut runs = Vec::new();
-    let mut page = 0;
-    let pages = mm.pages().len();
-    while page < pages {
-        let owned = |p: usize| mm.pages().peek(p).0.kind() != Kind::Unmapped;
-        if !owned(page) {
-            page += 1;
-            continue;
+    let mut start = 0;
+    // Pages outside the used chunks are untouched: the region's own.
+    for page in pages.used_runs().into_iter().flatten() {
+        if pages.peek(page).0.kind() == Kind::Unmapped {
+            if start < page {
+                runs.push(start..page);
+            }
+            start = page + 1;
         }
-        let start = page;
-        while page < pages && owned(page) {
-            page += 1;
-        }
-        runs.push(start..page);
+    }
+    if start < pages.len() {
+        runs.push(start..pages.len());
     }
     runs
 }
@@ -505,26 +506,30 @@ impl Copier<'_> {
     /// that are not mapped and were not copied (the fence must be let go to copy them). A
     /// page copied earlier that is mapped now, or was discarded since, gives its slot back.
     fn note(&mut self) -> (RegionImage, Vec<usize>) {
+        let pages = self.mm.pages();
         let mut image = RegionImage::default();
         let mut left = Vec::new();
-        for page in 0..self.mm.pages().len() {
-            let kind = self.mm.pages().peek(page).0.kind();
-            let key = page as u32;
-            match kind {
+        for page in pages.used_runs().into_iter().flatten() {
+            match pages.peek(page).0.kind() {
+                Kind::Active => image.add_mapped(page),
+                Kind::Lazyfree => image.lazyfree.push(page as u32),
                 Kind::Inactive | Kind::Swapped | Kind::Poisoned => {
-                    if !self.copied.contains_key(&key) {
+                    if !self.copied.contains_key(&(page as u32)) {
                         left.push(page);
                     }
-                    continue;
                 }
-                Kind::Active => image.add_mapped(page),
-                Kind::Lazyfree => image.lazyfree.push(key),
                 Kind::None | Kind::Discarded | Kind::Unmapped => {}
             }
-            if let Some(Some(slot)) = self.copied.remove(&key) {
-                self.device.free_slot(slot);
-            }
         }
+        let device = self.device;
+        self.copied.retain(|&page, slot| {
+            let kind = pages.peek(page as usize).0.kind();
+            let still = matches!(kind, Kind::Inactive | Kind::Swapped | Kind::Poisoned);
+            if let (false, Some(slot)) = (still, *slot) {
+                device.free_slot(slot);
+            }
+            still
+        });
         for (&page, &slot) in &self.copied {
             match slot {
                 Some(slot) => image.pages.push((page, slot)),

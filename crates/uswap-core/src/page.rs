@@ -25,7 +25,7 @@
 //! `lockdep.rs`; [`PageTable::lock`] and the guards report to it in debug builds.
 
 use crate::lockdep::{self, Rank};
-use crate::sync::{backoff, zeroed_slice, XorU64};
+use crate::sync::{backoff, zeroed_slice, AtomicU64, XorU64};
 use std::sync::atomic::Ordering::{Acquire, Relaxed, Release};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -185,17 +185,60 @@ impl PageState {
 /// A page's state word, reading `NONE` from zeroed memory.
 type Word = XorU64<{ PageState::NONE.0 }>;
 
+/// Pages per bit of [`PageTable`]'s map of used chunks.
+pub const CHUNK_PAGES: usize = 512;
+
 /// The state words of all pages of one region.
 pub struct PageTable {
     words: Box<[Word]>,
+    /// A bit per chunk of `CHUNK_PAGES` pages, set once any of its pages has been anything
+    /// but `None` (never cleared): a walk over a large, mostly untouched region (fork's)
+    /// skips the rest.
+    used: Box<[AtomicU64]>,
 }
 
 impl PageTable {
     /// Every page `None`, from zeroed memory: a word costs nothing until its page is used.
     pub fn new(pages: usize) -> Self {
+        let chunks = pages.div_ceil(CHUNK_PAGES);
         PageTable {
             words: zeroed_slice(pages, || Word::new(PageState::NONE.0)),
+            used: (0..chunks.div_ceil(64))
+                .map(|_| AtomicU64::new(0))
+                .collect(),
         }
+    }
+
+    /// Publishes `page`'s word (unlocked), noting its chunk as used first.
+    fn publish(&self, page: usize, word: u64) {
+        if word != PageState::NONE.0 {
+            let chunk = page / CHUNK_PAGES;
+            let (bits, bit) = (&self.used[chunk / 64], 1u64 << (chunk % 64));
+            if bits.load(Relaxed) & bit == 0 {
+                bits.fetch_or(bit, Relaxed);
+            }
+        }
+        self.words[page].store(word, Release);
+    }
+
+    /// The page ranges of the chunks that have been used, in order (adjacent ones merged):
+    /// every page outside them is `None`, unless it changes meanwhile.
+    pub fn used_runs(&self) -> Vec<std::ops::Range<usize>> {
+        let mut runs: Vec<std::ops::Range<usize>> = Vec::new();
+        for (i, bits) in self.used.iter().enumerate() {
+            let mut b = bits.load(Acquire);
+            while b != 0 {
+                let chunk = i * 64 + b.trailing_zeros() as usize;
+                b &= b - 1;
+                let start = chunk * CHUNK_PAGES;
+                let end = (start + CHUNK_PAGES).min(self.words.len());
+                match runs.last_mut() {
+                    Some(run) if run.end == start => run.end = end,
+                    _ => runs.push(start..end),
+                }
+            }
+        }
+        runs
     }
 
     pub fn len(&self) -> usize {
@@ -220,7 +263,7 @@ impl PageTable {
             .map(|_| {
                 lockdep::acquired(Rank::Page);
                 PageLock {
-                    word,
+                    table: self,
                     page,
                     state: PageState(w),
                 }
@@ -256,7 +299,7 @@ impl PageTable {
     /// A claimed page was filled with zeros: it is active now, and unlocked.
     pub fn publish_active(&self, page: usize) {
         debug_assert_eq!(self.words[page].load(Relaxed), PageState::NONE.0 | LOCKED);
-        self.words[page].store(PageState::of(Kind::Active, None, None).0, Release);
+        self.publish(page, PageState::of(Kind::Active, None, None).0);
         lockdep::released(Rank::Page);
     }
 
@@ -272,7 +315,7 @@ impl PageTable {
 /// which checks (in debug builds) that it starts from a kind it applies to. The state is
 /// published and the lock released on drop.
 pub struct PageLock<'a> {
-    word: &'a Word,
+    table: &'a PageTable,
     page: usize,
     state: PageState,
 }
@@ -459,7 +502,7 @@ impl Drop for PageLock<'_> {
             self.page,
             self.state
         );
-        self.word.store(self.state.0, Release);
+        self.table.publish(self.page, self.state.0);
         lockdep::released(Rank::Page);
     }
 }
@@ -489,6 +532,25 @@ mod tests {
             prop_assert_eq!(s.slot(), slot);
             prop_assert_eq!(s.0 & (LOCKED | SHARED), 0);
         }
+    }
+
+    #[test]
+    fn used_runs_cover_every_chunk_a_page_left_none_in_and_no_other() {
+        let t = PageTable::new(5 * CHUNK_PAGES + 7);
+        assert!(t.used_runs().is_empty());
+        t.lock(3).map_new();
+        let mut l = t.lock(CHUNK_PAGES + 1);
+        l.map_new();
+        l.unmap();
+        drop(l);
+        assert!(t.try_claim_none(5 * CHUNK_PAGES + 2));
+        t.publish_active(5 * CHUNK_PAGES + 2);
+        // A lock taken and let go with the page still untouched marks nothing.
+        drop(t.lock(3 * CHUNK_PAGES));
+        assert_eq!(
+            t.used_runs(),
+            vec![0..2 * CHUNK_PAGES, 5 * CHUNK_PAGES..5 * CHUNK_PAGES + 7]
+        );
     }
 
     #[test]

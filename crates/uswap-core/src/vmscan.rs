@@ -727,12 +727,15 @@ impl Reclaim {
     fn claim_unshared(&self) {
         let mm = &self.mm;
         let pages = mm.pages();
-        let mut entries = [Default::default(); 64];
-        let mut first = 0;
-        while first < pages.len() {
-            let n = entries.len().min(pages.len() - first);
-            let chunk = first..first + n;
-            first += n;
+        const N: usize = 64;
+        let mut entries = [Default::default(); N];
+        let chunks = pages.used_runs().into_iter().flat_map(|run| {
+            run.clone()
+                .step_by(N)
+                .map(move |first| first..(first + N).min(run.end))
+        });
+        for chunk in chunks {
+            let n = chunk.len();
             if !chunk.clone().any(|p| pages.peek(p).0.shared()) {
                 continue;
             }
