@@ -339,7 +339,7 @@ fn fifty_forks_of_a_half_swapped_region_each_see_their_moment() {
         let expect = |page: usize| -> u32 {
             (0..=round)
                 .rev()
-                .find(|&r| page >= r as usize % 7 && (page - r as usize % 7) % 7 == 0)
+                .find(|&r| page >= r as usize % 7 && (page - r as usize % 7).is_multiple_of(7))
                 .map_or(1, |r| r + 2)
         };
         let status = in_child(|| {
