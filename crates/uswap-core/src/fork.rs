@@ -194,15 +194,50 @@ static mut HELD: Option<Held> = None;
 
 /// Before the fork system call, in the forking thread: copies every region for the
 /// child. Holds the region registry until [`parent`] or [`child`].
+///
+/// First, region by region and batch by batch, the pages that are not mapped are copied
+/// while the program and reclaim go on (a thread that holds a page lock may be waiting for
+/// reclaim, in any region when they share a budget). Then, under every region's fork
+/// fence at once, the pages mapped now are noted: they stay mapped until the child exists.
+/// Pages that left a region since the copy (aging moved them out) are copied in turn with
+/// every fence let go, and the notes taken again.
 pub fn prepare() {
     let _quiet = Quiet::new();
     let regions = registry();
     let mut devices = Devices::default();
-    let copies = regions
+    let mut copiers: Vec<Result<Copier<'_>>> = regions
         .iter()
-        // SAFETY: registered regions are alive; see `Entry`.
-        .map(|e| copy_region(unsafe { &*(*e.0).get() }, &mut devices))
+        .map(|e| {
+            // SAFETY: registered regions are alive; see `Entry`.
+            let mm = unsafe { &*(*e.0).get() }.fault().mm();
+            let device = devices.child_of(mm.swap())?;
+            let mut copier = Copier::new(mm, device, devices.children[device].clone());
+            copier.copy_unmapped()?;
+            Ok(copier)
+        })
         .collect();
+    let copies = loop {
+        let fences: Vec<_> = copiers
+            .iter()
+            .map(|c| c.as_ref().ok().map(|c| c.mm.fork_fence().exclusive()))
+            .collect();
+        let notes: Vec<Option<(RegionImage, Vec<usize>)>> = copiers
+            .iter_mut()
+            .map(|c| c.as_mut().ok().map(Copier::note))
+            .collect();
+        if notes.iter().flatten().all(|(_, left)| left.is_empty()) {
+            break made(copiers, notes, fences);
+        }
+        drop(fences);
+        for (copier, note) in copiers.iter_mut().zip(notes) {
+            let (Ok(c), Some((_, left))) = (copier.as_mut(), note) else {
+                continue;
+            };
+            if let Err(e) = left.chunks(BATCH).try_for_each(|batch| c.copy(batch)) {
+                *copier = Err(e);
+            }
+        }
+    };
     let held = Held {
         copies,
         devices: devices.children,
@@ -346,66 +381,35 @@ impl Devices {
     }
 }
 
-/// Copies one region for the child, onto the child's device standing for its own.
-///
-/// First, batch by batch, the pages that are not mapped are copied while the program and
-/// reclaim go on (a thread that holds a page lock may be waiting for reclaim). Then, under
-/// the fork fence, the pages mapped now are noted: they stay mapped until the child exists.
-/// A page that left the region since the copy (aging moved it out) is copied in turn,
-/// without the fence, and the note taken again.
-fn copy_region(inner: &Assembly, devices: &mut Devices) -> Copy {
-    let mm = inner.fault().mm();
-    let device = match devices.child_of(mm.swap()) {
-        Ok(i) => i,
-        Err(e) => return Copy::Failed(e),
-    };
-    let mut copier = Copier {
-        mm,
-        device: &devices.children[device],
-        bufs: (0..BATCH).map(|_| PageBuf::new()).collect(),
-        copied: HashMap::new(),
-    };
-    let unmapped = |p: usize| {
-        matches!(
-            mm.pages().peek(p).0.kind(),
-            Kind::Inactive | Kind::Swapped | Kind::Poisoned
-        )
-    };
-    let mut left: Vec<usize> = Vec::with_capacity(BATCH);
-    for run in mm.pages().used_runs() {
-        for first in run.clone().step_by(BATCH) {
-            left.clear();
-            left.extend((first..(first + BATCH).min(run.end)).filter(|&p| unmapped(p)));
-            if let Err(e) = copier.copy(&left) {
-                return Copy::Failed(e);
+/// The copies, once every region's note found nothing left to copy: each region's runs
+/// are let be inherited for the fork, and its fence is held until the child exists.
+fn made(
+    copiers: Vec<Result<Copier<'_>>>,
+    notes: Vec<Option<(RegionImage, Vec<usize>)>>,
+    fences: Vec<Option<Ranked<RwLockWriteGuard<'_, ()>>>>,
+) -> Vec<Copy> {
+    let parts = copiers.into_iter().zip(notes).zip(fences);
+    parts
+        .map(|((copier, note), fence)| match (copier, note, fence) {
+            (Ok(c), Some((image, _)), Some(fence)) => {
+                // SAFETY: the region stays registered, so alive, while the registry is
+                // held, which is until `parent` or `child`; `Held` lets the fence go first.
+                let fence: Ranked<RwLockWriteGuard<'static, ()>> =
+                    unsafe { std::mem::transmute(fence) };
+                c.mm.set_reclaim_paused(true);
+                let owned = owned_runs(c.mm);
+                c.mm.inherit_on_fork(&owned, true);
+                Copy::Made {
+                    owned,
+                    image,
+                    device: c.device_index,
+                    fence,
+                }
             }
-        }
-    }
-    loop {
-        let fence = mm.fork_fence().exclusive();
-        let (image, left) = copier.note();
-        if left.is_empty() {
-            // SAFETY: the region stays registered, so alive, while the registry is held,
-            // which is until `parent` or `child`; `Held` lets the fence go before it.
-            let fence: Ranked<RwLockWriteGuard<'static, ()>> =
-                unsafe { std::mem::transmute(fence) };
-            mm.set_reclaim_paused(true);
-            let owned = owned_runs(mm);
-            mm.inherit_on_fork(&owned, true);
-            return Copy::Made {
-                owned,
-                image,
-                device,
-                fence,
-            };
-        }
-        drop(fence);
-        for batch in left.chunks(BATCH) {
-            if let Err(e) = copier.copy(batch) {
-                return Copy::Failed(e);
-            }
-        }
-    }
+            (Err(e), _, _) => Copy::Failed(e),
+            _ => unreachable!("a region with a copier has a note and a fence"),
+        })
+        .collect()
 }
 
 /// The page runs of `owned` (of the region at `start`, `len` bytes) that are mapped in
@@ -477,14 +481,46 @@ enum Source {
 
 struct Copier<'a> {
     mm: &'a Mm,
-    device: &'a Arc<SwapDevice>,
+    /// The child's device (in `Held::devices` at `device_index`).
+    device: Arc<SwapDevice>,
+    device_index: usize,
     bufs: Vec<PageBuf>,
     /// Pages copied so far, and the slot of the child's device each went to (`None`: its
     /// data is lost, and the child's accesses fail too).
     copied: HashMap<u32, Option<SlotId>>,
 }
 
-impl Copier<'_> {
+impl<'a> Copier<'a> {
+    fn new(mm: &'a Mm, device_index: usize, device: Arc<SwapDevice>) -> Self {
+        Copier {
+            mm,
+            device,
+            device_index,
+            bufs: (0..BATCH).map(|_| PageBuf::new()).collect(),
+            copied: HashMap::new(),
+        }
+    }
+
+    /// The first pass: every page that is not mapped, batch by batch.
+    fn copy_unmapped(&mut self) -> Result<()> {
+        let pages = self.mm.pages();
+        let unmapped = |p: usize| {
+            matches!(
+                pages.peek(p).0.kind(),
+                Kind::Inactive | Kind::Swapped | Kind::Poisoned
+            )
+        };
+        let mut left: Vec<usize> = Vec::with_capacity(BATCH);
+        for run in pages.used_runs() {
+            for first in run.clone().step_by(BATCH) {
+                left.clear();
+                left.extend((first..(first + BATCH).min(run.end)).filter(|&p| unmapped(p)));
+                self.copy(&left)?;
+            }
+        }
+        Ok(())
+    }
+
     /// Copies those of `pages` (at most a batch, in address order) that are not mapped and
     /// not copied yet to the child's device.
     fn copy(&mut self, pages: &[usize]) -> Result<()> {
@@ -521,7 +557,7 @@ impl Copier<'_> {
                 Kind::None | Kind::Discarded | Kind::Unmapped => {}
             }
         }
-        let device = self.device;
+        let device = &self.device;
         self.copied.retain(|&page, slot| {
             let kind = pages.peek(page as usize).0.kind();
             let still = matches!(kind, Kind::Inactive | Kind::Swapped | Kind::Poisoned);

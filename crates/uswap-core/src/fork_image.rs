@@ -63,13 +63,13 @@ impl RegionImage {
         }
         copied.sort_unstable_by_key(|&(page, _)| page);
         let mut shared = Vec::with_capacity(mapped.len());
-        for (page, here) in mapped.iter().zip(present(mm, &mapped)) {
+        for (page, here) in mapped.iter().zip(present(mm, &mapped, true)) {
             if here {
                 shared.push(*page);
             }
         }
         let copied_pages: Vec<usize> = copied.iter().map(|&(p, _)| p).collect();
-        for (&(page, slot), here) in copied.iter().zip(present(mm, &copied_pages)) {
+        for (&(page, slot), here) in copied.iter().zip(present(mm, &copied_pages, false)) {
             if here {
                 mm.swap().free_slot(slot);
                 shared.push(page);
@@ -100,8 +100,8 @@ impl RegionImage {
 }
 
 /// Whether each of `pages` (sorted) is mapped here, from pagemap, a read per 64 pages;
-/// all taken as mapped where pagemap cannot be read.
-fn present(mm: &Mm, pages: &[usize]) -> Vec<bool> {
+/// `unknown` where pagemap cannot be read.
+fn present(mm: &Mm, pages: &[usize], unknown: bool) -> Vec<bool> {
     let mut entries = [Default::default(); 64];
     let mut out = Vec::with_capacity(pages.len());
     let mut i = 0;
@@ -110,7 +110,11 @@ fn present(mm: &Mm, pages: &[usize]) -> Vec<bool> {
         let n = entries.len().min(mm.pages().len() - first);
         let known = mm.pagemap_entries(first, &mut entries[..n]);
         while i < pages.len() && pages[i] < first + n {
-            out.push(!known || entries[pages[i] - first].present);
+            out.push(if known {
+                entries[pages[i] - first].present
+            } else {
+                unknown
+            });
             i += 1;
         }
     }

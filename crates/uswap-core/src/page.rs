@@ -221,6 +221,11 @@ impl PageTable {
         self.words[page].store(word, Release);
     }
 
+    /// A locked page's coming state, stored with the lock bit still set.
+    fn show(&self, page: usize, word: u64) {
+        self.publish(page, word | LOCKED);
+    }
+
     /// The page ranges of the chunks that have been used, in order (adjacent ones merged):
     /// every page outside them is `None`, unless it changes meanwhile.
     pub fn used_runs(&self) -> Vec<std::ops::Range<usize>> {
@@ -350,6 +355,13 @@ impl PageLock<'_> {
             self.page,
             self.state
         );
+    }
+
+    /// Shows the state this lock will publish to those who look without the lock, before
+    /// it is let go (the word stays locked): a fork's note must not take a page moved out
+    /// of the region for a mapped one.
+    pub fn show(&self) {
+        self.table.show(self.page, self.state.0);
     }
 
     /// First touch: an untouched (or discarded, or regrown) page was zero-filled and mapped.

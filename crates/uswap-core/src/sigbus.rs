@@ -831,9 +831,7 @@ fn bring_in_one(served: &Served, page: usize, write: bool) {
         match state.kind() {
             Kind::Active | Kind::Lazyfree => match mm.pagemap_entry(page) {
                 Some(e) if usable(e) => return,
-                None if state.kind() == Kind::Lazyfree || !write || state.slot().is_none() => {
-                    return
-                }
+                None if state.kind() == Kind::Lazyfree || !write || !state.write_faults() => return,
                 _ => {}
             },
             // Not the program's memory any more, or lost: the call fails as an access would.

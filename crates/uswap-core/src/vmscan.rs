@@ -330,11 +330,12 @@ impl Reclaim {
         }
     }
 
-    /// Locks the pages of `range` that are in state `kind` and takes them off their list.
+    /// Locks the pages of `range` that are in state `kind` and takes them off their list
+    /// (a shared page is on none, and left to the process that pays for it).
     pub fn lock_kind(&self, range: std::ops::Range<usize>, kind: Kind) -> Vec<PageLock<'_>> {
         let locks: Vec<PageLock<'_>> = range
             .map(|p| self.mm.pages().lock(p))
-            .filter(|l| l.kind() == kind)
+            .filter(|l| l.kind() == kind && !l.state().shared())
             .collect();
         for l in &locks {
             self.mm.lru().remove(l.page());
@@ -479,7 +480,9 @@ impl Reclaim {
         let Some(entry) = mm.pagemap_entry(lock.page()) else {
             return false;
         };
-        if !entry.present || lock.state().shared() {
+        // A lazily freed page may be dropped by the kernel at any moment: the fault below
+        // would then be a missing fault, waiting for this page's lock.
+        if !entry.present || lock.state().shared() || lock.kind() == Kind::Lazyfree {
             return false;
         }
         if entry.write_protected {

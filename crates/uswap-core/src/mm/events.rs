@@ -173,6 +173,8 @@ impl Mm {
         for (lock, frame) in locks.iter_mut().zip(frames) {
             if let Some(frame) = *frame {
                 lock.deactivate(frame);
+                // Seen now, while aging still holds the fork fence (`Mm::fork_fence`).
+                lock.show();
                 self.debug_check(lock);
                 parked += 1;
             }
