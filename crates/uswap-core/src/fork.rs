@@ -545,27 +545,29 @@ impl<'a> Copier<'a> {
         let pages = self.mm.pages();
         let mut image = RegionImage::default();
         let mut left = Vec::new();
+        // One look per page decides it: a page seen swapped may be swapped in a moment
+        // later (swap-ins pass the fence), and must then keep its copy, which the child
+        // drops for the mapped page the kernel gives it; looking twice could lose both.
         for page in pages.used_runs().into_iter().flatten() {
+            let key = page as u32;
             match pages.peek(page).0.kind() {
-                Kind::Active => image.add_mapped(page),
-                Kind::Lazyfree => image.lazyfree.push(page as u32),
                 Kind::Inactive | Kind::Swapped | Kind::Poisoned => {
-                    if !self.copied.contains_key(&(page as u32)) {
+                    if !self.copied.contains_key(&key) {
                         left.push(page);
                     }
+                    continue;
                 }
+                Kind::Active => image.add_mapped(page),
+                Kind::Lazyfree => image.lazyfree.push(key),
                 Kind::None | Kind::Discarded | Kind::Unmapped => {}
             }
-        }
-        let device = &self.device;
-        self.copied.retain(|&page, slot| {
-            let kind = pages.peek(page as usize).0.kind();
-            let still = matches!(kind, Kind::Inactive | Kind::Swapped | Kind::Poisoned);
-            if let (false, Some(slot)) = (still, *slot) {
-                device.free_slot(slot);
+            if self.copied.is_empty() {
+                continue;
             }
-            still
-        });
+            if let Some(Some(slot)) = self.copied.remove(&key) {
+                self.device.free_slot(slot);
+            }
+        }
         for (&page, &slot) in &self.copied {
             match slot {
                 Some(slot) => image.pages.push((page, slot)),

@@ -328,6 +328,38 @@ fn a_child_carries_on_when_its_parent_is_killed_and_claims_what_it_shared() {
 }
 
 #[test]
+fn a_child_killed_while_it_writes_takes_nothing_of_the_parents_memory() {
+    let (region, versions) = mixed_region(FaultMode::Thread);
+    let versions = settled(versions, &region);
+    let pages = versions.len();
+    let started = Line::new();
+    // The child rewrites everything, over and over (breaking copy-on-write and swapping),
+    // until it is killed with SIGKILL.
+    let pid = unsafe { libc::fork() };
+    assert!(pid >= 0);
+    if pid == 0 {
+        started.say("writing");
+        for round in 40u32.. {
+            for page in 0..pages {
+                unsafe { fill(region.as_ptr(), page, round) };
+            }
+        }
+        unsafe { libc::_exit(0) };
+    }
+    assert_eq!(started.hear(60), Ok("writing".into()));
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    unsafe { libc::kill(pid, libc::SIGKILL) };
+    let mut status = 0;
+    unsafe { libc::waitpid(pid, &mut status, 0) };
+    assert!(
+        libc::WIFSIGNALED(status),
+        "the child was killed: {status:#x}"
+    );
+    check_all(&region, &versions).unwrap();
+    region.check_invariants().unwrap();
+}
+
+#[test]
 fn fifty_forks_of_a_half_swapped_region_each_see_their_moment() {
     let (region, pages) = filled_region();
     for round in 0..50u32 {
