@@ -373,31 +373,35 @@ mod tests {
         assert_eq!(b.try_charge(100), 70);
     }
 
-    #[test]
-    fn a_dead_members_charges_are_reaped_when_the_group_runs_short() {
-        let dir = tempfile::tempdir().unwrap();
+    /// A tree's group of 10 pages in which a member that died holds `pages`: the group,
+    /// the dead member's slot, and a live member's budget (`dir` keeps the group's file).
+    fn group_with_a_dead_member(
+        dir: &tempfile::TempDir,
+        pages: u64,
+    ) -> (Arc<MemCgroup>, usize, Budget) {
         let (cg, _) = MemCgroup::create_shared(10, dir.path()).unwrap();
         let cg = Arc::new(cg);
         let mut child = std::process::Command::new("true").spawn().unwrap();
         let dead = child.id();
         child.wait().unwrap();
-        let slot = cg.join_as(dead, 10);
+        let slot = cg.join_as(dead, pages);
         let b = Budget::in_group(cg.clone(), 0).unwrap();
+        (cg, slot, b)
+    }
+
+    #[test]
+    fn a_dead_members_charges_are_reaped_when_the_group_runs_short() {
+        let dir = tempfile::tempdir().unwrap();
+        let (cg, slot, b) = group_with_a_dead_member(&dir, 10);
         assert_eq!(b.try_charge(4), 4, "the dead member's 10 pages were reaped");
         assert!(cg.is_free(slot));
     }
 
     #[test]
     fn a_dead_members_charges_are_reaped_when_a_charge_comes_up_short() {
-        let dir = tempfile::tempdir().unwrap();
-        let (cg, _) = MemCgroup::create_shared(10, dir.path()).unwrap();
-        let cg = Arc::new(cg);
-        let mut child = std::process::Command::new("true").spawn().unwrap();
-        let dead = child.id();
-        child.wait().unwrap();
         // Two pages are left: a charge of four gets all four, not two.
-        let slot = cg.join_as(dead, 8);
-        let b = Budget::in_group(cg.clone(), 0).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let (cg, slot, b) = group_with_a_dead_member(&dir, 8);
         assert_eq!(b.try_charge(4), 4, "the dead member's 8 pages were reaped");
         assert!(cg.is_free(slot));
     }
