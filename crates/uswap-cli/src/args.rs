@@ -8,8 +8,9 @@ use serde::Serialize;
 use std::path::PathBuf;
 use uswap_core::swapfile::Backing;
 use uswap_core::{
-    parse_size, Compressor, Config, FaultMode, IoMode, LruLockMode, Readahead, ReadaheadPolicy,
-    SlotAlloc, SwapCacheMode, SwapEncryption, SwapLocation, Watermarks, Ztier, ZtierSize,
+    parse_size, Compressor, Config, FaultMode, IoMode, LruLockMode, LruPolicy, Readahead,
+    ReadaheadPolicy, SlotAlloc, SwapCacheMode, SwapEncryption, SwapLocation, Watermarks, Ztier,
+    ZtierSize,
 };
 
 /// Which swap runs the workload.
@@ -148,6 +149,18 @@ pub struct CoreArgs {
     #[arg(long, value_name = "MODE", value_parser = |s: &str| s.parse::<LruLockMode>())]
     pub lru_lock: Option<LruLockMode>,
 
+    /// LRU policy: `two-list` (every page mapped joins the active list) or `s3fifo` (new
+    /// pages on a probation list aged first; refaults within the working set and pages
+    /// touched again on the active list); changeable at run time with
+    /// `uswap ctl PID lru_policy=…` [default: two-list]
+    #[arg(long, value_name = "POLICY", value_parser = |s: &str| s.parse::<LruPolicy>())]
+    pub lru_policy: Option<LruPolicy>,
+
+    /// Share of the memory limit kept unmapped on the inactive list, 0 to 50: the window in
+    /// which a touch shows that a page is in use (a minor fault) [default: 10]
+    #[arg(long, value_name = "PERCENT", value_parser = clap::value_parser!(u8).range(0..=50))]
+    pub inactive_percent: Option<u8>,
+
     /// Single-page LRU adds gathered per CPU before they take the LRU lock, 1 to 256
     /// (1 = every page at once; the kernel batches 31) [default: 31]
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u16).range(1..=256))]
@@ -210,6 +223,8 @@ impl CoreArgs {
             ("--ztier", self.ztier.is_some()),
             ("--lru-lock", self.lru_lock.is_some()),
             ("--lru-batch", self.lru_batch.is_some()),
+            ("--lru-policy", self.lru_policy.is_some()),
+            ("--inactive-percent", self.inactive_percent.is_some()),
             ("--pcp", self.pcp.is_some()),
             ("--watermarks", self.watermarks.is_some()),
         ];
@@ -297,6 +312,12 @@ impl CoreArgs {
         }
         if let Some(mode) = self.lru_lock {
             cfg.lru_lock = mode;
+        }
+        if let Some(policy) = self.lru_policy {
+            cfg.lru_policy = policy;
+        }
+        if let Some(percent) = self.inactive_percent {
+            cfg.inactive_percent = percent;
         }
         cfg.validate().context("bad uswap option")?;
         Ok(cfg)

@@ -39,6 +39,8 @@ struct Knobs {
     swap_ra_policy: String,
     #[serde(rename = "page-cluster")]
     page_cluster: u8,
+    #[serde(default)]
+    lru_policy: String,
 }
 
 #[derive(Deserialize)]
@@ -155,6 +157,15 @@ fn print_block(pid: u32, s: &Snapshot) {
         n(v.pgsteal),
         n(v.kswapd_wake),
         n(v.direct_reclaim)
+    );
+    println!(
+        "  lru        policy {}: refaults {}, of them in the working set {}; promoted {}, \
+         passed over {}",
+        k.lru_policy,
+        n(v.workingset_refault),
+        n(v.workingset_activate),
+        n(v.pgactivate),
+        n(v.pgreferenced)
     );
     println!("fault service time (since the region was made):");
     report::service_times(&[

@@ -181,6 +181,7 @@ impl Assembly {
             memcg: cfg.memcg.clone(),
             lru_lock: cfg.lru_lock,
             lru_batch: cfg.lru_batch,
+            lru_policy: cfg.lru_policy,
             breakdown: cfg.breakdown,
         })?;
         if let Some(image) = image {

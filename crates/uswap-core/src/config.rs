@@ -212,6 +212,19 @@ named_modes! {
 }
 
 named_modes! {
+    /// Which pages aging unmaps first (`workingset.rs`). Can be changed while a region is
+    /// in use (`Region::set_lru_policy`).
+    LruPolicy, "LRU policy" {
+        /// Every page mapped joins the active list; aging unmaps its tail (the kernel's
+        /// two lists, with the inactive list unmapped).
+        TwoList = "two-list",
+        /// New pages start on a probation list aged first; refaults within the working set
+        /// and pages touched again go to the active list (S3-FIFO).
+        S3fifo = "s3fifo",
+    }
+}
+
+named_modes! {
     /// How the swap cache is locked (seed 000).
     SwapCacheMode, "swap cache" {
         /// One lock for the whole device.
@@ -230,6 +243,14 @@ named_modes! {
         On = "on",
         /// Plain, with a CRC32C of each page kept in memory.
         Off = "off",
+    }
+}
+
+// `named_modes!` makes the enum, so its default cannot be derived there.
+#[allow(clippy::derivable_impls)]
+impl Default for LruPolicy {
+    fn default() -> Self {
+        LruPolicy::TwoList
     }
 }
 
@@ -657,6 +678,9 @@ pub struct Config {
     pub readahead: Readahead,
     /// How the LRU lists are locked.
     pub lru_lock: LruLockMode,
+    /// Which pages aging unmaps first; changeable later with `Region::set_lru_policy`.
+    #[serde(default)]
+    pub lru_policy: LruPolicy,
     /// Single-page LRU adds gathered per CPU before they take the LRU lock (the kernel's
     /// folio batch of 31); 1 adds every page at once.
     pub lru_batch: usize,
@@ -696,6 +720,7 @@ impl Config {
             readahead: Readahead::default(),
             pcp: true,
             lru_lock: LruLockMode::Mutex,
+            lru_policy: LruPolicy::default(),
             lru_batch: DEFAULT_LRU_BATCH,
             breakdown: false,
             memcg: None,

@@ -43,7 +43,7 @@
 //!
 //! Everything else a region is configured with is fixed when it is made.
 
-use crate::config::{parse_size, Readahead, ReadaheadPolicy, ZtierSize};
+use crate::config::{parse_size, LruPolicy, Readahead, ReadaheadPolicy, ZtierSize};
 use crate::error::{Error, Result};
 use crate::region::Region;
 use crate::PAGE_SIZE;
@@ -413,7 +413,7 @@ struct Knob {
     set: fn(&Region, &str) -> Result<()>,
 }
 
-const KNOBS: [Knob; 5] = [
+const KNOBS: [Knob; 6] = [
     Knob {
         name: "memory",
         get: |r| r.memory_limit().into(),
@@ -441,6 +441,14 @@ const KNOBS: [Knob; 5] = [
                 page_cluster,
                 ..r.readahead()
             })
+        },
+    },
+    Knob {
+        name: "lru_policy",
+        get: |r| r.lru_policy().name().into(),
+        set: |r, text| {
+            r.set_lru_policy(text.parse::<LruPolicy>()?);
+            Ok(())
         },
     },
     Knob {

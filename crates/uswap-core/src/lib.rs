@@ -41,12 +41,13 @@ pub mod uffd;
 mod vma;
 mod vmscan;
 mod walker;
+mod workingset;
 
 pub use breakdown::{PhaseSummary, PhaseTimes};
 pub use budget::StockStats;
 pub use config::{
-    parse_size, Compressor, Config, FaultMode, FaultPlan, IoMode, LruLockMode, Readahead,
-    ReadaheadPolicy, SlotAlloc, SwapCacheMode, SwapConfig, SwapEncryption, SwapLocation,
+    parse_size, Compressor, Config, FaultMode, FaultPlan, IoMode, LruLockMode, LruPolicy,
+    Readahead, ReadaheadPolicy, SlotAlloc, SwapCacheMode, SwapConfig, SwapEncryption, SwapLocation,
     Watermarks, Ztier, ZtierSize,
 };
 pub use error::{Error, Result};
@@ -54,7 +55,7 @@ pub use lockstat::{LockClass, LockStat};
 pub use region::{metadata_bytes, Advice, Region, SwapoffReport};
 pub use sigbus::in_sigbus_handler;
 pub use signals::spawn_quiet;
-pub use stats::{Latency, Stats, VmStatSnapshot};
+pub use stats::{Latency, LruStats, Stats, VmStatSnapshot};
 pub use swapfile::swap_state::SwapCacheStats;
 pub use swapfile::{Backing, IoStats, ZtierStats};
 pub use uffd::{probe, Probe};

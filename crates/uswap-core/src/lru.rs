@@ -1,7 +1,8 @@
-//! Active and inactive LRU lists of one region ([mm/swap.c], `lruvec`): circular doubly
-//! linked lists over page numbers, each with a sentinel node, under the LRU lock (the
-//! kernel's `lru_lock`). Heads are the most recently added; reclaim takes from the tails.
-//! Lock order: `lockdep.rs`.
+//! The LRU lists of one region ([mm/swap.c], `lruvec`): active, inactive and probation,
+//! circular doubly linked lists over page numbers, each with a sentinel node, under the LRU
+//! lock (the kernel's `lru_lock`). Heads are the most recently added; reclaim takes from
+//! the tails. Which mapped list a page joins is the replacement policy's choice
+//! (`workingset.rs`). Lock order: `lockdep.rs`.
 //!
 //! The lock has three modes (`Config::lru_lock`, seed 001):
 //! - `mutex` and `spin`: every operation takes the lock exclusively (a sleeping mutex, or a
@@ -50,23 +51,29 @@ use std::sync::atomic::Ordering::{AcqRel, Acquire, Relaxed, Release};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum LruList {
+    /// Mapped pages that have shown use (or all mapped pages, under `two-list`).
     Active = 0,
+    /// Unmapped pages in staging frames: a touch promotes them, reclaim takes their tail.
     Inactive = 1,
+    /// Mapped pages on trial (`s3fifo`): new pages that have not shown use yet, aged
+    /// before the active list.
+    Probation = 2,
 }
 
 impl LruList {
-    /// The list a page of `kind` belongs on: mapped pages (lazily freed ones too) on the
-    /// active list, parked ones on the inactive list, pages not in memory on none.
-    pub fn of_kind(kind: Kind) -> Option<LruList> {
+    /// Whether a page of `kind` may be on this list: mapped pages (lazily freed ones too)
+    /// on the active or the probation list, parked ones on the inactive list, pages not in
+    /// memory on none.
+    pub fn holds(self, kind: Kind) -> bool {
         match kind {
-            Kind::Active | Kind::Lazyfree => Some(LruList::Active),
-            Kind::Inactive => Some(LruList::Inactive),
-            _ => None,
+            Kind::Active | Kind::Lazyfree => matches!(self, LruList::Active | LruList::Probation),
+            Kind::Inactive => self == LruList::Inactive,
+            _ => false,
         }
     }
 }
 
-const LISTS: [LruList; 2] = [LruList::Active, LruList::Inactive];
+pub const LISTS: [LruList; 3] = [LruList::Active, LruList::Inactive, LruList::Probation];
 
 /// The list number of a node on no list.
 const OFF_LIST: u32 = 0xff;
@@ -74,7 +81,7 @@ const OFF_LIST: u32 = 0xff;
 const PENDING: u32 = 0x10;
 
 fn is_pending(state: u32) -> bool {
-    state & !1 == PENDING
+    state & !0xf == PENDING
 }
 /// The node lock bit, beside the list number in `Node::state`.
 const LOCKED: u32 = 1 << 8;
@@ -113,7 +120,7 @@ pub struct Lru {
     /// Pages `0..pages`, then the sentinel of each list.
     nodes: Box<[Node]>,
     pages: u32,
-    lens: [AtomicUsize; 2],
+    lens: [AtomicUsize; LISTS.len()],
     lock: LruLock,
     /// Per-CPU batches of single-page adds (none: every add is immediate).
     batches: Box<[CachePadded<StatMutex<Vec<Pending>>>]>,
@@ -134,12 +141,12 @@ impl Lru {
         let pages = pages as u32;
         // Page nodes come from zeroed memory (off every list, touched only when used); a
         // sentinel starts as an empty circle, linked to itself.
-        let nodes: Box<[Node]> = zeroed_slice(pages as usize + 2, || Node {
+        let nodes: Box<[Node]> = zeroed_slice(pages as usize + LISTS.len(), || Node {
             prev: XorU32::new(NIL),
             next: XorU32::new(NIL),
             state: XorU32::new(OFF_LIST),
         });
-        for i in pages..pages + 2 {
+        for i in pages..pages + LISTS.len() as u32 {
             let sentinel = &nodes[i as usize];
             sentinel.prev.store(i, Relaxed);
             sentinel.next.store(i, Relaxed);
@@ -148,7 +155,7 @@ impl Lru {
         Lru {
             nodes,
             pages,
-            lens: [AtomicUsize::new(0), AtomicUsize::new(0)],
+            lens: LISTS.map(|_| AtomicUsize::new(0)),
             lock: match mode {
                 LruLockMode::Mutex => LruLock::Mutex(StatMutex::new(Rank::Lru, ())),
                 LruLockMode::Spin => LruLock::Spin(StatSpin::new(Rank::Lru)),
@@ -709,10 +716,11 @@ mod tests {
         }
     }
 
-    /// Single-page adds and removes (shared in rwlock mode) race with isolation
-    /// (exclusive); the walker checks links, list numbers and lengths at the end.
-    /// With per-CPU batches (4 pages, 2 CPUs) as well as without, and a thread draining
-    /// every batch from outside meanwhile (the remote drain).
+    /// Single-page adds and removes (shared in rwlock mode) on all three lists race with
+    /// isolation (exclusive) from the active and probation lists; the walker checks links,
+    /// list numbers and lengths at the end. With per-CPU batches (4 pages, 2 CPUs) as well
+    /// as without, and a thread draining every batch from outside meanwhile (the remote
+    /// drain).
     #[test]
     fn stress_single_page_moves_against_isolation_keep_the_lists_whole() {
         for (mode, batch) in LruLockMode::ALL.iter().flat_map(|m| [(m, 1), (m, 4)]) {
@@ -730,11 +738,13 @@ mod tests {
                             let Some(lock) = t.try_lock(page) else {
                                 continue;
                             };
-                            match round % 5 {
+                            match round % 7 {
                                 0 => lru.remove(lock.page()),
                                 1 => lru.add(LruList::Inactive, [lock.page()]),
                                 2 => lru.add(LruList::Active, [lock.page()]),
                                 3 => lru.cache_add(LruList::Active, lock.page(), false),
+                                4 => lru.cache_add(LruList::Probation, lock.page(), false),
+                                5 => lru.add(LruList::Probation, [lock.page()]),
                                 _ => lru.cache_add(LruList::Inactive, lock.page(), true),
                             }
                         }
@@ -743,7 +753,8 @@ mod tests {
                 s.spawn(|| {
                     let mut got = Vec::new();
                     for round in 0..2_000 {
-                        lru.isolate(&t, LruList::Active, 8, &mut got);
+                        let from = [LruList::Active, LruList::Probation][round % 2];
+                        lru.isolate(&t, from, 8, &mut got);
                         // As reclaim does: the isolated pages stay locked while they move.
                         lru.add(LruList::Inactive, got.iter().map(|l| l.page()));
                         got.clear();
@@ -754,11 +765,10 @@ mod tests {
                 });
             });
             lru.drain_all();
-            let active = lru.members(LruList::Active).unwrap();
-            let inactive = lru.members(LruList::Inactive).unwrap();
+            let lists: Vec<Vec<u32>> = LISTS.map(|l| lru.members(l).unwrap()).into();
             for p in 0..PAGES as u32 {
-                let on = active.contains(&p) as u8 + inactive.contains(&p) as u8;
-                let want = lru.list_of(p as usize).is_some() as u8;
+                let on = lists.iter().filter(|m| m.contains(&p)).count();
+                let want = lru.list_of(p as usize).is_some() as usize;
                 assert_eq!(on, want, "{mode}, batch {batch}: page {p}");
             }
         }
@@ -814,6 +824,49 @@ mod loom_tests {
                 let inactive = lru.members(LruList::Inactive).unwrap();
                 for p in 0..2u32 {
                     let on = active.contains(&p) as u8 + inactive.contains(&p) as u8;
+                    assert_eq!(on, 1, "{mode}: page {p} on {on} lists");
+                    assert!(lru.list_of(p as usize).is_some());
+                }
+            });
+        }
+    }
+
+    /// The probation list (`s3fifo`) through per-CPU batches (2 pages, one CPU): a fault
+    /// adds two new pages on probation, the second add linking the batch; aging drains,
+    /// isolates the probation tail and parks it inactive; a promotion moves page 0 to the
+    /// active list. Each page must end on exactly one of the three lists.
+    #[test]
+    fn probation_adds_aging_and_a_promotion_lose_no_page() {
+        for mode in LruLockMode::ALL {
+            model(move || {
+                let pages = Arc::new(PageTable::new(2));
+                let lru = Arc::new(Lru::new(2, *mode, 2, 1));
+                let fault = {
+                    let (pages, lru) = (pages.clone(), lru.clone());
+                    loom::thread::spawn(move || {
+                        for p in 0..2 {
+                            let lock = pages.lock(p);
+                            lru.cache_add(LruList::Probation, lock.page(), false);
+                        }
+                    })
+                };
+                let promotion = {
+                    let (pages, lru) = (pages.clone(), lru.clone());
+                    loom::thread::spawn(move || {
+                        let lock = pages.lock(0);
+                        lru.cache_add(LruList::Active, lock.page(), false);
+                    })
+                };
+                lru.drain_all();
+                let isolated = isolate(&lru, &pages, LruList::Probation);
+                lru.add(LruList::Inactive, pages_of(&isolated));
+                drop(isolated);
+                fault.join().unwrap();
+                promotion.join().unwrap();
+                lru.drain_all();
+                let lists: Vec<Vec<u32>> = LISTS.map(|l| lru.members(l).unwrap()).into();
+                for p in 0..2u32 {
+                    let on = lists.iter().filter(|m| m.contains(&p)).count();
                     assert_eq!(on, 1, "{mode}: page {p} on {on} lists");
                     assert!(lru.list_of(p as usize).is_some());
                 }

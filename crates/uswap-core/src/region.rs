@@ -3,13 +3,14 @@
 //! them.
 
 use crate::assembly::Assembly;
-use crate::config::{Config, Readahead, MAX_SIZE};
+use crate::config::{Config, LruPolicy, Readahead, MAX_SIZE};
 use crate::error::{Error, Result};
+use crate::lru::LruList;
 use crate::mapping::Mapping;
 use crate::mm::check_page_size;
 use crate::page::{Kind, MAX_FRAMES};
 use crate::signals::Quiet;
-use crate::stats::{FaultKind, Latency, Stats};
+use crate::stats::{FaultKind, Latency, LruStats, Stats};
 use crate::swapfile::SwapDevice;
 use crate::PAGE_SIZE;
 use std::cell::UnsafeCell;
@@ -116,6 +117,12 @@ impl Region {
             swap_used_pages: mm.slots_held(),
             shared_pages: mm.shared_pages(),
             metadata_bytes: metadata_bytes(mm.pages().len() as u64),
+            lru: LruStats {
+                policy: mm.workingset().policy(),
+                active: mm.lru().len(LruList::Active) as u64,
+                inactive: mm.lru().len(LruList::Inactive) as u64,
+                probation: mm.lru().len(LruList::Probation) as u64,
+            },
             io: mm.swap().io_stats(),
             swap_cache: mm.swap().cache().stats(),
             readahead: self.inner().fault.readahead.get(),
@@ -205,6 +212,17 @@ impl Region {
         readahead.validate()?;
         self.inner().fault.readahead.set(readahead);
         Ok(())
+    }
+
+    /// The LRU policy in force.
+    pub fn lru_policy(&self) -> LruPolicy {
+        self.inner().fault.mm().workingset().policy()
+    }
+
+    /// Switches the LRU policy while the region is in use: pages mapped from now on are
+    /// placed by it, and aging follows it from its next batch (`workingset.rs`).
+    pub fn set_lru_policy(&self, policy: LruPolicy) {
+        self.inner().fault.mm().workingset().set_policy(policy);
     }
 
     /// Changes the memory limit while the region is in use. A lower limit is reached by
@@ -407,9 +425,10 @@ pub struct SwapoffReport {
     pub seconds: f64,
 }
 
-/// Memory uswap keeps per region page beyond the limit: the page word and the LRU links.
+/// Memory uswap keeps per region page beyond the limit: the page word, the LRU links and
+/// the shadow an evicted page leaves (`workingset.rs`).
 pub fn metadata_bytes(pages: u64) -> u64 {
-    pages * (8 + 12)
+    pages * (8 + 12 + 4)
 }
 
 impl Drop for Region {

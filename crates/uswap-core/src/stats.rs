@@ -96,6 +96,11 @@ vmstat! {
     pgactivate,
     /// Pages moved from the active to the inactive list (unmapped, data kept).
     pgdeactivate,
+    /// Swap-ins of pages evicted from this region before (they had a shadow).
+    workingset_refault,
+    /// Of those, pages evicted within the working set (refault distance no longer than the
+    /// active list), which went straight to the active list.
+    workingset_activate,
     /// Active pages aging passed over once because they had faulted back from the inactive
     /// list since it last took them (second chance, the kernel's referenced check).
     pgreferenced,
@@ -272,8 +277,12 @@ pub struct Stats {
     /// there and not in `resident_pages`.
     #[serde(default)]
     pub shared_pages: u64,
-    /// Memory uswap keeps for the region outside its limit (page table, LRU links).
+    /// Memory uswap keeps for the region outside its limit (page table, LRU links,
+    /// shadows).
     pub metadata_bytes: u64,
+    /// The LRU policy in force and the length of each list, in pages.
+    #[serde(default)]
+    pub lru: LruStats,
     /// The swap device's I/O counters (retries, re-reads, errors; shared by the regions on
     /// the device).
     pub io: crate::swapfile::IoStats,
@@ -288,6 +297,19 @@ pub struct Stats {
     /// The compressed tier in front of the swap file (its device's).
     #[serde(default)]
     pub ztier: crate::swapfile::ZtierStats,
+}
+
+/// The LRU lists of a region (`/proc/meminfo`'s `Active(anon)` and `Inactive(anon)`), in
+/// pages; pages waiting in per-CPU batches are on none yet.
+#[derive(Clone, Copy, Debug, Default, Serialize, serde::Deserialize, PartialEq, Eq)]
+pub struct LruStats {
+    pub policy: crate::config::LruPolicy,
+    /// Mapped pages that have shown use (all mapped pages under `two-list`).
+    pub active: u64,
+    /// Unmapped pages in staging frames.
+    pub inactive: u64,
+    /// Mapped pages on trial (`s3fifo`).
+    pub probation: u64,
 }
 
 /// A process's resident anonymous memory (`RssAnon` in /proc/PID/status): the kernel's

@@ -249,9 +249,9 @@ impl Reclaim {
         (got > 0).then_some(got)
     }
 
-    /// One reclaim pass: top the inactive list up from the active tail (at most a few
-    /// batches per pass, so a direct reclaimer is not held long), then reclaim a batch from
-    /// the inactive tail. Pages deactivated now sit behind older inactive pages, so they get
+    /// One reclaim pass: top the inactive list up from the tail of a mapped list (the
+    /// policy's choice, `Workingset::aging_source`; at most a few batches per pass, so a
+    /// direct reclaimer is not held long), then reclaim a batch from the inactive tail. Pages deactivated now sit behind older inactive pages, so they get
     /// their second chance: a touch before they reach the tail promotes them. Returns the
     /// pages freed.
     pub fn shrink(&self) -> u64 {
@@ -274,7 +274,7 @@ impl Reclaim {
             };
             mm.lru().isolate(
                 mm.pages(),
-                LruList::Active,
+                mm.workingset().aging_source(mm.lru()),
                 victims.min(short),
                 &mut isolated,
             );
@@ -287,8 +287,8 @@ impl Reclaim {
         self.evict(&mut isolated)
     }
 
-    /// Adds to pages isolated from the active list their neighbours in the same aligned
-    /// block (`aging_block` pages) that are active, on the active list, not referenced
+    /// Adds to pages isolated from a mapped list their neighbours in the same aligned
+    /// block (`aging_block` pages) that are active, on a mapped list, not referenced
     /// since the last aging and not locked, up to `max` pages in all. A random batch then
     /// moves in runs instead of page by page: UFFDIO_MOVE flushes the TLB once per run on
     /// kernels that batch its flushes (Linux 6.18 here: 1.3 µs a page in runs of 32, 25 µs
@@ -321,7 +321,7 @@ impl Reclaim {
                 };
                 if lock.kind() == Kind::Active
                     && !lock.state().referenced()
-                    && lru.list_of(page) == Some(LruList::Active)
+                    && lru.list_of(page).is_some_and(|l| l != LruList::Inactive)
                 {
                     lru.remove(page);
                     isolated.push(lock);
@@ -375,9 +375,7 @@ impl Reclaim {
         drop(fence);
         // The pages parked are on the inactive list now, and a lazily freed one found
         // zapped on none; the rest stayed as they were and go back to the active list.
-        let stayed = locks
-            .iter()
-            .filter(|l| LruList::of_kind(l.kind()) == Some(LruList::Active));
+        let stayed = locks.iter().filter(|l| LruList::Active.holds(l.kind()));
         mm.lru().add(LruList::Active, stayed.map(|l| l.page()));
         laps.lap(Phase::Deactivate);
     }
@@ -632,9 +630,7 @@ impl Drop for Isolated<'_> {
         for list in [LruList::Active, LruList::Inactive] {
             let off = self.locks.iter().filter(|l| {
                 let page = l.page();
-                LruList::of_kind(l.kind()) == Some(list)
-                    && lru.list_of(page).is_none()
-                    && !lru.is_pending(page)
+                list.holds(l.kind()) && lru.list_of(page).is_none() && !lru.is_pending(page)
             });
             lru.add(list, off.map(|l| l.page()));
         }

@@ -12,7 +12,7 @@
 //! caused it fails where it happened. Release builds do neither.
 
 use crate::fault::FaultPath;
-use crate::lru::LruList;
+use crate::lru::LISTS;
 use crate::mm::Mm;
 use crate::page::{Kind, PageLock};
 use crate::vma::Vma;
@@ -129,9 +129,11 @@ fn check_locked(
                 errors.push(format!("shared page {} is not write-protected", l.page()));
             }
         }
-        // A shared page is on no list: reclaim leaves it to the process that pays for it.
-        let want = LruList::of_kind(st.kind()).filter(|_| !st.shared());
-        if mm.lru().list_of(l.page()) != want {
+        // Charged pages are on a list that holds their kind; a shared page is on none:
+        // reclaim leaves it to the process that pays for it.
+        let on_list = st.is_charged();
+        let list = mm.lru().list_of(l.page());
+        if list.map(|list| list.holds(st.kind())) != on_list.then_some(true) {
             errors.push(format!(
                 "page {} is {st:?} but on list {:?}",
                 l.page(),
@@ -165,7 +167,7 @@ fn check_locked(
             "{placing} pages moved out by mremap wait to be placed"
         ));
     }
-    for list in [LruList::Active, LruList::Inactive] {
+    for list in LISTS {
         if let Err(e) = mm.lru().members(list) {
             errors.push(format!("{list:?} list: {e}"));
         }

@@ -10,7 +10,7 @@ use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard};
 use uswap_core::control::{self, ControlServer, RUNTIME_DIR_VAR};
-use uswap_core::{Config, Error, Readahead, ReadaheadPolicy, Region, PAGE_SIZE};
+use uswap_core::{Config, Error, LruPolicy, Readahead, ReadaheadPolicy, Region, PAGE_SIZE};
 
 const MIB: u64 = 1 << 20;
 
@@ -135,9 +135,38 @@ fn readahead_knobs_switch_the_running_region() {
     assert_eq!(
         knobs["knobs"],
         json!({"memory": 2 * MIB, "swap_ra_policy": "fixed", "page-cluster": 5,
-               "ztier": "on", "ztier_size": "20%"})
+               "lru_policy": "two-list", "ztier": "on", "ztier_size": "20%"})
     );
     assert_eq!(stat()["stats"]["readahead"]["policy"], "fixed");
+}
+
+#[test]
+fn the_lru_policy_switches_the_running_region_and_data_survives() {
+    let _rt = Runtime::new();
+    let (region, _server) = served(8 * MIB, 2 * MIB);
+    let pages = region.len() / PAGE_SIZE;
+    fill(&region, 0..pages, 1);
+    assert_eq!(
+        set("lru_policy", json!("s3fifo")).unwrap(),
+        json!({"ok": true})
+    );
+    assert_eq!(region.lru_policy(), LruPolicy::S3fifo);
+    let now = stat();
+    assert_eq!(now["knobs"]["lru_policy"], "s3fifo");
+    assert_eq!(now["stats"]["lru"]["policy"], "s3fifo");
+    fill(&region, 0..pages, 2);
+    set("lru_policy", json!("two-list")).unwrap();
+    for p in 0..pages {
+        unsafe { common::check(region.as_ptr(), p, 2) }.unwrap();
+    }
+    assert!(counter(&stat(), "workingset_refault") > 0);
+    let refused = refusal(json!({"cmd": "set", "key": "lru_policy", "value": "lfu"}));
+    assert!(
+        refused.contains("s3fifo") && refused.contains("two-list"),
+        "{refused}"
+    );
+    assert_eq!(region.lru_policy(), LruPolicy::TwoList);
+    region.check_invariants().unwrap();
 }
 
 /// The message of a refused request.

@@ -16,6 +16,7 @@ use super::Mm;
 use crate::lru::LruList;
 use crate::page::{Kind, PageLock, PageState};
 use crate::stats::VmEvent;
+use crate::workingset::{Arrival, Refault};
 use crate::PAGE_SIZE;
 use std::ops::Range;
 use std::sync::atomic::Ordering::Relaxed;
@@ -59,7 +60,8 @@ impl Mm {
     ) -> bool {
         let page = lock.page();
         let done = claimed.start..claimed.start + filled;
-        self.lru().add(LruList::Active, done.clone());
+        let (list, _) = self.workingset().place(Arrival::FirstTouch);
+        self.lru().add(list, done.clone());
         for p in claimed.clone().filter(|&p| p != page && done.contains(&p)) {
             self.pages().publish_active(p);
         }
@@ -99,6 +101,7 @@ impl Mm {
     /// cache entry.
     pub fn mapped_back(&self, lock: &mut PageLock<'_>, how: MappedBack) {
         self.lru().cache_add(LruList::Active, lock.page(), false);
+        self.workingset().activated();
         let frame = lock.activate();
         match how {
             MappedBack::Moved => self.staging().release_empty(frame),
@@ -109,13 +112,26 @@ impl Mm {
     }
 
     /// Page event: a swapped page's data was read, verified and mapped (by a fault, or
-    /// ahead of one when `readahead`: such a page waits at the tail of the active list,
-    /// first in line to be aged, and its cache entry says readahead brought it). Its slot
-    /// goes as `slot` says.
+    /// ahead of one when `readahead`: such a page waits at the tail of its list, first in
+    /// line to be aged, and its cache entry says readahead brought it). Its shadow decides
+    /// its list (`workingset.rs`). Its slot goes as `slot` says.
     pub fn swapped_in(&self, lock: &mut PageLock<'_>, slot: SlotAfter, readahead: bool) {
         let page = lock.page();
         let held = lock.state().slot().expect("a swapped page has a slot");
-        self.lru().cache_add(LruList::Active, page, readahead);
+        let refault = self.workingset().refault(page, self.lru());
+        let arrival = if readahead {
+            Arrival::Readahead
+        } else {
+            if refault != Refault::None {
+                self.count(VmEvent::workingset_refault, 1);
+            }
+            if refault == Refault::Workingset {
+                self.count(VmEvent::workingset_activate, 1);
+            }
+            Arrival::SwapIn(refault)
+        };
+        let (list, tail) = self.workingset().place(arrival);
+        self.lru().cache_add(list, page, tail);
         match slot {
             SlotAfter::Cached => {
                 self.swap()
@@ -212,6 +228,7 @@ impl Mm {
         let slot = lock.state().slot().expect("a clean page has a slot");
         self.swap().cache().delete(slot);
         let frame = lock.drop_clean();
+        self.workingset().evicted(lock.page());
         self.count(VmEvent::pgclean_dropped, 1);
         self.debug_check(lock);
         frame
@@ -223,6 +240,7 @@ impl Mm {
     pub fn swapped_out(&self, lock: &mut PageLock<'_>, slot: u32) -> u32 {
         self.swap().cache().delete(slot);
         let frame = lock.swap_out(slot);
+        self.workingset().evicted(lock.page());
         self.slots_taken(1);
         self.count(VmEvent::pswpout, 1);
         self.debug_check(lock);

@@ -23,6 +23,7 @@ use crate::swapfile::swap_io::PageBuf;
 use crate::swapfile::swap_state::CacheEntry;
 use crate::swapfile::SwapDevice;
 use crate::uffd::Uffd;
+use crate::workingset::Workingset;
 use crate::PAGE_SIZE;
 use std::os::unix::fs::FileExt;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering::Relaxed};
@@ -137,6 +138,7 @@ pub(crate) struct Parts {
     pub memcg: Option<std::sync::Arc<crate::memcg::MemCgroup>>,
     pub lru_lock: crate::config::LruLockMode,
     pub lru_batch: usize,
+    pub lru_policy: crate::config::LruPolicy,
     pub breakdown: bool,
 }
 
@@ -155,6 +157,7 @@ pub(crate) struct Mm {
     /// Ranges a system call is reading or writing (SIGBUS mode): aging leaves them mapped.
     pins: Pins,
     lru: Lru,
+    workingset: Workingset,
     budget: Budget,
     /// Pages of the compressed pool charged to `budget` (`Reclaim::balance_ztier`): the
     /// budget counts them beside the resident pages.
@@ -216,6 +219,7 @@ impl Mm {
             pages: PageTable::new(pages),
             pins: Pins::new(),
             lru: Lru::new(pages, p.lru_lock, p.lru_batch, crate::cpu::count()),
+            workingset: Workingset::new(pages, p.lru_policy),
             budget,
             pool_charged: AtomicU64::new(0),
             bounce: BouncePool::new(p.bounce_buffers),
@@ -250,6 +254,10 @@ impl Mm {
 
     pub fn lru(&self) -> &Lru {
         &self.lru
+    }
+
+    pub fn workingset(&self) -> &Workingset {
+        &self.workingset
     }
 
     /// The region's number (swap slot owners name it).
