@@ -152,7 +152,7 @@ pub struct CoreArgs {
     /// LRU policy: `two-list` (every page mapped joins the active list) or `s3fifo` (new
     /// pages on a probation list aged first; refaults within the working set and pages
     /// touched again on the active list); changeable at run time with
-    /// `uswap ctl PID lru_policy=…` [default: two-list]
+    /// `uswap ctl PID lru_policy=…` [default: s3fifo]
     #[arg(long, value_name = "POLICY", value_parser = |s: &str| s.parse::<LruPolicy>())]
     pub lru_policy: Option<LruPolicy>,
 

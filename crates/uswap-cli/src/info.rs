@@ -85,7 +85,7 @@ impl std::fmt::Display for SwapDir {
 /// Memory uswap keeps outside a region's memory limit, per GiB.
 #[derive(Serialize)]
 struct Metadata {
-    /// Per GiB of region: the page table word and LRU links of each page.
+    /// Per GiB of region: the page table word, LRU links and shadow of each page.
     per_gib_of_region: u64,
     /// Per GiB of swap written: the seal of each slot (encryption on, the default).
     per_gib_of_swap: u64,
@@ -109,7 +109,7 @@ impl std::fmt::Display for Metadata {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "memory outside the limit: {} per GiB of region (page table, LRU), {} per GiB of \
+            "memory outside the limit: {} per GiB of region (page table, LRU, shadows), {} per GiB of \
              swap written (seals; {} with --swap-encryption off)",
             crate::report::size(self.per_gib_of_region),
             crate::report::size(self.per_gib_of_swap),
@@ -188,12 +188,12 @@ mod tests {
     #[test]
     fn metadata_estimate_counts_page_words_lru_links_and_seals() {
         let m = Metadata::estimate();
-        assert_eq!(m.per_gib_of_region, 262_144 * 20);
+        assert_eq!(m.per_gib_of_region, 262_144 * 24);
         assert_eq!(
             (m.per_gib_of_swap, m.per_gib_of_plain_swap),
             (6 << 20, 2 << 20)
         );
-        assert!(m.to_string().contains("5 MiB per GiB of region"), "{m}");
+        assert!(m.to_string().contains("6 MiB per GiB of region"), "{m}");
     }
 
     #[test]

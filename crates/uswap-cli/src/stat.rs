@@ -8,7 +8,7 @@ use clap::Args;
 use serde::Deserialize;
 use serde_json::{json, Value};
 use std::time::{Duration, Instant};
-use uswap_core::{control, Latency, VmStatSnapshot, PAGE_SIZE};
+use uswap_core::{control, Latency, LruStats, VmStatSnapshot, PAGE_SIZE};
 
 #[derive(Args, Debug)]
 pub struct StatArgs {
@@ -51,6 +51,8 @@ struct Counters {
     major: Latency,
     resident_pages: u64,
     swap_used_pages: u64,
+    #[serde(default)]
+    lru: LruStats,
     #[serde(default)]
     shared_pages: u64,
     #[serde(default)]
@@ -159,9 +161,12 @@ fn print_block(pid: u32, s: &Snapshot) {
         n(v.direct_reclaim)
     );
     println!(
-        "  lru        policy {}: refaults {}, of them in the working set {}; promoted {}, \
-         passed over {}",
+        "  lru        {}: active {} probation {} inactive {} MiB; refaults {}, in the \
+         working set {}; promoted {}, passed over {}",
         k.lru_policy,
+        mib(c.lru.active),
+        mib(c.lru.probation),
+        mib(c.lru.inactive),
         n(v.workingset_refault),
         n(v.workingset_activate),
         n(v.pgactivate),

@@ -250,7 +250,7 @@ named_modes! {
 #[allow(clippy::derivable_impls)]
 impl Default for LruPolicy {
     fn default() -> Self {
-        LruPolicy::TwoList
+        LruPolicy::S3fifo
     }
 }
 

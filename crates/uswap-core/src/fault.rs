@@ -11,7 +11,6 @@
 use crate::breakdown::{Laps, Phase};
 use crate::config::Readahead;
 use crate::lockstat::LockClass;
-use crate::lru::LruList;
 use crate::mm::events::{MappedBack, SlotAfter};
 use crate::mm::Mm;
 use crate::page::{Kind, PageLock};
@@ -19,6 +18,7 @@ use crate::readahead::{read_around, read_around_in_signal, Destination, Readahea
 use crate::stats::{FaultKind, VmEvent};
 use crate::vma::{Vma, VmaState};
 use crate::vmscan::{ChargeFailure, Reclaim};
+use crate::workingset::Arrival;
 use crate::PAGE_SIZE;
 use std::sync::atomic::Ordering::Relaxed;
 use std::time::Instant;
@@ -270,9 +270,11 @@ impl FaultPath {
         };
         mm.uncount(VmEvent::pgzerofill, (1 + after.len() - done) as u64);
         if done > 0 {
-            mm.lru().cache_add(LruList::Active, page, false);
+            // Zeros again, as at a first touch.
+            let (list, _) = mm.workingset().place(Arrival::FirstTouch);
+            mm.lru().cache_add(list, page, false);
             for l in &after[..done - 1] {
-                mm.lru().cache_add(LruList::Active, l.page(), false);
+                mm.lru().cache_add(list, l.page(), false);
             }
             return Outcome::Resolved;
         }

@@ -352,6 +352,9 @@ fn rebuild(
 ) -> Result<Assembly> {
     let mm = old.fault().mm();
     let mut cfg = old.config().clone();
+    // The LRU policy in force, which the program may have switched since the region was
+    // made.
+    cfg.lru_policy = mm.workingset().policy();
     // A private group was the parent's alone; a tree's group is joined anew.
     cfg.memcg = cfg.memcg.filter(|cg| cg.is_shared());
     // The parent's own runs, where the child has them: a run the program unmapped just

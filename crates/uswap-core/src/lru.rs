@@ -799,15 +799,7 @@ mod loom_tests {
             model(move || {
                 let pages = Arc::new(PageTable::new(2));
                 let lru = Arc::new(Lru::new(2, *mode, 2, 1));
-                let fault = {
-                    let (pages, lru) = (pages.clone(), lru.clone());
-                    loom::thread::spawn(move || {
-                        for p in 0..2 {
-                            let lock = pages.lock(p);
-                            lru.cache_add(LruList::Active, lock.page(), false);
-                        }
-                    })
-                };
+                let fault = fault_adding(&pages, &lru, LruList::Active);
                 let mover = {
                     let (pages, lru) = (pages.clone(), lru.clone());
                     loom::thread::spawn(move || {
@@ -819,14 +811,7 @@ mod loom_tests {
                 lru.drain_all();
                 fault.join().unwrap();
                 mover.join().unwrap();
-                lru.drain_all();
-                let active = lru.members(LruList::Active).unwrap();
-                let inactive = lru.members(LruList::Inactive).unwrap();
-                for p in 0..2u32 {
-                    let on = active.contains(&p) as u8 + inactive.contains(&p) as u8;
-                    assert_eq!(on, 1, "{mode}: page {p} on {on} lists");
-                    assert!(lru.list_of(p as usize).is_some());
-                }
+                each_page_on_one_list(&lru, *mode);
             });
         }
     }
@@ -841,15 +826,7 @@ mod loom_tests {
             model(move || {
                 let pages = Arc::new(PageTable::new(2));
                 let lru = Arc::new(Lru::new(2, *mode, 2, 1));
-                let fault = {
-                    let (pages, lru) = (pages.clone(), lru.clone());
-                    loom::thread::spawn(move || {
-                        for p in 0..2 {
-                            let lock = pages.lock(p);
-                            lru.cache_add(LruList::Probation, lock.page(), false);
-                        }
-                    })
-                };
+                let fault = fault_adding(&pages, &lru, LruList::Probation);
                 let promotion = {
                     let (pages, lru) = (pages.clone(), lru.clone());
                     loom::thread::spawn(move || {
@@ -863,14 +840,34 @@ mod loom_tests {
                 drop(isolated);
                 fault.join().unwrap();
                 promotion.join().unwrap();
-                lru.drain_all();
-                let lists: Vec<Vec<u32>> = LISTS.map(|l| lru.members(l).unwrap()).into();
-                for p in 0..2u32 {
-                    let on = lists.iter().filter(|m| m.contains(&p)).count();
-                    assert_eq!(on, 1, "{mode}: page {p} on {on} lists");
-                    assert!(lru.list_of(p as usize).is_some());
-                }
+                each_page_on_one_list(&lru, *mode);
             });
+        }
+    }
+
+    /// A fault adding pages 0 and 1 to `list`, each with its page lock held, through a
+    /// per-CPU batch of 2 (the second add links the batch).
+    fn fault_adding(
+        pages: &Arc<PageTable>,
+        lru: &Arc<Lru>,
+        list: LruList,
+    ) -> loom::thread::JoinHandle<()> {
+        let (pages, lru) = (pages.clone(), lru.clone());
+        loom::thread::spawn(move || {
+            for p in 0..2 {
+                let lock = pages.lock(p);
+                lru.cache_add(list, lock.page(), false);
+            }
+        })
+    }
+
+    /// After a drain, pages 0 and 1 are each on exactly one of the lists.
+    fn each_page_on_one_list(lru: &Lru, mode: LruLockMode) {
+        lru.drain_all();
+        let lists: Vec<Vec<u32>> = LISTS.map(|l| lru.members(l).unwrap()).into();
+        for p in 0..2u32 {
+            let on = lists.iter().filter(|m| m.contains(&p)).count();
+            assert_eq!(on, 1, "{mode}: page {p} on {on} lists");
         }
     }
 

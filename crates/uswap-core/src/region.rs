@@ -380,7 +380,7 @@ impl Region {
             locks.iter_mut().for_each(|l| {
                 l.second_chance();
             });
-            reclaim.deactivate(&mut locks);
+            reclaim.deactivate(&mut locks, LruList::Active);
         }
         if advice == Advice::PageOut {
             for chunk in chunks() {

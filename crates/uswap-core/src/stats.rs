@@ -96,10 +96,11 @@ vmstat! {
     pgactivate,
     /// Pages moved from the active to the inactive list (unmapped, data kept).
     pgdeactivate,
-    /// Swap-ins of pages evicted from this region before (they had a shadow).
+    /// Swap-ins a fault asked for (not readahead) of pages evicted from this region before
+    /// (they had a shadow).
     workingset_refault,
     /// Of those, pages evicted within the working set (refault distance no longer than the
-    /// active list), which went straight to the active list.
+    /// mapped lists, active and probation), which went straight to the active list.
     workingset_activate,
     /// Active pages aging passed over once because they had faulted back from the inactive
     /// list since it last took them (second chance, the kernel's referenced check).

@@ -153,8 +153,9 @@ impl<'a> Vma<'a> {
                     _ => mm.discard_page(lock),
                 }
             }
-            // Like the kernel's lazy-free list: reclaim takes them first.
-            mm.lru().add_tail(LruList::Active, lazy);
+            // Like the kernel's lazy-free pages: reclaim takes them first (it ages the
+            // probation list before the active one, under either policy).
+            mm.lru().add_tail(LruList::Probation, lazy);
             mm.count(VmEvent::pgdiscard, chunk.len() as u64);
             first = chunk.end;
         }
@@ -228,7 +229,7 @@ impl<'a> Vma<'a> {
         }
         let list = mm.lru().list_of(a);
         let moved = mm.take_out(&mut src);
-        mm.moved_in(&mut dst, moved, list);
+        mm.moved_in(&mut dst, &src, moved, list);
     }
 
     /// The page at region page `a` moved to `dst`, outside the region. A mapped page moved

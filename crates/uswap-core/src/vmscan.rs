@@ -272,14 +272,18 @@ impl Reclaim {
             } else {
                 batch
             };
-            mm.lru().isolate(
-                mm.pages(),
-                mm.workingset().aging_source(mm.lru()),
-                victims.min(short),
-                &mut isolated,
-            );
-            self.look_around(&mut isolated, batch);
-            self.deactivate(&mut isolated);
+            // Probation first; if every page there is locked (faults in progress), the
+            // active list, so a busy probation list cannot stall aging.
+            let mut from = mm.workingset().aging_source(mm.lru());
+            mm.lru()
+                .isolate(mm.pages(), from, victims.min(short), &mut isolated);
+            if isolated.is_empty() && from == LruList::Probation {
+                from = LruList::Active;
+                mm.lru()
+                    .isolate(mm.pages(), from, victims.min(short), &mut isolated);
+            }
+            self.look_around(&mut isolated, from, batch);
+            self.deactivate(&mut isolated, from);
             isolated.clear();
         }
         mm.lru()
@@ -287,15 +291,15 @@ impl Reclaim {
         self.evict(&mut isolated)
     }
 
-    /// Adds to pages isolated from a mapped list their neighbours in the same aligned
-    /// block (`aging_block` pages) that are active, on a mapped list, not referenced
+    /// Adds to pages isolated from mapped list `from` their neighbours in the same aligned
+    /// block (`aging_block` pages) that are active, on that list, not referenced
     /// since the last aging and not locked, up to `max` pages in all. A random batch then
     /// moves in runs instead of page by page: UFFDIO_MOVE flushes the TLB once per run on
     /// kernels that batch its flushes (Linux 6.18 here: 1.3 µs a page in runs of 32, 25 µs
     /// alone, with the program's thread on the other CPU), where the kernel's own reclaim
     /// flushes once per batch. The accessed bit that would say which neighbours are in use
     /// is not visible to user space; a neighbour in use comes back with a minor fault.
-    fn look_around<'t>(&'t self, isolated: &mut Vec<PageLock<'t>>, max: usize) {
+    fn look_around<'t>(&'t self, isolated: &mut Vec<PageLock<'t>>, from: LruList, max: usize) {
         let block = self.aging_block;
         if block <= 1 {
             return;
@@ -321,7 +325,7 @@ impl Reclaim {
                 };
                 if lock.kind() == Kind::Active
                     && !lock.state().referenced()
-                    && lru.list_of(page).is_some_and(|l| l != LruList::Inactive)
+                    && lru.list_of(page) == Some(from)
                 {
                     lru.remove(page);
                     isolated.push(lock);
@@ -348,7 +352,7 @@ impl Reclaim {
     /// are adjacent, with adjacent frames, move together: one UFFDIO_MOVE, one TLB flush.
     /// A page that cannot be moved (mlocked or mprotected by the program, pinned by I/O in
     /// flight, or unmapped under us) stays active and is counted.
-    pub fn deactivate(&self, locks: &mut [PageLock<'_>]) {
+    pub fn deactivate(&self, locks: &mut [PageLock<'_>], from: LruList) {
         let mm = &self.mm;
         let mut laps = Laps::new(mm.breakdown(), Instant::now());
         // Pages a system call has pinned (SIGBUS mode) stay as they are; referenced pages
@@ -374,9 +378,19 @@ impl Reclaim {
         self.move_to_staging(&mut locks[..moving]);
         drop(fence);
         // The pages parked are on the inactive list now, and a lazily freed one found
-        // zapped on none; the rest stayed as they were and go back to the active list.
-        let stayed = locks.iter().filter(|l| LruList::Active.holds(l.kind()));
-        mm.lru().add(LruList::Active, stayed.map(|l| l.page()));
+        // zapped on none. Of those that stayed mapped, the ones aging tried and could not
+        // move (mlocked, mprotected) go to the active list, where aging comes back to them
+        // last: on probation they would hold aging there for ever. The rest (referenced,
+        // pinned, or all while a fork held its fence) go back to the list they came from.
+        let stayed = |ls: &[PageLock<'_>]| {
+            ls.iter()
+                .filter(|l| LruList::Active.holds(l.kind()))
+                .map(|l| l.page())
+                .collect::<Vec<_>>()
+        };
+        let (tried, untried) = locks.split_at(moving);
+        mm.lru().add(LruList::Active, stayed(tried));
+        mm.lru().add(from, stayed(untried));
         laps.lap(Phase::Deactivate);
     }
 
@@ -763,6 +777,7 @@ impl Reclaim {
 #[cfg(all(test, not(loom)))]
 mod tests {
     use super::*;
+    use crate::config::LruPolicy;
     use crate::region::{testing, Advice};
 
     fn count(mm: &Mm, event: VmEvent) -> u64 {
@@ -776,7 +791,7 @@ mod tests {
         let resident = mm.budget().resident();
         let mut locks = reclaim.lock_kind(0..8, Kind::Active);
         assert_eq!(locks.len(), 8);
-        reclaim.deactivate(&mut locks);
+        reclaim.deactivate(&mut locks, LruList::Active);
         assert!(locks.iter().all(|l| l.kind() == Kind::Inactive));
         drop(locks);
         assert_eq!(count(mm, VmEvent::pgdeactivate), 8);
@@ -795,6 +810,52 @@ mod tests {
         }
     }
 
+    /// A probation list of pages that cannot move (the program made them read-only, as
+    /// a JVM or node does with parts of its heap) must not hold aging there: they go to
+    /// the active list, and aging goes on to pages that can move.
+    #[test]
+    fn probation_pages_that_cannot_move_do_not_hold_aging_there() {
+        let region = testing::region(64, 64, |cfg| cfg.lru_policy = LruPolicy::S3fifo);
+        let (mm, reclaim) = (region.mm(), region.fault_path().reclaim());
+        // Pages 0..32 on the active list (as if touched again), 32..64 on probation and
+        // read-only. (The handler thread lists the last fault's pages after the fill has
+        // woken the writer: wait for them.)
+        let locks = reclaim.lock_kind(0..32, Kind::Active);
+        mm.lru()
+            .add(LruList::Active, locks.iter().map(|l| l.page()));
+        drop(locks);
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while mm.lru().len(LruList::Probation) < 32 && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(1));
+            mm.lru().drain_all();
+        }
+        assert_eq!(mm.lru().len(LruList::Probation), 32);
+        let ro = testing::byte_at(&region, 32).cast();
+        // SAFETY: pages of the region, made readable only, then writable again below.
+        assert_eq!(
+            unsafe { libc::mprotect(ro, 32 * PAGE_SIZE, libc::PROT_READ) },
+            0
+        );
+        for _ in 0..4 {
+            reclaim.shrink();
+        }
+        let parked = (0..32).filter(|&p| mm.pages().peek(p).0.kind() != Kind::Active);
+        assert!(parked.count() > 0, "aging reached the active list");
+        assert_eq!(
+            mm.lru().len(LruList::Probation),
+            0,
+            "the stuck pages left it"
+        );
+        assert!(count(mm, VmEvent::pgskip_unmovable) >= 32);
+        // SAFETY: as above.
+        let rw = libc::PROT_READ | libc::PROT_WRITE;
+        assert_eq!(unsafe { libc::mprotect(ro, 32 * PAGE_SIZE, rw) }, 0);
+        region.check_invariants().unwrap();
+        for page in 0..64 {
+            assert_eq!(testing::read(&region, page), page as u8 + 1);
+        }
+    }
+
     #[test]
     fn reclaim_forgets_zero_pages_and_drops_clean_ones_without_writing() {
         let region = testing::region(64, 64, |_| {});
@@ -809,7 +870,7 @@ mod tests {
         let written = count(mm, VmEvent::pswpout);
         let clean_slot = mm.pages().peek(1).0.slot();
         let mut locks = reclaim.lock_kind(0..2, Kind::Active);
-        reclaim.deactivate(&mut locks);
+        reclaim.deactivate(&mut locks, LruList::Active);
         drop(locks);
         let mut locks = reclaim.lock_kind(0..2, Kind::Inactive);
         assert_eq!(reclaim.evict(&mut locks), 2);
@@ -837,15 +898,15 @@ mod tests {
         let mut held = 0;
         let pass = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
             let mut isolated = Isolated::new(mm, 12);
-            mm.lru()
-                .isolate(mm.pages(), LruList::Active, 8, &mut isolated);
+            let mapped = mm.workingset().aging_source(mm.lru());
+            mm.lru().isolate(mm.pages(), mapped, 8, &mut isolated);
             mm.lru()
                 .isolate(mm.pages(), LruList::Inactive, 4, &mut isolated);
             held = isolated.len();
             panic!("injected mid-pass (test)");
         }));
         assert!(pass.is_err());
-        assert_eq!(held, 12, "the pass held pages of both lists");
+        assert_eq!(held, 12, "the pass held mapped and inactive pages");
         assert_eq!(mm.lru().list_of(0), Some(LruList::Inactive));
         // Every page in memory is on its list again.
         region.check_invariants().unwrap();
@@ -861,14 +922,14 @@ mod tests {
         assert_eq!(testing::read(&region, 2), 3, "promoted, referenced");
         mm.lru().drain_all();
         let mut locks = reclaim.lock_kind(2..3, Kind::Active);
-        reclaim.deactivate(&mut locks);
+        reclaim.deactivate(&mut locks, LruList::Active);
         assert_eq!(locks[0].kind(), Kind::Active);
         assert!(!locks[0].state().referenced(), "its second chance is spent");
         drop(locks);
         assert_eq!(count(mm, VmEvent::pgreferenced), 1);
         assert_eq!(mm.lru().list_of(2), Some(LruList::Active));
         let mut locks = reclaim.lock_kind(2..3, Kind::Active);
-        reclaim.deactivate(&mut locks);
+        reclaim.deactivate(&mut locks, LruList::Active);
         assert_eq!(locks[0].kind(), Kind::Inactive);
         drop(locks);
         region.check_invariants().unwrap();

@@ -21,10 +21,10 @@
 //!
 //! # Policies (`Config::lru_policy`, switchable while the region runs)
 //!
-//! - `two-list`: every page mapped goes to the head of the active list, readahead to its
+//! - `two-list` (uswap's behaviour before the policies): every page mapped goes to the head of the active list, readahead to its
 //!   tail; aging takes the active tail into the inactive window (unmapped), where a touch
 //!   promotes it. Shadows are kept and refaults counted, nothing else changes.
-//! - `s3fifo`: S3-FIFO (Yang et al., SOSP 2023) on uswap's lists. New pages — first touch,
+//! - `s3fifo`, the default: S3-FIFO (Yang et al., SOSP 2023) on uswap's lists. New pages — first touch,
 //!   and swap-ins whose refault distance is past the working set — go to the probation
 //!   list, which aging empties first: the next pages aging unmaps are the newest arrivals,
 //!   so probation and the inactive window together are S3-FIFO's small FIFO. A page
@@ -100,7 +100,20 @@ impl Workingset {
         self.shadows[page].store(stamp, Relaxed);
     }
 
-    /// An inactive page was promoted: the age moves on, as it does for an eviction.
+    /// A page (locked) that left the region, or whose data the program discarded, has no
+    /// past here.
+    pub fn forget(&self, page: usize) {
+        self.shadows[page].store(0, Relaxed);
+    }
+
+    /// The page at `from` moved to `to` (both locked, mremap inside the region): its
+    /// shadow goes with it.
+    pub fn moved(&self, from: usize, to: usize) {
+        self.shadows[to].store(self.shadows[from].swap(0, Relaxed), Relaxed);
+    }
+
+    /// An inactive page was promoted, or a refault joined the active list: the age moves
+    /// on, as it does for an eviction.
     pub fn activated(&self) {
         self.age.fetch_add(1, Relaxed);
     }

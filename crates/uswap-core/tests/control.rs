@@ -135,7 +135,7 @@ fn readahead_knobs_switch_the_running_region() {
     assert_eq!(
         knobs["knobs"],
         json!({"memory": 2 * MIB, "swap_ra_policy": "fixed", "page-cluster": 5,
-               "lru_policy": "two-list", "ztier": "on", "ztier_size": "20%"})
+               "lru_policy": "s3fifo", "ztier": "on", "ztier_size": "20%"})
     );
     assert_eq!(stat()["stats"]["readahead"]["policy"], "fixed");
 }
@@ -146,16 +146,15 @@ fn the_lru_policy_switches_the_running_region_and_data_survives() {
     let (region, _server) = served(8 * MIB, 2 * MIB);
     let pages = region.len() / PAGE_SIZE;
     fill(&region, 0..pages, 1);
-    assert_eq!(
-        set("lru_policy", json!("s3fifo")).unwrap(),
-        json!({"ok": true})
-    );
-    assert_eq!(region.lru_policy(), LruPolicy::S3fifo);
+    assert_eq!(region.lru_policy(), LruPolicy::S3fifo, "the default");
+    let done = set("lru_policy", json!("two-list")).unwrap();
+    assert_eq!(done, json!({"ok": true}));
+    assert_eq!(region.lru_policy(), LruPolicy::TwoList);
     let now = stat();
-    assert_eq!(now["knobs"]["lru_policy"], "s3fifo");
-    assert_eq!(now["stats"]["lru"]["policy"], "s3fifo");
+    assert_eq!(now["knobs"]["lru_policy"], "two-list");
+    assert_eq!(now["stats"]["lru"]["policy"], "two-list");
     fill(&region, 0..pages, 2);
-    set("lru_policy", json!("two-list")).unwrap();
+    set("lru_policy", json!("s3fifo")).unwrap();
     for p in 0..pages {
         unsafe { common::check(region.as_ptr(), p, 2) }.unwrap();
     }
@@ -165,7 +164,7 @@ fn the_lru_policy_switches_the_running_region_and_data_survives() {
         refused.contains("s3fifo") && refused.contains("two-list"),
         "{refused}"
     );
-    assert_eq!(region.lru_policy(), LruPolicy::TwoList);
+    assert_eq!(region.lru_policy(), LruPolicy::S3fifo);
     region.check_invariants().unwrap();
 }
 

@@ -126,6 +126,7 @@ impl Mm {
                 self.count(VmEvent::workingset_refault, 1);
             }
             if refault == Refault::Workingset {
+                self.workingset().activated();
                 self.count(VmEvent::workingset_activate, 1);
             }
             Arrival::SwapIn(refault)
@@ -277,6 +278,7 @@ impl Mm {
     /// held given back.
     pub fn unmap_page(&self, lock: &mut PageLock<'_>) {
         self.off_list(lock);
+        self.workingset().forget(lock.page());
         let held = lock.unmap();
         self.release_held(held);
         self.debug_check(lock);
@@ -291,11 +293,18 @@ impl Mm {
         held
     }
 
-    /// Page event, mremap inside the region: `dst` takes over what another page held
-    /// (`moved`, from [`Mm::take_out`]), with its slot's owner and swap cache entry, on
-    /// `list`, the list the page was on.
-    pub fn moved_in(&self, dst: &mut PageLock<'_>, moved: PageState, list: Option<LruList>) {
+    /// Page event, mremap inside the region: `dst` takes over what the page at `from`
+    /// held (`moved`, from [`Mm::take_out`]; its lock held too), with its slot's owner,
+    /// swap cache entry and shadow, on `list`, the list the page was on.
+    pub fn moved_in(
+        &self,
+        dst: &mut PageLock<'_>,
+        from: &PageLock<'_>,
+        moved: PageState,
+        list: Option<LruList>,
+    ) {
         let page = dst.page();
+        self.workingset().moved(from.page(), page);
         if let Some(slot) = moved.slot() {
             self.own_slot(slot, page);
             if moved.is_resident() {
@@ -315,6 +324,7 @@ impl Mm {
     /// `Discarded` (zeros from now on), and what it held given back.
     pub fn discard_page(&self, lock: &mut PageLock<'_>) {
         self.off_list(lock);
+        self.workingset().forget(lock.page());
         let held = lock.discard();
         self.release_held(held);
         self.debug_check(lock);
@@ -533,7 +543,8 @@ mod tests {
         assert_eq!(mm.budget().resident(), 2);
         assert_eq!(mm.vmstat().get(VmEvent::pgzerofill), 2);
         mm.lru().drain_all();
-        assert_eq!(mm.lru().list_of(8), Some(LruList::Active));
+        let (list, _) = mm.workingset().place(Arrival::FirstTouch);
+        assert_eq!(mm.lru().list_of(8), Some(list));
         assert_eq!(mm.lru().list_of(10), None);
     }
 
