@@ -109,8 +109,8 @@ impl std::fmt::Display for Metadata {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "memory outside the limit: {} per GiB of region (page table, LRU, shadows), {} per GiB of \
-             swap written (seals; {} with --swap-encryption off)",
+            "memory outside the limit: {} per GiB of region (page table, LRU, shadows), {} per \
+             GiB of swap written (seals; {} with --swap-encryption off)",
             crate::report::size(self.per_gib_of_region),
             crate::report::size(self.per_gib_of_swap),
             crate::report::size(self.per_gib_of_plain_swap)

@@ -251,9 +251,9 @@ impl Reclaim {
 
     /// One reclaim pass: top the inactive list up from the tail of a mapped list (the
     /// policy's choice, `Workingset::aging_source`; at most a few batches per pass, so a
-    /// direct reclaimer is not held long), then reclaim a batch from the inactive tail. Pages deactivated now sit behind older inactive pages, so they get
-    /// their second chance: a touch before they reach the tail promotes them. Returns the
-    /// pages freed.
+    /// direct reclaimer is not held long), then reclaim a batch from the inactive tail.
+    /// Pages deactivated now sit behind older inactive pages, so they get their second
+    /// chance: a touch before they reach the tail promotes them. Returns the pages freed.
     pub fn shrink(&self) -> u64 {
         let (mm, batch) = (&self.mm, self.batch);
         mm.lru().drain_all();
@@ -382,15 +382,12 @@ impl Reclaim {
         // move (mlocked, mprotected) go to the active list, where aging comes back to them
         // last: on probation they would hold aging there for ever. The rest (referenced,
         // pinned, or all while a fork held its fence) go back to the list they came from.
-        let stayed = |ls: &[PageLock<'_>]| {
-            ls.iter()
-                .filter(|l| LruList::Active.holds(l.kind()))
-                .map(|l| l.page())
-                .collect::<Vec<_>>()
-        };
+        let mapped = |l: &&PageLock<'_>| LruList::Active.holds(l.kind());
         let (tried, untried) = locks.split_at(moving);
-        mm.lru().add(LruList::Active, stayed(tried));
-        mm.lru().add(from, stayed(untried));
+        let tried = tried.iter().filter(mapped).map(|l| l.page());
+        mm.lru().add(LruList::Active, tried);
+        let untried = untried.iter().filter(mapped).map(|l| l.page());
+        mm.lru().add(from, untried);
         laps.lap(Phase::Deactivate);
     }
 

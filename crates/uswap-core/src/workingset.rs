@@ -21,12 +21,13 @@
 //!
 //! # Policies (`Config::lru_policy`, switchable while the region runs)
 //!
-//! - `two-list` (uswap's behaviour before the policies): every page mapped goes to the head of the active list, readahead to its
-//!   tail; aging takes the active tail into the inactive window (unmapped), where a touch
-//!   promotes it. Shadows are kept and refaults counted, nothing else changes.
-//! - `s3fifo`, the default: S3-FIFO (Yang et al., SOSP 2023) on uswap's lists. New pages — first touch,
-//!   and swap-ins whose refault distance is past the working set — go to the probation
-//!   list, which aging empties first: the next pages aging unmaps are the newest arrivals,
+//! - `two-list` (uswap's behaviour before the policies): every page mapped goes to the
+//!   head of the active list, readahead to its tail; aging takes the active tail into the
+//!   inactive window (unmapped), where a touch promotes it. Shadows are kept and refaults
+//!   counted, nothing else changes.
+//! - `s3fifo`, the default: S3-FIFO (Yang et al., SOSP 2023) on uswap's lists. New pages —
+//!   first touch, and swap-ins whose refault distance is past the working set — go to the
+//!   probation list, which aging empties first: the next pages aging unmaps are the newest arrivals,
 //!   so probation and the inactive window together are S3-FIFO's small FIFO. A page
 //!   touched in the window is promoted to the active list (the main FIFO), one not touched
 //!   is evicted and leaves a shadow (the ghost FIFO); a refault within the working set
