@@ -2,7 +2,7 @@
 //! clean. (The kernel backend is not run here: it needs root and changes the machine;
 //! tests/kernel_run.rs runs it.)
 
-use std::os::unix::fs::PermissionsExt;
+use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
 use std::os::unix::process::CommandExt;
 use std::path::Path;
 use std::process::{Child, Command, Output, Stdio};
@@ -373,6 +373,44 @@ fn a_running_benchmark_is_watched_and_tuned_through_its_control_socket() {
     }
     refused_to_another_user(tmp.path(), &runtime, &pid);
 
+    let out = bench.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(!socket.exists(), "the socket goes with the benchmark");
+}
+
+/// With `$XDG_RUNTIME_DIR` set (and no `USWAP_RUNTIME_DIR`), the socket is in
+/// `$XDG_RUNTIME_DIR/uswap`, and `uswap stat` run without either variable finds it there
+/// through the target's environment.
+#[test]
+fn the_socket_is_in_the_users_runtime_dir_and_stat_finds_it_there() {
+    let tmp = tempfile::tempdir().unwrap();
+    let xdg = tmp.path().join("xdg");
+    std::fs::DirBuilder::new().mode(0o700).create(&xdg).unwrap();
+    let mut bench = Command::new(BIN)
+        .args(["bench", "random", "--size", "8M", "--memory", "4M"])
+        .args(["--seconds", "4", "--json"])
+        .env_remove("USWAP_RUNTIME_DIR")
+        .env("XDG_RUNTIME_DIR", &xdg)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let pid = bench.id().to_string();
+    let socket = xdg.join("uswap").join(format!("{pid}.sock"));
+    wait_for_socket(&socket, &mut bench);
+    let args = ["stat", &pid, "--json"];
+    let out = Command::new(BIN)
+        .args(args)
+        .env_remove("USWAP_RUNTIME_DIR")
+        .env_remove("XDG_RUNTIME_DIR")
+        .output()
+        .unwrap();
+    let stat = json_of(&args, out);
+    assert_eq!(stat["pid"].to_string(), pid);
     let out = bench.wait_with_output().unwrap();
     assert!(
         out.status.success(),

@@ -4,9 +4,14 @@
 //!
 //! # Where, and who may use it
 //!
-//! One socket per process: `<dir>/<pid>.sock`, where `<dir>` is `$USWAP_RUNTIME_DIR` when
-//! set, else `/tmp/uswap-<uid>` (`uid`: the server's effective uid; a client finds it as the
-//! owner of `/proc/<pid>`). The server creates `<dir>` with mode 0700 and refuses one that is
+//! One socket per process: `<dir>/<pid>.sock`, where `<dir>` is, from the server's
+//! environment, `$USWAP_RUNTIME_DIR` when set, else `$XDG_RUNTIME_DIR/uswap` when that is set
+//! (the user's own directory, `/run/user/<uid>` under systemd), else `/tmp/uswap-<uid>`
+//! (`uid`: the server's effective uid). A client looks where its own `$USWAP_RUNTIME_DIR`
+//! points, then where the target's environment (`/proc/<pid>/environ`, readable by its owner
+//! and root) puts the socket, then in `/tmp/uswap-<uid>` with the uid of `/proc/<pid>`'s
+//! owner: root's `uswap stat` finds any user's process. The server creates `<dir>` with mode
+//! 0700 and refuses one that is
 //! not a directory of its own (checked with lstat, so a symbolic link is refused) or that
 //! lets group or others in: in a shared `/tmp` another user could otherwise create the
 //! directory first and read or replace the socket. The socket itself is 0600, and every
@@ -48,8 +53,10 @@ use crate::error::{Error, Result};
 use crate::region::Region;
 use crate::PAGE_SIZE;
 use serde_json::{json, Value};
+use std::ffi::OsString;
 use std::io::{self, BufRead, BufReader, ErrorKind, Read, Write};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::unix::ffi::OsStringExt;
 use std::os::unix::fs::{DirBuilderExt, FileTypeExt, MetadataExt, PermissionsExt};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
@@ -59,6 +66,9 @@ use std::time::{Duration, Instant};
 
 /// The environment variable that moves the socket directory.
 pub const RUNTIME_DIR_VAR: &str = "USWAP_RUNTIME_DIR";
+
+/// The user's runtime directory (XDG Base Directory); the socket directory is `uswap` in it.
+const XDG_RUNTIME_DIR_VAR: &str = "XDG_RUNTIME_DIR";
 
 /// How long a `memory` request that lowers the limit waits for reclaim to reach it.
 pub const RECLAIM_WAIT: Duration = Duration::from_secs(5);
@@ -73,13 +83,63 @@ const CLIENT_TIMEOUT: Duration = Duration::from_secs(30);
 /// The longest request line the server reads.
 const MAX_REQUEST: u64 = 4096;
 
-/// The control socket of process `pid` whose effective uid is `uid`.
+/// The control socket this process would serve as process `pid` of effective uid `uid`,
+/// by this process's environment (see the module documentation).
 pub fn socket_path(pid: u32, uid: u32) -> PathBuf {
-    let dir = match std::env::var_os(RUNTIME_DIR_VAR) {
-        Some(dir) if !dir.is_empty() => PathBuf::from(dir),
-        _ => PathBuf::from(format!("/tmp/uswap-{uid}")),
-    };
-    dir.join(format!("{pid}.sock"))
+    runtime_dir(|name| std::env::var_os(name), uid).join(format!("{pid}.sock"))
+}
+
+/// The socket directory of a process of uid `uid` whose environment is `env`.
+fn runtime_dir(env: impl Fn(&str) -> Option<OsString>, uid: u32) -> PathBuf {
+    let set = |name| env(name).filter(|v| !v.is_empty()).map(PathBuf::from);
+    if let Some(dir) = set(RUNTIME_DIR_VAR) {
+        dir
+    } else if let Some(xdg) = set(XDG_RUNTIME_DIR_VAR).filter(|d| d.is_absolute()) {
+        xdg.join("uswap")
+    } else {
+        fallback_dir(uid)
+    }
+}
+
+/// The socket directory of a process of uid `uid` with neither variable set.
+fn fallback_dir(uid: u32) -> PathBuf {
+    PathBuf::from(format!("/tmp/uswap-{uid}"))
+}
+
+/// Where a client looks for the socket of process `pid` of uid `owner`, in order, without
+/// repeats: its own `$USWAP_RUNTIME_DIR`, the directory the target's environment names, and
+/// the fallback directory.
+fn candidate_sockets(pid: u32, owner: u32) -> Vec<PathBuf> {
+    let mut dirs = Vec::with_capacity(3);
+    if let Some(own) = std::env::var_os(RUNTIME_DIR_VAR).filter(|v| !v.is_empty()) {
+        dirs.push(PathBuf::from(own));
+    }
+    if let Some(environ) = process_environment(pid) {
+        dirs.push(runtime_dir(|name| environ_get(&environ, name), owner));
+    }
+    dirs.push(fallback_dir(owner));
+    let mut sockets: Vec<PathBuf> = Vec::with_capacity(dirs.len());
+    for dir in dirs {
+        let socket = dir.join(format!("{pid}.sock"));
+        if !sockets.contains(&socket) {
+            sockets.push(socket);
+        }
+    }
+    sockets
+}
+
+/// The environment process `pid` started with (`None` when it cannot be read: another
+/// user's process, or a kernel thread).
+fn process_environment(pid: u32) -> Option<Vec<u8>> {
+    std::fs::read(format!("/proc/{pid}/environ")).ok()
+}
+
+/// The value of `name` in a NUL-separated environment block.
+fn environ_get(environ: &[u8], name: &str) -> Option<OsString> {
+    environ.split(|&b| b == 0).find_map(|entry| {
+        let value = entry.strip_prefix(name.as_bytes())?.strip_prefix(b"=")?;
+        Some(OsString::from_vec(value.to_vec()))
+    })
 }
 
 /// Serves statistics and knobs of one region on the process's control socket, from a
@@ -521,7 +581,7 @@ fn set_memory(region: &Region, text: &str) -> Result<()> {
 /// reply is an error ([`Error::ControlRefused`]), as are a missing process, a process
 /// without a control socket and a socket of another user, each its own [`Error`]. A
 /// request that finds no server removes the sockets of processes that are gone from the
-/// directory it looked in (the next server's start does too).
+/// directories it looked in (the next server's start does too).
 pub fn request(pid: u32, request: &Value) -> Result<Value> {
     let owner = process_owner(pid).inspect_err(|_| {
         // SAFETY: no arguments.
@@ -530,27 +590,38 @@ pub fn request(pid: u32, request: &Value) -> Result<Value> {
             remove_dead(dir);
         }
     })?;
-    let path = socket_path(pid, owner);
-    let stream = UnixStream::connect(&path).map_err(|e| match e.kind() {
-        // No socket, or one nobody accepts on (its process is gone and the pid reused).
-        ErrorKind::NotFound | ErrorKind::ConnectionRefused => {
-            if let Some(dir) = path.parent() {
-                remove_dead(dir);
+    let candidates = candidate_sockets(pid, owner);
+    let not_under_uswap = || {
+        for dir in candidates.iter().filter_map(|c| c.parent()) {
+            remove_dead(dir);
+        }
+        let places: Vec<String> = candidates.iter().map(|c| c.display().to_string()).collect();
+        Error::NotUnderUswap {
+            pid,
+            places: places.join(" or "),
+        }
+    };
+    let mut connected = None;
+    for path in &candidates {
+        match UnixStream::connect(path) {
+            Ok(stream) => {
+                connected = Some((stream, path.clone()));
+                break;
             }
-            Error::NotUnderUswap {
-                pid,
-                path: path.clone(),
+            // No socket there, or one nobody accepts on (its process is gone and the pid
+            // reused): look in the next place.
+            Err(e) if matches!(e.kind(), ErrorKind::NotFound | ErrorKind::ConnectionRefused) => {}
+            Err(e) if e.kind() == ErrorKind::PermissionDenied => {
+                let path = path.clone();
+                return Err(Error::ControlDenied { pid, path });
+            }
+            Err(source) => {
+                let op = "connecting to the control socket";
+                return Err(Error::Os { op, source });
             }
         }
-        ErrorKind::PermissionDenied => Error::ControlDenied {
-            pid,
-            path: path.clone(),
-        },
-        _ => Error::Os {
-            op: "connecting to the control socket",
-            source: e,
-        },
-    })?;
+    }
+    let (stream, path) = connected.ok_or_else(not_under_uswap)?;
     // Whoever made the directory first could answer at the path: the server must be the
     // process itself, running as its owner, before anything is sent or believed.
     let libc::ucred {
@@ -611,4 +682,32 @@ fn exchange(stream: &UnixStream, request: &Value) -> io::Result<Value> {
         ));
     }
     serde_json::from_str(&reply).map_err(|e| io::Error::new(ErrorKind::InvalidData, e))
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+
+    fn dir_of(environ: &[u8]) -> PathBuf {
+        runtime_dir(|name| environ_get(environ, name), 1000)
+    }
+
+    /// `USWAP_RUNTIME_DIR` wins, then an absolute `XDG_RUNTIME_DIR` (its `uswap`
+    /// subdirectory), then `/tmp/uswap-UID`; empty values count as unset, and a name that
+    /// only starts like a variable's is not it.
+    #[test]
+    fn the_socket_directory_follows_the_environment_in_order() {
+        let both = b"XDG_RUNTIME_DIR=/run/user/1000\0USWAP_RUNTIME_DIR=/srv/u\0";
+        assert_eq!(dir_of(both), Path::new("/srv/u"));
+        let xdg = b"HOME=/h\0XDG_RUNTIME_DIR=/run/user/1000\0";
+        assert_eq!(dir_of(xdg), Path::new("/run/user/1000/uswap"));
+        for fallback in [
+            &b"XDG_RUNTIME_DIR=relative\0"[..],
+            b"USWAP_RUNTIME_DIR=\0XDG_RUNTIME_DIR=\0",
+            b"XDG_RUNTIME_DIRX=/run/user/1000\0",
+            b"",
+        ] {
+            assert_eq!(dir_of(fallback), Path::new("/tmp/uswap-1000"));
+        }
+    }
 }

@@ -76,10 +76,10 @@ pub enum Error {
     NoSuchProcess { pid: u32 },
 
     #[error(
-        "process {pid} is not running under uswap: it has no control socket at {path} (or it \
-         runs with another USWAP_RUNTIME_DIR)"
+        "process {pid} is not running under uswap: it has no control socket at {places} (if \
+         it moved its socket after it started, set USWAP_RUNTIME_DIR to the directory)"
     )]
-    NotUnderUswap { pid: u32, path: PathBuf },
+    NotUnderUswap { pid: u32, places: String },
 
     #[error(
         "permission denied: the control socket of process {pid} ({path}) belongs to another \

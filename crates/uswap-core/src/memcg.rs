@@ -246,18 +246,7 @@ mod shared {
         /// goes when the last member leaves (see [`MemCgroup::last_one_out`]).
         pub fn create_shared(limit: u64, dir: &Path) -> Result<(MemCgroup, PathBuf)> {
             reap_leftovers(dir);
-            let path = dir.join(format!("{FILE_PREFIX}{}", std::process::id()));
-            let flags =
-                libc::O_RDWR | libc::O_CREAT | libc::O_EXCL | libc::O_NOFOLLOW | libc::O_CLOEXEC;
-            // SAFETY: a NUL-terminated path; a new file only (O_EXCL).
-            let fd = unsafe { libc::open(c_path(&path)?.as_ptr(), flags, 0o600) };
-            if fd < 0 {
-                let e = std::io::Error::last_os_error();
-                return Err(Error::Os {
-                    op: "creating the tree's memory cgroup file",
-                    source: std::io::Error::new(e.kind(), format!("{}: {e}", path.display())),
-                });
-            }
+            let (fd, path) = create_unpredictable(dir)?;
             // SAFETY: sizing our own new file.
             if unsafe { libc::ftruncate(fd, SIZE as libc::off_t) } != 0 {
                 let e = Error::os("ftruncate");
@@ -323,8 +312,63 @@ mod shared {
         }
     }
 
-    /// Group files are named this and the PID of the `uswap run` that made them.
+    /// Group files are named this, the PID of the `uswap run` that made them and a random
+    /// part: `uswap-memcg-PID-RANDOM`.
     const FILE_PREFIX: &str = "uswap-memcg-";
+
+    /// Creates a new group file in `dir`, mode 0600, under a name no other user can guess:
+    /// the directory is often a shared one (`/var/tmp`), where a predictable name could be
+    /// taken first and refuse the run. A name that exists all the same is drawn again.
+    fn create_unpredictable(dir: &Path) -> Result<(libc::c_int, PathBuf)> {
+        const TRIES: usize = 8;
+        let flags =
+            libc::O_RDWR | libc::O_CREAT | libc::O_EXCL | libc::O_NOFOLLOW | libc::O_CLOEXEC;
+        let mut last = None;
+        for _ in 0..TRIES {
+            let mut random = [0u8; 8];
+            getrandom::fill(&mut random).map_err(|e| {
+                Error::invalid("tree memory cgroup", format!("no random name: {e}"))
+            })?;
+            let name = format!(
+                "{FILE_PREFIX}{}-{:016x}",
+                std::process::id(),
+                u64::from_ne_bytes(random)
+            );
+            let path = dir.join(name);
+            // SAFETY: a NUL-terminated path; a new file only (O_EXCL).
+            let fd = unsafe { libc::open(c_path(&path)?.as_ptr(), flags, 0o600) };
+            if fd >= 0 {
+                return Ok((fd, path));
+            }
+            let e = std::io::Error::last_os_error();
+            if e.kind() != std::io::ErrorKind::AlreadyExists {
+                return Err(Error::Os {
+                    op: "creating the tree's memory cgroup file",
+                    source: std::io::Error::new(e.kind(), format!("{}: {e}", path.display())),
+                });
+            }
+            last = Some(path);
+        }
+        Err(Error::invalid(
+            "tree memory cgroup",
+            format!(
+                "{TRIES} random names in {} were taken (the last {}): something creates files \
+                 there as fast as they are named; use a swap directory of your own \
+                 (--swap-dir)",
+                dir.display(),
+                last.map(|p| p.display().to_string()).unwrap_or_default()
+            ),
+        ))
+    }
+
+    /// The PID of the process that made the group file `name`, if it is one.
+    fn file_maker(name: &str) -> Option<u32> {
+        let rest = name.strip_prefix(FILE_PREFIX)?;
+        rest.split_once('-')
+            .map_or(rest, |(pid, _)| pid)
+            .parse()
+            .ok()
+    }
 
     /// Removes this user's group files in `dir` that no live process uses: a tree whose
     /// last process was killed, or left without running its exit handlers (Go's and node's
@@ -338,11 +382,7 @@ mod shared {
         let me = std::process::id();
         for entry in entries.flatten() {
             let name = entry.file_name();
-            let Some(maker) = name
-                .to_str()
-                .and_then(|n| n.strip_prefix(FILE_PREFIX))
-                .and_then(|pid| pid.parse::<u32>().ok())
-            else {
+            let Some(maker) = name.to_str().and_then(file_maker) else {
                 continue;
             };
             if maker != me && process_alive(maker) {
@@ -409,7 +449,10 @@ mod tests {
     #[test]
     fn a_dead_trees_file_is_removed_by_the_next_one() {
         let dir = tempfile::tempdir().unwrap();
-        let name = |pid: u32| dir.path().join(format!("uswap-memcg-{pid}"));
+        let name = |pid: u32| {
+            dir.path()
+                .join(format!("uswap-memcg-{pid}-00000000deadbeef"))
+        };
         let mut child = std::process::Command::new("true").spawn().unwrap();
         let dead = child.id();
         child.wait().unwrap();
@@ -420,9 +463,29 @@ mod tests {
         drop(cg);
         // Made by a live process (init): kept.
         std::fs::rename(&path, name(1)).unwrap();
-        let _ours = MemCgroup::create_shared(100, dir.path()).unwrap();
+        let (_ours, ours) = MemCgroup::create_shared(100, dir.path()).unwrap();
         assert!(!name(dead).exists(), "the dead tree's file is gone");
-        assert!(name(1).exists() && path.exists());
+        assert!(name(1).exists() && ours.exists());
+    }
+
+    /// Names in a shared directory cannot be taken first: another user who creates
+    /// `uswap-memcg-PID` (or any name a PID predicts) refuses nothing, and two trees made by
+    /// one process get two files.
+    #[test]
+    fn a_group_files_name_cannot_be_guessed_and_taken_first() {
+        let dir = tempfile::tempdir().unwrap();
+        let me = std::process::id();
+        let squatted = dir.path().join(format!("uswap-memcg-{me}"));
+        std::fs::write(&squatted, b"taken").unwrap();
+        let (_a, a) = MemCgroup::create_shared(10, dir.path()).unwrap();
+        let (_b, b) = MemCgroup::create_shared(10, dir.path()).unwrap();
+        assert_ne!(a, b);
+        for path in [&a, &b] {
+            let name = path.file_name().unwrap().to_str().unwrap();
+            let random = name.strip_prefix(&format!("uswap-memcg-{me}-"));
+            assert!(random.is_some_and(|r| r.len() == 16), "{name}");
+        }
+        assert_eq!(std::fs::read(&squatted).unwrap(), b"taken", "not touched");
     }
 
     #[test]

@@ -14,7 +14,10 @@
 //!   must never see a wrong page.
 //!
 //! `USWAP_SOAK_ACCESSES` sets the verified accesses per scenario (default 25000) for a
-//! long run; `USWAP_SOAK_SEED` varies the injected faults (default 0).
+//! long run; `USWAP_SOAK_SEED` varies the injected faults (default 0);
+//! `USWAP_SOAK_SECONDS` stops each worker at that age of the child even if its accesses are
+//! not done (for time-boxed runs of many scenarios side by side), and the child reports the
+//! accesses it checked.
 
 mod common;
 
@@ -43,6 +46,13 @@ fn env_number(name: &str, default: u64) -> u64 {
 
 fn accesses() -> u64 {
     env_number("USWAP_SOAK_ACCESSES", DEFAULT_ACCESSES)
+}
+
+/// When the workers stop even if their accesses are not done.
+fn deadline() -> Option<Instant> {
+    std::env::var_os("USWAP_SOAK_SECONDS").map(|_| {
+        Instant::now() + std::time::Duration::from_secs(env_number("USWAP_SOAK_SECONDS", 0))
+    })
 }
 
 /// Faults that clear before the retries run out, and writes that fail (EIO, ENOSPC): a
@@ -95,8 +105,15 @@ struct Base(usize);
 
 /// One thread's share: the pages `thread`, `thread + THREADS`, ..., each filled once and
 /// then read (and a quarter of the time rewritten) at random, every read checked against
-/// the version last written. Returns the checked accesses.
-fn worker(region: &Region, base: Base, thread: usize, accesses: u64) -> u64 {
+/// the version last written, until `accesses` or the deadline. Returns the checked
+/// accesses.
+fn worker(
+    region: &Region,
+    base: Base,
+    thread: usize,
+    accesses: u64,
+    deadline: Option<Instant>,
+) -> u64 {
     let base = base.0 as *mut u8;
     let pages = region.len() / PAGE_SIZE;
     let mine: Vec<usize> = (thread..pages).step_by(THREADS).collect();
@@ -106,6 +123,9 @@ fn worker(region: &Region, base: Base, thread: usize, accesses: u64) -> u64 {
     }
     let mut rng = Rng(0x9e37_79b9_7f4a_7c15 ^ ((thread as u64 + 1) * 0x1234_5679));
     for n in 0..accesses {
+        if n.is_multiple_of(256) && deadline.is_some_and(|d| Instant::now() >= d) {
+            return n;
+        }
         let r = rng.next();
         let i = (r % mine.len() as u64) as usize;
         let page = mine[i];
@@ -147,12 +167,13 @@ fn child(kind: &str, mode: FaultMode, io: IoMode) {
     cfg.swap.faults = Some(faults);
     let region = Region::new((MEMORY * OVERSUBSCRIPTION) as u64, cfg).unwrap();
     let per_thread = accesses().div_ceil(THREADS as u64);
+    let deadline = deadline();
     let base = Base(region.as_ptr() as usize);
     let checked: u64 = std::thread::scope(|s| {
         let workers: Vec<_> = (0..THREADS)
             .map(|t| {
                 let region = &region;
-                s.spawn(move || worker(region, base, t, per_thread))
+                s.spawn(move || worker(region, base, t, per_thread, deadline))
             })
             .collect();
         workers.into_iter().map(|w| w.join().unwrap()).sum()
