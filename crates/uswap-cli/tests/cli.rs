@@ -383,13 +383,16 @@ fn a_running_benchmark_is_watched_and_tuned_through_its_control_socket() {
 }
 
 /// With `$XDG_RUNTIME_DIR` set (and no `USWAP_RUNTIME_DIR`), the socket is in
-/// `$XDG_RUNTIME_DIR/uswap`, and `uswap stat` run without either variable finds it there
-/// through the target's environment.
+/// `$XDG_RUNTIME_DIR/uswap`, and `uswap stat` run without it finds it there through the
+/// target's environment, past a socket another process serves where its own
+/// `USWAP_RUNTIME_DIR` points.
 #[test]
 fn the_socket_is_in_the_users_runtime_dir_and_stat_finds_it_there() {
     let tmp = tempfile::tempdir().unwrap();
     let xdg = tmp.path().join("xdg");
     std::fs::DirBuilder::new().mode(0o700).create(&xdg).unwrap();
+    let own = tmp.path().join("own");
+    std::fs::DirBuilder::new().mode(0o700).create(&own).unwrap();
     let mut bench = Command::new(BIN)
         .args(["bench", "random", "--size", "8M", "--memory", "4M"])
         .args(["--seconds", "4", "--json"])
@@ -402,10 +405,12 @@ fn the_socket_is_in_the_users_runtime_dir_and_stat_finds_it_there() {
     let pid = bench.id().to_string();
     let socket = xdg.join("uswap").join(format!("{pid}.sock"));
     wait_for_socket(&socket, &mut bench);
+    let _impostor =
+        std::os::unix::net::UnixListener::bind(own.join(format!("{pid}.sock"))).unwrap();
     let args = ["stat", &pid, "--json"];
     let out = Command::new(BIN)
         .args(args)
-        .env_remove("USWAP_RUNTIME_DIR")
+        .env("USWAP_RUNTIME_DIR", &own)
         .env_remove("XDG_RUNTIME_DIR")
         .output()
         .unwrap();

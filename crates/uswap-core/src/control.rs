@@ -4,20 +4,31 @@
 //!
 //! # Where, and who may use it
 //!
-//! One socket per process: `<dir>/<pid>.sock`, where `<dir>` is, from the server's
-//! environment, `$USWAP_RUNTIME_DIR` when set, else `$XDG_RUNTIME_DIR/uswap` when that is set
-//! (the user's own directory, `/run/user/<uid>` under systemd), else `/tmp/uswap-<uid>`
-//! (`uid`: the server's effective uid). A client looks where its own `$USWAP_RUNTIME_DIR`
-//! points, then where the target's environment (`/proc/<pid>/environ`, readable by its owner
-//! and root) puts the socket, then in `/tmp/uswap-<uid>` with the uid of `/proc/<pid>`'s
-//! owner: root's `uswap stat` finds any user's process. The server creates `<dir>` with mode
-//! 0700 and refuses one that is
-//! not a directory of its own (checked with lstat, so a symbolic link is refused) or that
-//! lets group or others in: in a shared `/tmp` another user could otherwise create the
-//! directory first and read or replace the socket. The socket itself is 0600, and every
-//! connection is checked once more by its peer credentials (`SO_PEERCRED`): only the
-//! server's effective uid and root are served; anyone else gets an error reply and nothing
-//! else. Dropping the [`ControlServer`] removes the socket.
+//! One socket per process: `<dir>/<pid>.sock`, where `<dir>` is, by the server's
+//! environment when it starts:
+//!
+//! - `$USWAP_RUNTIME_DIR` when set;
+//! - else `$XDG_RUNTIME_DIR/uswap`, when `$XDG_RUNTIME_DIR` is an absolute path to a
+//!   directory of the server's effective uid that no one else may enter (`/run/user/<uid>`
+//!   under systemd; it goes when the user's last session ends, and the socket with it);
+//! - else `/tmp/uswap-<uid>` (`uid`: the server's effective uid).
+//!
+//! A client tries its own `$USWAP_RUNTIME_DIR`, then (when it runs as the target's owner)
+//! the directory its own environment gives, then the one the target's environment gives
+//! (`/proc/<pid>/environ`, readable by the owner and root unless the target is not
+//! dumpable; taken only when absolute and a directory the owner owns), then
+//! `/tmp/uswap-<uid>` with the uid of `/proc/<pid>`'s owner: root's `uswap stat` finds any
+//! user's process. It asks the first server that is the target itself: each is checked by
+//! its peer credentials (`SO_PEERCRED`: the target's pid, running as its owner) before
+//! anything is sent.
+//!
+//! The server creates `<dir>` with mode 0700 and refuses one that is not a directory of its
+//! own (checked with lstat, so a symbolic link is refused) or that lets group or others in:
+//! in a shared `/tmp` another user could otherwise create the directory first and read or
+//! replace the socket. The socket itself is 0600, and every connection is checked once more
+//! by its peer credentials: only the server's effective uid and root are served; anyone
+//! else gets an error reply and nothing else. Dropping the [`ControlServer`] removes the
+//! socket.
 //!
 //! # Protocol
 //!
@@ -56,7 +67,7 @@ use serde_json::{json, Value};
 use std::ffi::OsString;
 use std::io::{self, BufRead, BufReader, ErrorKind, Read, Write};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
-use std::os::unix::ffi::OsStringExt;
+use std::os::unix::ffi::{OsStrExt, OsStringExt};
 use std::os::unix::fs::{DirBuilderExt, FileTypeExt, MetadataExt, PermissionsExt};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
@@ -90,48 +101,64 @@ pub fn socket_path(pid: u32, uid: u32) -> PathBuf {
 }
 
 /// The socket directory of a process of uid `uid` whose environment is `env`.
+/// `$XDG_RUNTIME_DIR` counts only when it is an absolute path to a directory of the uid's
+/// own that no one else may enter, as the XDG specification requires of it: a process can
+/// carry another user's (`su` without `-`, `sudo -E`), and one that was removed (the last
+/// session of its user ended) must not leave the process without a socket.
 fn runtime_dir(env: impl Fn(&str) -> Option<OsString>, uid: u32) -> PathBuf {
-    let set = |name| env(name).filter(|v| !v.is_empty()).map(PathBuf::from);
-    if let Some(dir) = set(RUNTIME_DIR_VAR) {
+    if let Some(dir) = env_path(&env, RUNTIME_DIR_VAR) {
         dir
-    } else if let Some(xdg) = set(XDG_RUNTIME_DIR_VAR).filter(|d| d.is_absolute()) {
+    } else if let Some(xdg) = env_path(&env, XDG_RUNTIME_DIR_VAR).filter(|d| private_dir(d, uid)) {
         xdg.join("uswap")
     } else {
         fallback_dir(uid)
     }
 }
 
-/// The socket directory of a process of uid `uid` with neither variable set.
+/// The value of variable `name` when it is set and not empty.
+fn env_path(env: impl Fn(&str) -> Option<OsString>, name: &str) -> Option<PathBuf> {
+    env(name).filter(|v| !v.is_empty()).map(PathBuf::from)
+}
+
+/// Whether `dir` is an absolute path to a directory (not a symbolic link) of uid `uid` with
+/// no permissions for group or others.
+fn private_dir(dir: &Path, uid: u32) -> bool {
+    dir.is_absolute()
+        && std::fs::symlink_metadata(dir).is_ok_and(|meta| {
+            meta.file_type().is_dir() && meta.uid() == uid && meta.mode() & 0o077 == 0
+        })
+}
+
+/// The socket directory of a process of uid `uid` with neither variable usable.
 fn fallback_dir(uid: u32) -> PathBuf {
     PathBuf::from(format!("/tmp/uswap-{uid}"))
 }
 
-/// Where a client looks for the socket of process `pid` of uid `owner`, in order, without
-/// repeats: its own `$USWAP_RUNTIME_DIR`, the directory the target's environment names, and
-/// the fallback directory.
-fn candidate_sockets(pid: u32, owner: u32) -> Vec<PathBuf> {
-    let mut dirs = Vec::with_capacity(3);
-    if let Some(own) = std::env::var_os(RUNTIME_DIR_VAR).filter(|v| !v.is_empty()) {
-        dirs.push(PathBuf::from(own));
-    }
-    if let Some(environ) = process_environment(pid) {
-        dirs.push(runtime_dir(|name| environ_get(&environ, name), owner));
-    }
-    dirs.push(fallback_dir(owner));
-    let mut sockets: Vec<PathBuf> = Vec::with_capacity(dirs.len());
-    for dir in dirs {
-        let socket = dir.join(format!("{pid}.sock"));
-        if !sockets.contains(&socket) {
-            sockets.push(socket);
-        }
-    }
-    sockets
-}
-
-/// The environment process `pid` started with (`None` when it cannot be read: another
-/// user's process, or a kernel thread).
-fn process_environment(pid: u32) -> Option<Vec<u8>> {
-    std::fs::read(format!("/proc/{pid}/environ")).ok()
+/// The directories a client looks in for the socket of process `pid` of uid `owner`, in
+/// order: its own `$USWAP_RUNTIME_DIR`; when it runs as the owner, the directory its own
+/// environment gives (a server started in the same session chose the same); the directory
+/// the target's environment gives; the fallback. The target's environment is read only if
+/// the earlier places had nothing, and it is a path the target chose: it is taken only
+/// when absolute, free of control characters, and a directory the owner owns.
+fn candidate_dirs(pid: u32, owner: u32) -> impl Iterator<Item = PathBuf> {
+    // SAFETY: geteuid has no preconditions.
+    let euid = unsafe { libc::geteuid() };
+    let own_explicit = env_path(|name| std::env::var_os(name), RUNTIME_DIR_VAR);
+    let own_session = (euid == owner).then(|| runtime_dir(|name| std::env::var_os(name), owner));
+    let targets = move || {
+        let environ = std::fs::read(format!("/proc/{pid}/environ")).ok()?;
+        let dir = runtime_dir(|name| environ_get(&environ, name), owner);
+        let plain =
+            dir.is_absolute() && !dir.as_os_str().as_bytes().iter().any(u8::is_ascii_control);
+        let owned = std::fs::symlink_metadata(&dir)
+            .is_ok_and(|m| m.file_type().is_dir() && m.uid() == owner);
+        (plain && owned).then_some(dir)
+    };
+    own_explicit
+        .into_iter()
+        .chain(own_session)
+        .chain(std::iter::once_with(targets).flatten())
+        .chain(std::iter::once(fallback_dir(owner)))
 }
 
 /// The value of `name` in a NUL-separated environment block.
@@ -275,8 +302,17 @@ fn remove_stale(path: &Path) -> Result<()> {
 
 /// Removes the sockets of processes that are gone without removing theirs: children of
 /// fork end with `_exit` (redis's BGSAVE, Python's multiprocessing), which skips exit
-/// handlers. A socket stays if its process exists or anyone accepts on it.
+/// handlers. A socket stays if its process exists or anyone accepts on it. Only in a
+/// directory of this process's own euid: a client may have looked in one another user
+/// chose.
 fn remove_dead(dir: &Path) {
+    // SAFETY: geteuid has no preconditions.
+    let euid = unsafe { libc::geteuid() };
+    let own =
+        std::fs::symlink_metadata(dir).is_ok_and(|m| m.file_type().is_dir() && m.uid() == euid);
+    if !own {
+        return;
+    }
     let Ok(entries) = std::fs::read_dir(dir) else {
         return;
     };
@@ -590,40 +626,67 @@ pub fn request(pid: u32, request: &Value) -> Result<Value> {
             remove_dead(dir);
         }
     })?;
-    let candidates = candidate_sockets(pid, owner);
-    let not_under_uswap = || {
-        for dir in candidates.iter().filter_map(|c| c.parent()) {
-            remove_dead(dir);
+    let mut looked = Vec::new();
+    let mut refusal = None;
+    let mut genuine = None;
+    for dir in candidate_dirs(pid, owner) {
+        let path = dir.join(format!("{pid}.sock"));
+        if looked.contains(&path) {
+            continue;
         }
-        let places: Vec<String> = candidates.iter().map(|c| c.display().to_string()).collect();
-        Error::NotUnderUswap {
-            pid,
-            places: places.join(" or "),
-        }
-    };
-    let mut connected = None;
-    for path in &candidates {
-        match UnixStream::connect(path) {
-            Ok(stream) => {
-                connected = Some((stream, path.clone()));
+        looked.push(path.clone());
+        match connect_genuine(&path, pid, owner) {
+            Ok(Some(stream)) => {
+                genuine = Some(stream);
                 break;
             }
-            // No socket there, or one nobody accepts on (its process is gone and the pid
-            // reused): look in the next place.
-            Err(e) if matches!(e.kind(), ErrorKind::NotFound | ErrorKind::ConnectionRefused) => {}
-            Err(e) if e.kind() == ErrorKind::PermissionDenied => {
-                let path = path.clone();
-                return Err(Error::ControlDenied { pid, path });
-            }
-            Err(source) => {
-                let op = "connecting to the control socket";
-                return Err(Error::Os { op, source });
+            Ok(None) => {}
+            // Nothing was sent: a later place may hold the real server.
+            Err(e) => {
+                refusal.get_or_insert(e);
             }
         }
     }
-    let (stream, path) = connected.ok_or_else(not_under_uswap)?;
-    // Whoever made the directory first could answer at the path: the server must be the
-    // process itself, running as its owner, before anything is sent or believed.
+    let Some(stream) = genuine else {
+        for dir in looked.iter().filter_map(|path| path.parent()) {
+            remove_dead(dir);
+        }
+        return Err(refusal.unwrap_or(Error::NotUnderUswap {
+            pid,
+            places: looked,
+        }));
+    };
+    let reply = exchange(&stream, request).map_err(|source| Error::Os {
+        op: "talking to the control socket",
+        source,
+    })?;
+    match reply.get("error") {
+        Some(message) => Err(Error::ControlRefused {
+            pid,
+            message: message.as_str().unwrap_or("(no message)").to_string(),
+        }),
+        None => Ok(reply),
+    }
+}
+
+/// Connects to the socket at `path` if the server there is process `pid` itself, running
+/// as `owner` (whoever made the directory first could answer at the path): `None` when
+/// there is no socket or nobody accepts on it (its process is gone and the pid reused).
+fn connect_genuine(path: &Path, pid: u32, owner: u32) -> Result<Option<UnixStream>> {
+    let stream = match UnixStream::connect(path) {
+        Ok(stream) => stream,
+        Err(e) if matches!(e.kind(), ErrorKind::NotFound | ErrorKind::ConnectionRefused) => {
+            return Ok(None)
+        }
+        Err(e) if e.kind() == ErrorKind::PermissionDenied => {
+            let path = path.to_path_buf();
+            return Err(Error::ControlDenied { pid, path });
+        }
+        Err(source) => {
+            let op = "connecting to the control socket";
+            return Err(Error::Os { op, source });
+        }
+    };
     let libc::ucred {
         pid: server_pid,
         uid: server_uid,
@@ -637,22 +700,12 @@ pub fn request(pid: u32, request: &Value) -> Result<Value> {
     if pid_differs || server_uid != owner {
         return Err(Error::ControlImpostor {
             pid,
-            path,
+            path: path.to_path_buf(),
             server_pid,
             server_uid,
         });
     }
-    let reply = exchange(&stream, request).map_err(|source| Error::Os {
-        op: "talking to the control socket",
-        source,
-    })?;
-    match reply.get("error") {
-        Some(message) => Err(Error::ControlRefused {
-            pid,
-            message: message.as_str().unwrap_or("(no message)").to_string(),
-        }),
-        None => Ok(reply),
-    }
+    Ok(Some(stream))
 }
 
 /// The effective uid of process `pid`: the owner of its `/proc` directory.
@@ -688,26 +741,45 @@ fn exchange(stream: &UnixStream, request: &Value) -> io::Result<Value> {
 mod tests {
     use super::*;
 
-    fn dir_of(environ: &[u8]) -> PathBuf {
-        runtime_dir(|name| environ_get(environ, name), 1000)
-    }
-
-    /// `USWAP_RUNTIME_DIR` wins, then an absolute `XDG_RUNTIME_DIR` (its `uswap`
-    /// subdirectory), then `/tmp/uswap-UID`; empty values count as unset, and a name that
-    /// only starts like a variable's is not it.
+    /// `USWAP_RUNTIME_DIR` wins, then `XDG_RUNTIME_DIR`'s `uswap` subdirectory when it is a
+    /// private directory of the uid, then `/tmp/uswap-UID`; empty values count as unset,
+    /// and a name that only starts like a variable's is not it.
     #[test]
     fn the_socket_directory_follows_the_environment_in_order() {
-        let both = b"XDG_RUNTIME_DIR=/run/user/1000\0USWAP_RUNTIME_DIR=/srv/u\0";
-        assert_eq!(dir_of(both), Path::new("/srv/u"));
-        let xdg = b"HOME=/h\0XDG_RUNTIME_DIR=/run/user/1000\0";
-        assert_eq!(dir_of(xdg), Path::new("/run/user/1000/uswap"));
-        for fallback in [
-            &b"XDG_RUNTIME_DIR=relative\0"[..],
-            b"USWAP_RUNTIME_DIR=\0XDG_RUNTIME_DIR=\0",
-            b"XDG_RUNTIME_DIRX=/run/user/1000\0",
-            b"",
+        // SAFETY: geteuid has no preconditions.
+        let uid = unsafe { libc::geteuid() };
+        let xdg = tempfile::tempdir().unwrap();
+        std::fs::set_permissions(xdg.path(), std::fs::Permissions::from_mode(0o700)).unwrap();
+        let open = tempfile::tempdir().unwrap();
+        std::fs::set_permissions(open.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+        let entry = |name: &str, dir: &Path| format!("{name}={}\0", dir.display()).into_bytes();
+        let dir_of = |environ: &[u8]| runtime_dir(|name| environ_get(environ, name), uid);
+        let fallback = PathBuf::from(format!("/tmp/uswap-{uid}"));
+
+        let both = [
+            entry("XDG_RUNTIME_DIR", xdg.path()),
+            b"USWAP_RUNTIME_DIR=/srv/u\0".to_vec(),
+        ];
+        assert_eq!(dir_of(&both.concat()), Path::new("/srv/u"));
+        let xdg_only = [b"HOME=/h\0".to_vec(), entry("XDG_RUNTIME_DIR", xdg.path())];
+        assert_eq!(dir_of(&xdg_only.concat()), xdg.path().join("uswap"));
+        for unusable in [
+            entry("XDG_RUNTIME_DIR", open.path()),
+            entry("XDG_RUNTIME_DIR", &xdg.path().join("missing")),
+            entry("XDG_RUNTIME_DIR", Path::new("relative")),
+            entry("XDG_RUNTIME_DIRX", xdg.path()),
+            b"USWAP_RUNTIME_DIR=\0XDG_RUNTIME_DIR=\0".to_vec(),
+            Vec::new(),
         ] {
-            assert_eq!(dir_of(fallback), Path::new("/tmp/uswap-1000"));
+            assert_eq!(
+                dir_of(&unusable),
+                fallback,
+                "{}",
+                String::from_utf8_lossy(&unusable)
+            );
         }
+        // Another uid's directory is not this one's runtime directory.
+        let other = runtime_dir(|name| environ_get(&xdg_only.concat(), name), uid + 1);
+        assert_eq!(other, PathBuf::from(format!("/tmp/uswap-{}", uid + 1)));
     }
 }

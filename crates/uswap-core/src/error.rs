@@ -76,10 +76,12 @@ pub enum Error {
     NoSuchProcess { pid: u32 },
 
     #[error(
-        "process {pid} is not running under uswap: it has no control socket at {places} (if \
-         it moved its socket after it started, set USWAP_RUNTIME_DIR to the directory)"
+        "process {pid} is not running under uswap: no control socket answered for it at {} \
+         (a program whose environment no longer says where its socket is: set \
+         USWAP_RUNTIME_DIR to the directory)",
+        either_of(.places)
     )]
-    NotUnderUswap { pid: u32, places: String },
+    NotUnderUswap { pid: u32, places: Vec<PathBuf> },
 
     #[error(
         "permission denied: the control socket of process {pid} ({path}) belongs to another \
@@ -91,10 +93,10 @@ pub enum Error {
     ControlRefused { pid: u32, message: String },
 
     #[error(
-        "the control socket {path} is not process {pid}'s: it is served by process {server_pid} \
-         of uid {server_uid}; nothing was sent. Another user may have made the directory \
-         first: remove it, or set USWAP_RUNTIME_DIR (or XDG_RUNTIME_DIR) to a directory of \
-         your own, for both uswap run and uswap stat/ctl"
+        "the control socket {path:?} is not process {pid}'s: it is served by process \
+         {server_pid} of uid {server_uid}; nothing was sent. Another user may have made the \
+         directory first: remove it, or set USWAP_RUNTIME_DIR to a directory of your own, for \
+         both uswap run and uswap stat/ctl"
     )]
     ControlImpostor {
         pid: u32,
@@ -127,3 +129,9 @@ impl Error {
 }
 
 pub type Result<T> = std::result::Result<T, Error>;
+
+/// Paths for a message, quoted (a path may hold any byte), joined by "or".
+fn either_of(paths: &[PathBuf]) -> String {
+    let quoted: Vec<String> = paths.iter().map(|p| format!("{p:?}")).collect();
+    quoted.join(" or ")
+}

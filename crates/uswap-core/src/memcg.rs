@@ -456,15 +456,23 @@ mod tests {
         let mut child = std::process::Command::new("true").spawn().unwrap();
         let dead = child.id();
         child.wait().unwrap();
-        let (cg, path) = MemCgroup::create_shared(100, dir.path()).unwrap();
-        drop(cg);
-        std::fs::rename(&path, name(dead)).unwrap();
+        // Files of both name forms: `uswap-memcg-PID` is what earlier versions made.
+        let older = dir.path().join(format!("uswap-memcg-{dead}"));
+        for dead_file in [name(dead), older.clone()] {
+            let (cg, path) = MemCgroup::create_shared(100, dir.path()).unwrap();
+            drop(cg);
+            std::fs::rename(&path, dead_file).unwrap();
+        }
         let (cg, path) = MemCgroup::create_shared(100, dir.path()).unwrap();
         drop(cg);
         // Made by a live process (init): kept.
         std::fs::rename(&path, name(1)).unwrap();
         let (_ours, ours) = MemCgroup::create_shared(100, dir.path()).unwrap();
         assert!(!name(dead).exists(), "the dead tree's file is gone");
+        assert!(
+            !older.exists(),
+            "the dead tree's file of the older name is gone"
+        );
         assert!(name(1).exists() && ours.exists());
     }
 

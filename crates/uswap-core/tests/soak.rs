@@ -16,8 +16,10 @@
 //! `USWAP_SOAK_ACCESSES` sets the verified accesses per scenario (default 25000) for a
 //! long run; `USWAP_SOAK_SEED` varies the injected faults (default 0);
 //! `USWAP_SOAK_SECONDS` stops each worker at that age of the child even if its accesses are
-//! not done (for time-boxed runs of many scenarios side by side), and the child reports the
-//! accesses it checked.
+//! not done (for time-boxed runs of many scenarios side by side; 10 s or more, so that the
+//! injected faults the transient checks count have happened), and the child reports the
+//! accesses it checked; `USWAP_SOAK_LOSS_EVERY` sets the accesses per lost page the
+//! permanent faults aim at (default: `USWAP_SOAK_ACCESSES`, one loss somewhere in the run).
 
 mod common;
 
@@ -71,11 +73,11 @@ fn transient(seed: u64) -> FaultPlan {
     }
 }
 
-/// Transient faults plus bits flipped on the device and bad sectors, at rates that put
-/// the first lost page somewhere in the run (or none), so that many accesses are checked
-/// on either side of it.
-fn permanent(seed: u64, accesses: u64) -> FaultPlan {
-    let per_run = 1.0 / accesses.max(1) as f64;
+/// Transient faults plus bits flipped on the device and bad sectors, at rates that lose
+/// about one page in `loss_every` accesses (by default one somewhere in the run, or none),
+/// so that many accesses are checked on either side of it.
+fn permanent(seed: u64, loss_every: u64) -> FaultPlan {
+    let per_run = 1.0 / loss_every.max(1) as f64;
     FaultPlan {
         write_flip: 2.0 * per_run,
         read_eio_persistent: per_run,
@@ -158,7 +160,7 @@ fn child(kind: &str, mode: FaultMode, io: IoMode) {
         env_number("USWAP_SOAK_SEED", 0) ^ 0x5eed ^ ((mode as u64) << 8) ^ ((io as u64) << 4);
     let faults = match kind {
         "transient" => transient(seed),
-        "permanent" => permanent(seed, accesses()),
+        "permanent" => permanent(seed, env_number("USWAP_SOAK_LOSS_EVERY", accesses())),
         _ => panic!("unknown fault kind {kind}"),
     };
     let mut cfg = Config::new(MEMORY as u64);

@@ -97,9 +97,15 @@ impl OwnSwap {
     }
 }
 
-/// Where the swap file for process `pid` goes.
+/// Where the swap file for process `pid` goes: named after it and a random part, so that
+/// another user of a shared directory cannot take the name first and refuse the run.
 pub fn file_path(dir: &Path, pid: u32) -> PathBuf {
-    dir.join(format!("uswap-kernel-swap-{pid}"))
+    // Without the system's random numbers (never seen on Linux) the clock still varies it.
+    let random = getrandom::u64().unwrap_or_else(|_| {
+        let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH);
+        now.map_or(0, |d| d.as_nanos() as u64)
+    });
+    dir.join(format!("uswap-kernel-swap-{pid}-{random:016x}"))
 }
 
 /// Creates a swap file of `bytes` at `path` (which must not exist) and turns it on.
@@ -227,10 +233,13 @@ mod tests {
     }
 
     #[test]
-    fn the_swap_file_is_named_after_the_process_and_allocated_without_holes() {
+    fn the_swap_file_is_named_after_the_process_unguessably_and_allocated_without_holes() {
         let dir = tempfile::tempdir().unwrap();
         let path = file_path(dir.path(), 42);
-        assert_eq!(path, dir.path().join("uswap-kernel-swap-42"));
+        let name = path.file_name().unwrap().to_str().unwrap();
+        let random = name.strip_prefix("uswap-kernel-swap-42-");
+        assert!(random.is_some_and(|r| r.len() == 16), "{name}");
+        assert_ne!(path, file_path(dir.path(), 42), "a name cannot be guessed");
         allocate(&path, 1 << 20).unwrap();
         let meta = fs::metadata(&path).unwrap();
         assert_eq!(meta.len(), 1 << 20);
