@@ -1622,3 +1622,43 @@ fn a_programs_swapped_data_is_not_on_the_raw_disk_after_it_exits() {
         }
     }
 }
+
+/// `setpriv` changes user keeping its capabilities, raises them again in its own thread
+/// only (`capset`), then changes group: the C library's change of ids in every thread fails
+/// in uswap's threads, which lost their capabilities with the user, and it aborted the
+/// program with SIGABRT and no message. The call is refused with EPERM and a line that says
+/// why, and `setpriv` fails as it does for any refused call: loudly, by exit status.
+#[test]
+fn a_change_of_group_that_uswaps_threads_cannot_follow_is_refused_loudly() {
+    let Some(setpriv) = installed("setpriv") else {
+        return;
+    };
+    // SAFETY: plain system call.
+    if unsafe { libc::geteuid() } != 0 {
+        eprintln!("SKIPPED: changing user needs root");
+        return;
+    }
+    for mode in ["thread", "sigbus"] {
+        let tmp = TempDir::new().unwrap();
+        let mut cmd = uswap_run_in(mode, tmp.path(), Some("64M"), &setpriv);
+        cmd.args([
+            "--reuid=65534",
+            "--regid=65534",
+            "--clear-groups",
+            "--",
+            "true",
+        ]);
+        let out = run(cmd, b"", "uswap run setpriv");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            out.status.code().is_some_and(|c| c != 0),
+            "{mode}: setpriv must fail by exit status, not by a signal: {:?}\n{stderr}",
+            out.status
+        );
+        assert!(
+            stderr.contains("uswap: setresgid refused")
+                && stderr.contains("setpriv … -- uswap run"),
+            "{mode}: {stderr}"
+        );
+    }
+}

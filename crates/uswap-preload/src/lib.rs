@@ -16,6 +16,7 @@
 
 mod book;
 mod calls;
+mod credentials;
 mod fork;
 mod heap;
 mod internal;

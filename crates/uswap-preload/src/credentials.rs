@@ -1,0 +1,104 @@
+//! Changes of user and group in a process that has uswap's threads beside the program's.
+//!
+//! The C library makes every thread of a process take new ids (its `setxid` broadcast) and
+//! aborts the program, without a word, if the change fails in some threads only. A program
+//! that keeps its capabilities across a change of user (`PR_SET_KEEPCAPS`, then `capset`, as
+//! `setpriv` does) raises them again in its own thread alone: uswap's threads lost theirs
+//! with the change of user, so a later change of group fails in them and the program is
+//! aborted. Such a call is refused here instead, with EPERM and one line that says why and
+//! what to do; every other call goes to the C library as before.
+
+use crate::internal::Inside;
+use crate::threads::next;
+use libc::{c_int, c_void, gid_t, size_t, uid_t};
+use std::ffi::CStr;
+use std::sync::atomic::AtomicPtr;
+
+/// The capability bits (`linux/capability.h`) a change of group or of user needs.
+const CAP_SETGID: u32 = 6;
+const CAP_SETUID: u32 = 7;
+
+/// A thread of this process that lacks `cap` while the calling thread has it in effect
+/// (`CapEff` in `/proc/…/status`): its id and name.
+fn thread_without(cap: u32) -> Option<(String, String)> {
+    let effective = |status: &str| {
+        status
+            .lines()
+            .find_map(|line| line.strip_prefix("CapEff:"))
+            .and_then(|hex| u64::from_str_radix(hex.trim(), 16).ok())
+            .map(|bits| bits & (1 << cap) != 0)
+    };
+    let own = std::fs::read_to_string("/proc/thread-self/status").ok()?;
+    if effective(&own) != Some(true) {
+        return None;
+    }
+    // SAFETY: gettid has no preconditions.
+    let me = unsafe { libc::gettid() }.to_string();
+    std::fs::read_dir("/proc/self/task")
+        .ok()?
+        .flatten()
+        .find_map(|task| {
+            let tid = task.file_name().to_string_lossy().into_owned();
+            let status = std::fs::read_to_string(task.path().join("status")).ok()?;
+            if tid == me || effective(&status) != Some(false) {
+                return None;
+            }
+            let name = std::fs::read_to_string(task.path().join("comm")).unwrap_or_default();
+            Some((tid, name.trim().to_string()))
+        })
+}
+
+/// Whether `call`, which needs `cap`, must be refused; says why on stderr if so.
+fn refused(call: &str, cap: u32) -> bool {
+    let _inside = Inside::enter();
+    let Some((tid, name)) = thread_without(cap) else {
+        return false;
+    };
+    let cap_name = if cap == CAP_SETGID {
+        "CAP_SETGID"
+    } else {
+        "CAP_SETUID"
+    };
+    eprintln!(
+        "uswap: {call} refused (EPERM): this thread has {cap_name} but thread {tid} ({name}) \
+         of the process has not, since the program changed user keeping its capabilities in \
+         this thread only (PR_SET_KEEPCAPS and capset, as setpriv does); the C library would \
+         abort the program. Change user before uswap starts instead: setpriv … -- uswap run \
+         -- PROGRAM"
+    );
+    // SAFETY: this thread's errno.
+    unsafe { *libc::__errno_location() = libc::EPERM };
+    true
+}
+
+/// `wrappers! { name(arg: type, …) needs CAP; … }`: each wrapper refuses the call when
+/// [`refused`] says so, else calls the C library's function of the same name.
+macro_rules! wrappers {
+    ($($name:ident($($arg:ident: $ty:ty),*) needs $cap:expr;)*) => {
+        $(
+            #[no_mangle]
+            pub unsafe extern "C" fn $name($($arg: $ty),*) -> c_int {
+                static REAL: AtomicPtr<c_void> = AtomicPtr::new(std::ptr::null_mut());
+                if refused(stringify!($name), $cap) {
+                    return -1;
+                }
+                type F = unsafe extern "C" fn($($ty),*) -> c_int;
+                let name = CStr::from_bytes_with_nul(concat!(stringify!($name), "\0").as_bytes())
+                    .expect("one NUL, at the end");
+                next::<F>(&REAL, name)($($arg),*)
+            }
+        )*
+    };
+}
+
+wrappers! {
+    setgid(gid: gid_t) needs CAP_SETGID;
+    setegid(gid: gid_t) needs CAP_SETGID;
+    setregid(rgid: gid_t, egid: gid_t) needs CAP_SETGID;
+    setresgid(rgid: gid_t, egid: gid_t, sgid: gid_t) needs CAP_SETGID;
+    setgroups(size: size_t, list: *const gid_t) needs CAP_SETGID;
+    setuid(uid: uid_t) needs CAP_SETUID;
+    seteuid(uid: uid_t) needs CAP_SETUID;
+    setreuid(ruid: uid_t, euid: uid_t) needs CAP_SETUID;
+    setresuid(ruid: uid_t, euid: uid_t, suid: uid_t) needs CAP_SETUID;
+}
