@@ -378,16 +378,20 @@ impl Reclaim {
         self.move_to_staging(&mut locks[..moving]);
         drop(fence);
         // The pages parked are on the inactive list now, and a lazily freed one found
-        // zapped on none. Of those that stayed mapped, the ones aging tried and could not
-        // move (mlocked, mprotected) go to the active list, where aging comes back to them
-        // last: on probation they would hold aging there for ever. The rest (referenced,
-        // pinned, or all while a fork held its fence) go back to the list they came from.
+        // zapped on none. Of those that stayed mapped, the ones that cannot move for a
+        // while (mlocked or mprotected, so tried in vain; pinned by a call that may block
+        // for ever) go to the active list, where aging comes back to them last: on
+        // probation they would hold aging there, and a probation list of pinned pages
+        // alone once left reclaim freeing nothing until the program was out of memory.
+        // The rest (referenced, or all while a fork held its fence) go back to the list
+        // they came from.
         let mapped = |l: &&PageLock<'_>| LruList::Active.holds(l.kind());
         let (tried, untried) = locks.split_at(moving);
-        let tried = tried.iter().filter(mapped).map(|l| l.page());
-        mm.lru().add(LruList::Active, tried);
-        let untried = untried.iter().filter(mapped).map(|l| l.page());
-        mm.lru().add(from, untried);
+        let (spared, held) = untried.split_at(untried.len() - pinned.len());
+        let stuck = tried.iter().chain(held).filter(mapped).map(|l| l.page());
+        mm.lru().add(LruList::Active, stuck);
+        let spared = spared.iter().filter(mapped).map(|l| l.page());
+        mm.lru().add(from, spared);
         laps.lap(Phase::Deactivate);
     }
 
@@ -775,7 +779,7 @@ impl Reclaim {
 mod tests {
     use super::*;
     use crate::config::LruPolicy;
-    use crate::region::{testing, Advice};
+    use crate::region::{testing, Advice, Region};
 
     fn count(mm: &Mm, event: VmEvent) -> u64 {
         mm.vmstat().get(event)
@@ -807,16 +811,12 @@ mod tests {
         }
     }
 
-    /// A probation list of pages that cannot move (the program made them read-only, as
-    /// a JVM or node does with parts of its heap) must not hold aging there: they go to
-    /// the active list, and aging goes on to pages that can move.
-    #[test]
-    fn probation_pages_that_cannot_move_do_not_hold_aging_there() {
+    /// A region of 64 pages with 0..32 on the active list (as if touched again) and
+    /// 32..64 on probation. (The handler thread lists the last fault's pages after the
+    /// fill has woken the writer: wait for them.)
+    fn region_with_pages_on_probation() -> Region {
         let region = testing::region(64, 64, |cfg| cfg.lru_policy = LruPolicy::S3fifo);
         let (mm, reclaim) = (region.mm(), region.fault_path().reclaim());
-        // Pages 0..32 on the active list (as if touched again), 32..64 on probation and
-        // read-only. (The handler thread lists the last fault's pages after the fill has
-        // woken the writer: wait for them.)
         let locks = reclaim.lock_kind(0..32, Kind::Active);
         mm.lru()
             .add(LruList::Active, locks.iter().map(|l| l.page()));
@@ -827,12 +827,14 @@ mod tests {
             mm.lru().drain_all();
         }
         assert_eq!(mm.lru().len(LruList::Probation), 32);
-        let ro = testing::byte_at(&region, 32).cast();
-        // SAFETY: pages of the region, made readable only, then writable again below.
-        assert_eq!(
-            unsafe { libc::mprotect(ro, 32 * PAGE_SIZE, libc::PROT_READ) },
-            0
-        );
+        region
+    }
+
+    /// Aging passes over a region from [`region_with_pages_on_probation`] whose probation
+    /// pages cannot move: it goes on to the active list, and the stuck pages leave
+    /// probation.
+    fn aging_gets_past_stuck_probation(region: &Region) {
+        let (mm, reclaim) = (region.mm(), region.fault_path().reclaim());
         for _ in 0..4 {
             reclaim.shrink();
         }
@@ -843,14 +845,48 @@ mod tests {
             0,
             "the stuck pages left it"
         );
-        assert!(count(mm, VmEvent::pgskip_unmovable) >= 32);
+    }
+
+    fn every_page_intact(region: &Region) {
+        region.check_invariants().unwrap();
+        for page in 0..64 {
+            assert_eq!(testing::read(region, page), page as u8 + 1);
+        }
+    }
+
+    /// A probation list of pages that cannot move (the program made them read-only, as
+    /// a JVM or node does with parts of its heap) must not hold aging there: they go to
+    /// the active list, and aging goes on to pages that can move.
+    #[test]
+    fn probation_pages_that_cannot_move_do_not_hold_aging_there() {
+        let region = region_with_pages_on_probation();
+        let ro = testing::byte_at(&region, 32).cast();
+        // SAFETY: pages of the region, made readable only, then writable again below.
+        assert_eq!(
+            unsafe { libc::mprotect(ro, 32 * PAGE_SIZE, libc::PROT_READ) },
+            0
+        );
+        aging_gets_past_stuck_probation(&region);
+        assert!(count(region.mm(), VmEvent::pgskip_unmovable) >= 32);
         // SAFETY: as above.
         let rw = libc::PROT_READ | libc::PROT_WRITE;
         assert_eq!(unsafe { libc::mprotect(ro, 32 * PAGE_SIZE, rw) }, 0);
-        region.check_invariants().unwrap();
-        for page in 0..64 {
-            assert_eq!(testing::read(&region, page), page as u8 + 1);
-        }
+        every_page_intact(&region);
+    }
+
+    /// The same for pages a system call has pinned (SIGBUS mode: a `read(2)` blocked on
+    /// an empty pipe holds its buffer's pages for as long as it waits). Once, pinned pages
+    /// went back to probation, so a probation list of them alone held aging there and
+    /// reclaim freed nothing until the program's next fault was declared out of memory.
+    #[test]
+    fn probation_pages_pinned_by_a_blocked_call_do_not_hold_aging_there() {
+        let region = region_with_pages_on_probation();
+        let pin = region.mm().pins().pin(32..64);
+        aging_gets_past_stuck_probation(&region);
+        assert!(count(region.mm(), VmEvent::pgskip_pinned) >= 32);
+        assert!((32..64).all(|p| region.mm().pages().peek(p).0.kind() == Kind::Active));
+        region.mm().pins().unpin(pin);
+        every_page_intact(&region);
     }
 
     #[test]
