@@ -14,7 +14,7 @@
 
 use crate::error::Result;
 use crate::lockdep::Rank;
-use crate::lockstat::{LockClass, StatMutex};
+use crate::lockstat::{Counted, LockClass, StatMutex};
 use crate::mapping::Mapping;
 use crate::PAGE_SIZE;
 use crossbeam_utils::CachePadded;
@@ -27,9 +27,60 @@ const DEFERRED_BATCH: usize = 64;
 const PCP_BATCH: usize = 16;
 const PCP_HIGH: usize = 6 * PCP_BATCH;
 
+/// The shared free list: the frames given back (a stack: the last given back is the first
+/// reused) and those never handed out (`fresh`, lowest first). Kept as a range, the fresh
+/// frames cost nothing until used: written out, the list was 4 bytes a frame of the memory
+/// limit (256 KiB at 256 MiB) written at every process's and fork child's start under
+/// `uswap run`. Room for every frame is reserved, so giving one back never allocates.
+struct FreeFrames {
+    given_back: Vec<u32>,
+    fresh: std::ops::Range<u32>,
+}
+
+impl FreeFrames {
+    fn new(frames: u32) -> FreeFrames {
+        FreeFrames {
+            given_back: Vec::with_capacity(frames as usize),
+            fresh: 0..frames,
+        }
+    }
+
+    fn len(&self) -> usize {
+        self.given_back.len() + self.fresh.len()
+    }
+
+    /// Frames up to `frames` join the list (a raised limit), with room for all of them.
+    /// (The fresh range always ends at the frame count so far.)
+    fn grow(&mut self, frames: u32) {
+        let len = self.given_back.len();
+        self.given_back
+            .reserve_exact((frames as usize).saturating_sub(len));
+        self.fresh.end = frames;
+    }
+
+    /// Moves up to `n` frames into `to`: the given back first, then fresh ones.
+    fn take_into(&mut self, to: &mut Vec<u32>, n: usize) {
+        let from_stack = n.min(self.given_back.len());
+        let at = self.given_back.len() - from_stack;
+        to.extend(self.given_back.drain(at..));
+        let from_fresh = (n - from_stack).min(self.fresh.len()) as u32;
+        let start = self.fresh.start;
+        to.extend(start..start + from_fresh);
+        self.fresh.start += from_fresh;
+    }
+
+    fn give_back(&mut self, frames: impl IntoIterator<Item = u32>) {
+        self.given_back.extend(frames);
+    }
+
+    fn all(&self) -> impl Iterator<Item = u32> + '_ {
+        self.given_back.iter().copied().chain(self.fresh.clone())
+    }
+}
+
 pub struct Staging {
     map: Mapping,
-    free: StatMutex<Vec<u32>>,
+    free: StatMutex<FreeFrames>,
     /// Per-CPU free lists (empty with `pcp` off), each with room for `PCP_HIGH + 1` frames
     /// so freeing to one never allocates.
     pcp: Box<[CachePadded<StatMutex<Vec<u32>>>]>,
@@ -45,11 +96,9 @@ impl Staging {
     pub fn new(frames: u64, max_frames: u64, cpus: usize) -> Result<Self> {
         let frames = frames.min(max_frames);
         let map = Mapping::new(max_frames as usize * PAGE_SIZE)?;
-        let mut free = Vec::with_capacity(frames as usize);
-        free.extend((0..frames as u32).rev());
         Ok(Staging {
             map,
-            free: StatMutex::new(Rank::Staging, free),
+            free: StatMutex::new(Rank::Staging, FreeFrames::new(frames as u32)),
             pcp: (0..cpus)
                 .map(|_| {
                     CachePadded::new(StatMutex::new(
@@ -69,11 +118,7 @@ impl Staging {
         let mut free = self.free_list();
         let have = self.frames.load(std::sync::atomic::Ordering::Relaxed);
         if frames > have {
-            // Room for every frame, so pushing back a frame in use never allocates (the
-            // SIGBUS handler frees frames).
-            let len = free.len();
-            free.reserve_exact((frames as usize).saturating_sub(len));
-            free.extend((have..frames).rev());
+            free.grow(frames);
             self.frames
                 .store(frames, std::sync::atomic::Ordering::Relaxed);
         }
@@ -102,10 +147,8 @@ impl Staging {
     fn alloc_local(&self, list: &StatMutex<Vec<u32>>, n: usize) -> Vec<u32> {
         let mut local = list.lock();
         if local.len() < n {
-            let mut free = self.free_list();
-            let take = (PCP_BATCH + n - local.len()).min(free.len());
-            let at = free.len() - take;
-            local.extend(free.drain(at..));
+            let take = PCP_BATCH + n - local.len();
+            self.free_list().take_into(&mut local, take);
         }
         if local.len() < n {
             // The shared list is short too: take what the other lists hold.
@@ -123,10 +166,9 @@ impl Staging {
             self.flush_deferred();
             self.drain_pcp();
         }
-        let mut free = self.free_list();
-        let take = n.min(free.len());
-        let at = free.len() - take;
-        free.split_off(at)
+        let mut frames = Vec::with_capacity(n);
+        self.free_list().take_into(&mut frames, n);
+        frames
     }
 
     /// Moves every per-CPU list's frames to the shared list, locking each list in turn,
@@ -135,7 +177,7 @@ impl Staging {
         for list in self.pcp.iter() {
             let mut local = list.lock();
             if !local.is_empty() {
-                self.free_list().extend(local.drain(..));
+                self.free_list().give_back(local.drain(..));
             }
         }
     }
@@ -144,14 +186,14 @@ impl Staging {
     /// holds more than `PCP_HIGH`), or on the shared list. Allocates nothing.
     fn free_frame(&self, frame: u32) {
         let Some(list) = self.local_list() else {
-            self.free_list().push(frame);
+            self.free_list().give_back([frame]);
             return;
         };
         let mut local = list.lock();
         local.push(frame);
         if local.len() > PCP_HIGH {
             let at = local.len() - PCP_BATCH;
-            self.free_list().extend(local.drain(at..));
+            self.free_list().give_back(local.drain(at..));
         }
     }
 
@@ -212,12 +254,12 @@ impl Staging {
             .collect();
         self.map.discard_runs(&runs);
         frames.reverse();
-        self.free_list().extend(frames);
+        self.free_list().give_back(frames);
     }
 
     /// The frames on the free lists or waiting to be freed (for the invariant walker).
     pub fn free_frames(&self) -> Vec<u32> {
-        let mut frames = self.free_list().clone();
+        let mut frames: Vec<u32> = self.free_list().all().collect();
         frames.extend(self.deferred.lock().iter());
         for list in self.pcp.iter() {
             frames.extend(list.lock().iter());
@@ -230,16 +272,19 @@ impl Staging {
         self.frames.load(std::sync::atomic::Ordering::Relaxed) as usize
     }
 
-    /// The free list never grows past the frame count, so pushing onto it never allocates:
-    /// it was created (or grown) holding every frame.
-    fn free_list(&self) -> crate::lockstat::StatGuard<'_, Vec<u32>> {
+    fn free_list(&self) -> crate::lockstat::StatGuard<'_, FreeFrames> {
         self.free.lock()
     }
 
     /// The statistics of the shared free-list locks, and of the per-CPU lists' locks.
     pub fn lockstat(&self) -> [LockClass; 2] {
         [
-            LockClass::sum("staging", [&self.free, &self.deferred]),
+            {
+                let mut shared = LockClass::sum("staging", [&self.free]);
+                shared.locks += 1;
+                shared.stat.add(self.deferred.stat());
+                shared
+            },
             LockClass::sum("staging_pcp", self.pcp.iter().map(|l| &**l)),
         ]
     }
@@ -283,11 +328,22 @@ mod tests {
     }
 
     #[test]
+    fn frames_given_back_are_reused_before_fresh_ones_lowest_first() {
+        let s = Staging::new(8, 16, 0).unwrap();
+        assert_eq!(s.alloc_many(3), vec![0, 1, 2]);
+        s.release_empty(1);
+        assert_eq!(s.alloc_many(3), vec![1, 3, 4]);
+        s.grow(10);
+        assert_eq!(s.alloc_many(8), vec![5, 6, 7, 8, 9]);
+        assert_eq!(s.free_frames(), Vec::<u32>::new());
+    }
+
+    #[test]
     fn growth_leaves_room_for_every_frame() {
         let s = Staging::new(100, 1000, 0).unwrap();
         let in_use = s.alloc_many(90);
         s.grow(1000);
-        assert!(s.free_list().capacity() >= 1000);
+        assert!(s.free_list().given_back.capacity() >= 1000);
         for f in in_use {
             s.release_empty(f);
         }
