@@ -2,9 +2,12 @@
 //! after asking, so the answer is a hint for spreading load, never a lock.
 
 /// CPUs this process may run on (1 when the kernel cannot tell), for sizing per-CPU
-/// structures.
+/// structures. Asked once per process: the standard library's answer reads the process's
+/// cgroup files each time (eight system calls), and a region's start asked a dozen times,
+/// in every process and fork child under `uswap run`.
 pub fn count() -> usize {
-    std::thread::available_parallelism().map_or(1, |n| n.get())
+    static COUNT: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *COUNT.get_or_init(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
 }
 
 /// CPUs the machine has (not only those this process may use): the range of CPU numbers

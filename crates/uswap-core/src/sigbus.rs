@@ -193,17 +193,23 @@ fn ring(fd: i32) {
     unsafe { libc::write(fd, (&one as *const u64).cast(), 8) };
 }
 
+/// How often the service thread checks that uswap's SIGBUS handler is still installed and
+/// that no thread blocks SIGBUS.
+const WATCH_PERIOD: Duration = Duration::from_secs(1);
+
 /// The service thread: vma events, faults handed over by signal handlers, and the watch
 /// on signal dispositions.
 fn serve(s: &Served) {
     let mm = s.fault.mm();
     let mut msgs = [Msg::default(); 16];
-    let mut next_watch = Instant::now();
+    // The first look waits a period too: a short-lived process (a shell's command) never
+    // pays for reading every thread's status.
+    let mut next_watch = Instant::now() + WATCH_PERIOD;
     let mut watch = Watch::default();
     loop {
         if Instant::now() >= next_watch {
             watch.look();
-            next_watch = Instant::now() + Duration::from_secs(1);
+            next_watch = Instant::now() + WATCH_PERIOD;
         }
         let mut fds =
             [mm.uffd().raw(), s.doorbell.as_raw_fd(), s.stop.as_raw_fd()].map(|fd| libc::pollfd {

@@ -194,7 +194,8 @@ fn sigbus_replaced() {
     cfg.fault_mode = FaultMode::Sigbus;
     let region = Region::new(4 << 20, cfg).unwrap();
     unsafe { libc::signal(libc::SIGBUS, other as *const () as libc::sighandler_t) };
-    std::thread::sleep(std::time::Duration::from_millis(1500));
+    // The service thread looks once a second, the first time a second after its start.
+    std::thread::sleep(std::time::Duration::from_millis(2500));
     for p in 0..region.len() / PAGE_SIZE {
         unsafe { common::fill(region.as_ptr(), p, 1) };
     }

@@ -482,7 +482,7 @@ fn scan_bases(mode: SlotAlloc) -> usize {
 
 #[cfg(not(loom))]
 fn cpus() -> usize {
-    std::thread::available_parallelism().map_or(1, |n| n.get())
+    crate::cpu::count()
 }
 
 #[cfg(loom)]

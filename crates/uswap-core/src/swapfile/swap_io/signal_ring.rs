@@ -117,7 +117,7 @@ impl SignalSets {
     /// first it refuses ends the rings: a locked-memory limit reached stays reached), or
     /// fewer sets when their buffers cannot be mapped.
     pub(super) fn new(with_rings: bool) -> SignalSets {
-        let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let cpus = crate::cpu::count();
         let mut making_rings = with_rings;
         let mut sets = Vec::new();
         for _ in 0..cpus.min(MAX_SETS) {
