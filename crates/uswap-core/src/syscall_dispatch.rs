@@ -103,6 +103,25 @@ fn install_handler() -> Result<()> {
     }
 }
 
+/// While alive, the calling thread's system calls go straight to the kernel, as in uswap's
+/// signal handlers: for uswap's own work on a thread that runs with dispatch (a process's
+/// start under `uswap run`, the fork handlers), none of whose calls take the program's
+/// memory. Dispatched, each would be a SIGSYS round trip: a shell's command made 220 of
+/// them, setting up its regions. Made after dispatch is turned on (it puts back the
+/// selector it found).
+pub struct OwnCalls {
+    _allowed: Allowed,
+}
+
+impl OwnCalls {
+    #[allow(clippy::new_without_default)]
+    pub fn new() -> OwnCalls {
+        OwnCalls {
+            _allowed: Allowed::new(),
+        }
+    }
+}
+
 /// Turns syscall user dispatch on for the calling thread: from now on its system calls
 /// that touch SIGBUS-mode region memory are served as in thread mode. SIGBUS and SIGSYS are
 /// unblocked in it. Threads it creates start without dispatch.

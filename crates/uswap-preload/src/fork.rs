@@ -12,6 +12,9 @@
 //!   child it builds the region again (or stops the child with a message when it cannot),
 //!   and the child gets a control socket of its own.
 //!
+//! The parent's handlers make their system calls straight to the kernel (`OwnCalls`); the
+//! child has no syscall dispatch until its handler turns it on at the end.
+//!
 //! A fork made with `syscall(SYS_clone, …)` without `CLONE_VM` runs no `pthread_atfork`
 //! handlers: the `syscall` exported here runs them around it (a dispatching thread's raw
 //! `clone` instruction gets them in the SIGSYS handler, `uswap_core::syscall_dispatch`).
@@ -20,6 +23,7 @@ use crate::threads::next;
 use crate::{heap, internal, space, sys};
 use libc::{c_long, c_void};
 use std::sync::atomic::AtomicPtr;
+use uswap_core::syscall_dispatch::OwnCalls;
 
 /// Locks held across `fork`, by the forking thread only. Fields drop in order, which lets
 /// go of the internal heap before the vector of arena guards is freed into it.
@@ -33,6 +37,7 @@ static mut HELD: Option<Held> = None;
 
 extern "C" fn prepare() {
     let _inside = internal::Inside::enter();
+    let _own = OwnCalls::new();
     // The order every allocation nests in: arena, book, internal heap.
     let arenas = heap::lock_all();
     let book = space::get().map(|s| s.lock_book());
@@ -50,6 +55,7 @@ extern "C" fn prepare() {
 
 extern "C" fn parent() {
     let _inside = internal::Inside::enter();
+    let _own = OwnCalls::new();
     // SAFETY: as in prepare.
     drop(unsafe { (*std::ptr::addr_of_mut!(HELD)).take() });
     uswap_core::fork::parent();

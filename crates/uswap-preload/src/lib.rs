@@ -53,6 +53,7 @@ extern "C" fn init() {
     warm_up_name_services();
     match start(&text) {
         Ok((region, commit_limit)) => {
+            let _own = uswap_core::syscall_dispatch::OwnCalls::new();
             serve_control(&region);
             outside::watch(region.clone(), program);
             space::install(region, commit_limit);
@@ -188,6 +189,7 @@ fn start(text: &str) -> uswap_core::Result<(Arc<Region>, u64)> {
     }
     let mut settings = Settings::parse(text)?;
     settings.config.fault_mode = fault_mode(settings.config.fault_mode)?;
+    let _own = uswap_core::syscall_dispatch::OwnCalls::new();
     if settings.config.fault_mode == FaultMode::Sigbus {
         threads::dispatch_in_new_threads();
     }
