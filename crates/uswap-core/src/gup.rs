@@ -22,6 +22,13 @@
 //! call ever waits for another's pin, which could wait for ever (300 threads blocked in
 //! `read` into region memory once left the 257th spinning). The overflow counter is
 //! published and read with the same fences as a word, so the race argument is the same.
+//!
+//! The table has room for a server's worth of blocked calls: with 256 words, 300 threads
+//! blocked in `recv` or `epoll_wait` on buffers in region memory (a thread per connection)
+//! overflowed it for as long as they waited, reclaim freed nothing, and the program's next
+//! fault that needed memory failed as out of memory. Words are claimed lowest first and
+//! aging reads only up to the highest ever claimed (`high`, published before the fence
+//! like the word itself), so a large table costs aging nothing while few calls block.
 
 use crate::sync::{fence, AtomicU64, AtomicUsize};
 use std::ops::Range;
@@ -30,15 +37,17 @@ use std::sync::atomic::Ordering::{Relaxed, Release, SeqCst};
 /// Ranges pinned at once per region: one per system call in progress (a vectored call
 /// takes one per buffer, up to its share). More overflow (see the module documentation).
 #[cfg(not(loom))]
-pub(crate) const PIN_SLOTS: usize = 256;
+pub(crate) const PIN_SLOTS: usize = 4096;
 /// One word, so that a model reaches the overflow in a few steps.
 #[cfg(loom)]
 pub(crate) const PIN_SLOTS: usize = 1;
 
 /// The pinned ranges of one region.
 pub(crate) struct Pins {
-    /// `start | end << 32` in pages, `end > start`; 0 when free.
-    slots: [AtomicU64; PIN_SLOTS],
+    /// `start | end << 32` in pages, `end > start`; 0 when free. `PIN_SLOTS` words.
+    slots: Box<[AtomicU64]>,
+    /// One more than the highest word ever claimed: aging reads the words below it.
+    high: AtomicUsize,
     /// Pins held, in words and overflowed.
     used: AtomicUsize,
     /// Overflowed pins held: while any is, every page is pinned.
@@ -61,7 +70,8 @@ fn pack(pages: &Range<usize>) -> u64 {
 impl Pins {
     pub fn new() -> Pins {
         Pins {
-            slots: std::array::from_fn(|_| AtomicU64::new(0)),
+            slots: (0..PIN_SLOTS).map(|_| AtomicU64::new(0)).collect(),
+            high: AtomicUsize::new(0),
             used: AtomicUsize::new(0),
             overflow: AtomicUsize::new(0),
         }
@@ -77,8 +87,13 @@ impl Pins {
             .slots
             .iter()
             .position(|s| s.compare_exchange(0, word, SeqCst, Relaxed).is_ok());
-        if found.is_none() {
-            self.overflow.fetch_add(1, SeqCst);
+        match found {
+            Some(i) => {
+                self.high.fetch_max(i + 1, SeqCst);
+            }
+            None => {
+                self.overflow.fetch_add(1, SeqCst);
+            }
         }
         fence(SeqCst);
         Pin(found.unwrap_or(OVERFLOWED))
@@ -103,8 +118,8 @@ impl Pins {
         if self.overflow.load(SeqCst) > 0 {
             return pages.collect();
         }
-        let ranges: Vec<Range<usize>> = self
-            .slots
+        let high = self.high.load(SeqCst).min(self.slots.len());
+        let ranges: Vec<Range<usize>> = self.slots[..high]
             .iter()
             .map(|s| s.load(SeqCst))
             .filter(|&w| w != 0)

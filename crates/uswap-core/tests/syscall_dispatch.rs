@@ -344,12 +344,14 @@ fn a_page_pinned_by_a_blocked_read_stays_mapped_while_aging_cycles_the_rest() {
     );
 }
 
-/// More calls blocked on region memory at once than the pin table has words (256), and the
-/// calls that would wake them need pins too (the writes come from swapped-out region
-/// memory): every one goes through, with its data. The 257th pinner once spun in
-/// `sched_yield` for ever, here the writer, so no reader was ever woken.
+/// 300 calls blocked on region memory at once (a thread per connection), and the calls
+/// that wake them need pins too (the writes come from swapped-out region memory): every
+/// one goes through, with its data, and while they wait, reclaim goes on for the rest of
+/// the region, twice its limit. With a table of 256 words, the 257th pinner once spun in
+/// `sched_yield` for ever; later the overflow pinned the whole region, reclaim freed
+/// nothing, and the first fault that needed memory failed as out of memory.
 #[test]
-fn more_blocked_calls_than_pin_words_all_complete() {
+fn three_hundred_blocked_calls_complete_and_reclaim_goes_on_meanwhile() {
     use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
     const CALLS: usize = 300;
     let mut cfg = Config::new(4 * MIB as u64);
@@ -383,6 +385,19 @@ fn more_blocked_calls_than_pin_words_all_complete() {
         }
         // Let them all block in their reads, holding their pins.
         std::thread::sleep(std::time::Duration::from_millis(300));
+        // Every page but the calls' own, twice: 2,048 pages through a limit of 1,024.
+        let calls_own = |p: usize| p / 4 < CALLS && p % 4 % 2 == 1;
+        for round in 0..2 {
+            for p in (0..region.len() / PAGE_SIZE).filter(|&p| !calls_own(p)) {
+                if let Err(e) = unsafe { check(base as *const u8, p, 1) } {
+                    panic!("round {round}, page {p}: {e}");
+                }
+            }
+        }
+        assert!(
+            region.stats().vmstat.pswpin > 0,
+            "nothing was swapped back in"
+        );
         syscall_dispatch::enable_for_this_thread().unwrap();
         for (i, p) in pipes.iter().enumerate() {
             let n = unsafe { libc::write(p.w, from(i) as *const libc::c_void, 8) };
