@@ -4,7 +4,8 @@
 /// CPUs this process may run on (1 when the kernel cannot tell), for sizing per-CPU
 /// structures. Asked once per process: the standard library's answer reads the process's
 /// cgroup files each time (eight system calls), and a region's start asked a dozen times,
-/// in every process and fork child under `uswap run`.
+/// in every process and fork child under `uswap run`. A later change of affinity or CPU
+/// quota is not seen: the count only sizes per-CPU structures, which any count serves.
 pub fn count() -> usize {
     static COUNT: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
     *COUNT.get_or_init(|| std::thread::available_parallelism().map_or(1, |n| n.get()))

@@ -28,7 +28,8 @@
 //! overflowed it for as long as they waited, reclaim freed nothing, and the program's next
 //! fault that needed memory failed as out of memory. Words are claimed lowest first and
 //! aging reads only up to the highest ever claimed (`high`, published before the fence
-//! like the word itself), so a large table costs aging nothing while few calls block.
+//! like the word itself), so aging reads as many words as the most calls ever blocked at
+//! once, not the whole table.
 
 use crate::sync::{fence, AtomicU64, AtomicUsize};
 use std::ops::Range;
@@ -62,6 +63,21 @@ pub(crate) struct Pin(usize);
 /// The word index of a pin that found every word taken.
 const OVERFLOWED: usize = usize::MAX;
 
+/// `PIN_SLOTS` free words from a zeroed allocation: 32 KiB the kernel zeroes page by page
+/// when first used, not written at every region's start.
+#[cfg(not(loom))]
+fn free_slots() -> Box<[AtomicU64]> {
+    let words: Box<[u64]> = vec![0u64; PIN_SLOTS].into_boxed_slice();
+    // SAFETY: AtomicU64 has the size and bit validity of u64, and its alignment on
+    // x86-64 (the only target syscall dispatch serves).
+    unsafe { Box::from_raw(Box::into_raw(words) as *mut [AtomicU64]) }
+}
+
+#[cfg(loom)]
+fn free_slots() -> Box<[AtomicU64]> {
+    (0..PIN_SLOTS).map(|_| AtomicU64::new(0)).collect()
+}
+
 fn pack(pages: &Range<usize>) -> u64 {
     debug_assert!(pages.start < pages.end && pages.end <= u32::MAX as usize);
     pages.start as u64 | (pages.end as u64) << 32
@@ -70,7 +86,7 @@ fn pack(pages: &Range<usize>) -> u64 {
 impl Pins {
     pub fn new() -> Pins {
         Pins {
-            slots: (0..PIN_SLOTS).map(|_| AtomicU64::new(0)).collect(),
+            slots: free_slots(),
             high: AtomicUsize::new(0),
             used: AtomicUsize::new(0),
             overflow: AtomicUsize::new(0),
@@ -83,10 +99,9 @@ impl Pins {
     pub fn pin(&self, pages: Range<usize>) -> Pin {
         let word = pack(&pages);
         self.used.fetch_add(1, SeqCst);
-        let found = self
-            .slots
-            .iter()
-            .position(|s| s.compare_exchange(0, word, SeqCst, Relaxed).is_ok());
+        let found = self.slots.iter().position(|s| {
+            s.load(Relaxed) == 0 && s.compare_exchange(0, word, SeqCst, Relaxed).is_ok()
+        });
         match found {
             Some(i) => {
                 self.high.fetch_max(i + 1, SeqCst);

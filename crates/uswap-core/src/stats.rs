@@ -232,7 +232,7 @@ pub fn new_histogram() -> Histogram<u64> {
     Histogram::new_with_bounds(1, 100_000_000_000, 3).expect("static histogram bounds are valid")
 }
 
-/// Records a duration into a histogram from [`new_histogram`].
+/// Records a duration into a histogram of nanoseconds (any precision).
 pub fn record(h: &mut Histogram<u64>, took: Duration) {
     h.saturating_record((took.as_nanos() as u64).max(1));
 }

@@ -105,20 +105,59 @@ fn install_handler() -> Result<()> {
 
 /// While alive, the calling thread's system calls go straight to the kernel, as in uswap's
 /// signal handlers: for uswap's own work on a thread that runs with dispatch (a process's
-/// start under `uswap run`, the fork handlers), none of whose calls take the program's
-/// memory. Dispatched, each would be a SIGSYS round trip: a shell's command made 220 of
-/// them, setting up its regions. Made after dispatch is turned on (it puts back the
-/// selector it found).
+/// start under `uswap run`, the parent's fork handlers), none of whose calls take the
+/// program's memory. Dispatched, each would be a SIGSYS round trip: a shell's command made
+/// about 200 of them, setting up its regions. Asynchronous signals wait meanwhile, as in
+/// uswap's handlers: a program handler run inside would have its calls undispatched. Made
+/// after dispatch is turned on (it puts back the selector and mask it found); not `Send`.
 pub struct OwnCalls {
-    _allowed: Allowed,
+    /// The mask to put back, after the selector.
+    mask: u64,
+    allowed: std::mem::ManuallyDrop<Allowed>,
+    _this_thread: std::marker::PhantomData<*mut ()>,
 }
 
 impl OwnCalls {
     #[allow(clippy::new_without_default)]
     pub fn new() -> OwnCalls {
+        let mut mask = 0u64;
+        let block = handler_mask();
+        raw_syscall(
+            libc::SYS_rt_sigprocmask,
+            [
+                libc::SIG_BLOCK as u64,
+                &block as *const u64 as u64,
+                &mut mask as *mut u64 as u64,
+                8,
+                0,
+                0,
+            ],
+        );
         OwnCalls {
-            _allowed: Allowed::new(),
+            mask,
+            allowed: std::mem::ManuallyDrop::new(Allowed::new()),
+            _this_thread: std::marker::PhantomData,
         }
+    }
+}
+
+impl Drop for OwnCalls {
+    fn drop(&mut self) {
+        // The selector first: a signal let in by the mask then finds the thread
+        // dispatching again.
+        // SAFETY: dropped once, here.
+        unsafe { std::mem::ManuallyDrop::drop(&mut self.allowed) };
+        raw_syscall(
+            libc::SYS_rt_sigprocmask,
+            [
+                libc::SIG_SETMASK as u64,
+                &self.mask as *const u64 as u64,
+                0,
+                8,
+                0,
+                0,
+            ],
+        );
     }
 }
 

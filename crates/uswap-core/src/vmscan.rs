@@ -358,9 +358,11 @@ impl Reclaim {
         // Pages a system call has pinned (SIGBUS mode) stay as they are; referenced pages
         // go round once more. Both sort last, stay active and go back to the head with the
         // pages that could not move.
-        let pinned = mm.pins().pinned_among(locks.iter().map(|l| l.page()));
+        let mut pinned = mm.pins().pinned_among(locks.iter().map(|l| l.page()));
+        pinned.sort_unstable();
         locks.sort_unstable_by_key(|l| {
-            (pinned.contains(&l.page()), l.state().referenced(), l.page())
+            let is_pinned = pinned.binary_search(&l.page()).is_ok();
+            (is_pinned, l.state().referenced(), l.page())
         });
         let movable = locks.len() - pinned.len();
         let mut spared = 0;

@@ -64,12 +64,12 @@ pub fn install(region: Arc<Region>, commit_limit: u64) {
     }
 }
 
-/// `granules` owner bytes, all `NO_ARENA`, in memory the kernel zeroes when it is first
-/// touched: the table is a megabyte for the preload's 68 GiB space, and writing it at
-/// start cost every process and every fork child under `uswap run` 270 page faults.
+/// `granules` owner bytes, all `NO_ARENA`, from a zeroed allocation: the table is a
+/// megabyte for the preload's 68 GiB space, which the internal heap maps fresh, so the
+/// kernel zeroes each page when it is first touched. Written out at start, it cost every
+/// process under `uswap run` 270 page faults.
 fn unowned(granules: usize) -> Box<[AtomicU8]> {
     const _: () = assert!(NO_ARENA == 0);
-    // A zeroed allocation: the internal heap maps one this large fresh, untouched.
     let bytes: Box<[u8]> = vec![0u8; granules].into_boxed_slice();
     // SAFETY: AtomicU8 has the size, alignment and bit validity of u8.
     unsafe { Box::from_raw(Box::into_raw(bytes) as *mut [AtomicU8]) }
