@@ -107,9 +107,12 @@ fn install_handler() -> Result<()> {
 /// signal handlers: for uswap's own work on a thread that runs with dispatch (a process's
 /// start under `uswap run`, the parent's fork handlers), none of whose calls take the
 /// program's memory. Dispatched, each would be a SIGSYS round trip: a shell's command made
-/// about 200 of them, setting up its regions. Asynchronous signals wait meanwhile, as in
-/// uswap's handlers: a program handler run inside would have its calls undispatched. Made
-/// after dispatch is turned on (it puts back the selector and mask it found); not `Send`.
+/// about 200 of them, setting up its regions. Asynchronous signals wait meanwhile: a
+/// program handler run inside would have its calls undispatched. The C library's own two
+/// stay open, unlike in uswap's handlers: threads made meanwhile (uswap's, at a process's
+/// start) inherit the mask, and one that blocked the `set*id` broadcast would hang the
+/// program's next `setgid` for ever. Made after dispatch is turned on (it puts back the
+/// selector and mask it found); not `Send`.
 pub struct OwnCalls {
     /// The mask to put back, after the selector.
     mask: u64,
@@ -121,7 +124,10 @@ impl OwnCalls {
     #[allow(clippy::new_without_default)]
     pub fn new() -> OwnCalls {
         let mut mask = 0u64;
-        let block = handler_mask();
+        let asynchronous = crate::signals::asynchronous();
+        // SAFETY: the kernel's mask is the first word of the C library's sigset_t.
+        let block =
+            unsafe { *(&asynchronous as *const libc::sigset_t).cast::<u64>() & !never_blocked() };
         raw_syscall(
             libc::SYS_rt_sigprocmask,
             [
