@@ -69,7 +69,7 @@ pub struct LockClass {
 
 impl LockClass {
     /// Sums `locks` into one class line.
-    pub(crate) fn sum<'a, L: Counted + 'a>(
+    pub(crate) fn sum<'a, L: Counted + ?Sized + 'a>(
         name: &'static str,
         locks: impl IntoIterator<Item = &'a L>,
     ) -> LockClass {

@@ -279,12 +279,7 @@ impl Staging {
     /// The statistics of the shared free-list locks, and of the per-CPU lists' locks.
     pub fn lockstat(&self) -> [LockClass; 2] {
         [
-            {
-                let mut shared = LockClass::sum("staging", [&self.free]);
-                shared.locks += 1;
-                shared.stat.add(self.deferred.stat());
-                shared
-            },
+            LockClass::sum("staging", [&self.free as &dyn Counted, &self.deferred]),
             LockClass::sum("staging_pcp", self.pcp.iter().map(|l| &**l)),
         ]
     }

@@ -66,9 +66,23 @@ fn never_blocked() -> u64 {
 /// The signals blocked while uswap's SIGSYS handler runs, as a kernel mask word: every
 /// asynchronous one, the C library's own included (`signals::handler_mask`).
 fn handler_mask() -> u64 {
-    let set = crate::signals::handler_mask();
+    mask_word(&crate::signals::handler_mask())
+}
+
+/// `set` as a kernel mask word, less the signals never blocked.
+fn mask_word(set: &libc::sigset_t) -> u64 {
     // SAFETY: the kernel's mask is the first word of the C library's sigset_t.
-    unsafe { *(&set as *const libc::sigset_t).cast::<u64>() & !never_blocked() }
+    unsafe { *(set as *const libc::sigset_t).cast::<u64>() & !never_blocked() }
+}
+
+/// `rt_sigprocmask(how, new, old)` on kernel mask words, from inside the range (never
+/// dispatched).
+fn set_mask_raw(how: libc::c_int, new: &u64, old: Option<&mut u64>) {
+    let old = old.map_or(0, |o| o as *mut u64 as u64);
+    raw_syscall(
+        libc::SYS_rt_sigprocmask,
+        [how as u64, new as *const u64 as u64, old, 8, 0, 0],
+    );
 }
 
 static INSTALL: Once = Once::new();
@@ -124,21 +138,8 @@ impl OwnCalls {
     #[allow(clippy::new_without_default)]
     pub fn new() -> OwnCalls {
         let mut mask = 0u64;
-        let asynchronous = crate::signals::asynchronous();
-        // SAFETY: the kernel's mask is the first word of the C library's sigset_t.
-        let block =
-            unsafe { *(&asynchronous as *const libc::sigset_t).cast::<u64>() & !never_blocked() };
-        raw_syscall(
-            libc::SYS_rt_sigprocmask,
-            [
-                libc::SIG_BLOCK as u64,
-                &block as *const u64 as u64,
-                &mut mask as *mut u64 as u64,
-                8,
-                0,
-                0,
-            ],
-        );
+        let block = mask_word(&crate::signals::asynchronous());
+        set_mask_raw(libc::SIG_BLOCK, &block, Some(&mut mask));
         OwnCalls {
             mask,
             allowed: std::mem::ManuallyDrop::new(Allowed::new()),
@@ -153,17 +154,7 @@ impl Drop for OwnCalls {
         // dispatching again.
         // SAFETY: dropped once, here.
         unsafe { std::mem::ManuallyDrop::drop(&mut self.allowed) };
-        raw_syscall(
-            libc::SYS_rt_sigprocmask,
-            [
-                libc::SIG_SETMASK as u64,
-                &self.mask as *const u64 as u64,
-                0,
-                8,
-                0,
-                0,
-            ],
-        );
+        set_mask_raw(libc::SIG_SETMASK, &self.mask, None);
     }
 }
 
@@ -443,16 +434,10 @@ fn on_program_stack(nr: i64, a: [u64; 6], program: Program) -> i64 {
 
 fn with_program_mask(program_mask: u64, call: impl FnOnce() -> i64) -> i64 {
     let handler_mask = program_mask | handler_mask();
-    let set_mask = |m: &u64| {
-        raw_syscall(
-            libc::SYS_rt_sigprocmask,
-            [libc::SIG_SETMASK as u64, m as *const u64 as u64, 0, 8, 0, 0],
-        )
-    };
     set_selector(BLOCK);
-    set_mask(&program_mask);
+    set_mask_raw(libc::SIG_SETMASK, &program_mask, None);
     let result = call();
-    set_mask(&handler_mask);
+    set_mask_raw(libc::SIG_SETMASK, &handler_mask, None);
     set_selector(ALLOW);
     result
 }
