@@ -188,7 +188,6 @@ impl ControlServer {
         let path = socket_path(std::process::id(), euid);
         let dir = path.parent().unwrap_or(Path::new("/"));
         prepare_dir(dir, euid)?;
-        remove_dead(dir);
         let listener = bind(&path)?;
         let (stop_rx, stop_tx) = pipe()?;
         let server = Server {
@@ -196,6 +195,7 @@ impl ControlServer {
             listener,
             stop: stop_rx,
             euid,
+            dir: dir.to_path_buf(),
         };
         match crate::signals::spawn_quiet("uswap-control", move || server.run()) {
             Ok(thread) => Ok(ControlServer {
@@ -354,10 +354,15 @@ struct Server {
     listener: UnixListener,
     stop: OwnedFd,
     euid: u32,
+    /// The socket's directory.
+    dir: PathBuf,
 }
 
 impl Server {
     fn run(self) {
+        // On the server's thread, not in `start`: a process's start (every command of a
+        // shell under `uswap run`) does not wait for it.
+        remove_dead(&self.dir);
         while self.wait_for_client() {
             match self.listener.accept() {
                 Ok((stream, _)) => self.serve(&stream),

@@ -1,14 +1,25 @@
 //! The CPU the calling thread runs on, for per-CPU structures. A thread can migrate right
 //! after asking, so the answer is a hint for spreading load, never a lock.
 
-/// CPUs this process may run on (1 when the kernel cannot tell), for sizing per-CPU
-/// structures. Asked once per process: the standard library's answer reads the process's
-/// cgroup files each time (eight system calls), and a region's start asked a dozen times,
-/// in every process and fork child under `uswap run`. A later change of affinity or CPU
-/// quota is not seen: the count only sizes per-CPU structures, which any count serves.
+/// CPUs this process may run on (its affinity mask; 1 when the kernel cannot tell), for
+/// sizing per-CPU structures. Asked once per process, with one system call: the standard
+/// library's `available_parallelism` also reads the process's cgroup files for a CPU quota
+/// (0.1 ms, at the start of every process and fork child under `uswap run`). A later
+/// change of affinity is not seen: the count only sizes per-CPU structures, which any
+/// count serves.
 pub fn count() -> usize {
     static COUNT: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *COUNT.get_or_init(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
+    *COUNT.get_or_init(|| {
+        // SAFETY: a zeroed cpu_set_t is an empty set; the kernel fills it for this thread.
+        let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+        let size = std::mem::size_of::<libc::cpu_set_t>();
+        // SAFETY: `set` is writable for `size` bytes.
+        match unsafe { libc::sched_getaffinity(0, size, &mut set) } {
+            // SAFETY: counting the bits of a set the kernel filled.
+            0 => (unsafe { libc::CPU_COUNT(&set) } as usize).max(1),
+            _ => 1,
+        }
+    })
 }
 
 /// CPUs the machine has (not only those this process may use): the range of CPU numbers

@@ -418,7 +418,7 @@ fn made(
 /// The page runs of `owned` (of the region at `start`, `len` bytes) that are mapped in
 /// this process, from `/proc/self/maps`; `owned` itself when that cannot be read.
 fn mapped_runs(start: usize, len: usize, owned: &[Range<usize>]) -> Vec<Range<usize>> {
-    let Ok(maps) = std::fs::read_to_string("/proc/self/maps") else {
+    let Some(maps) = read_maps() else {
         return owned.to_vec();
     };
     let end = start + len;
@@ -454,6 +454,18 @@ fn mapped_runs(start: usize, len: usize, owned: &[Range<usize>]) -> Vec<Range<us
     runs
 }
 
+/// `/proc/self/maps`, read in large pieces: each read walks the mappings again from the
+/// start of the piece, so the small first reads of `fs::read_to_string` (the file says its
+/// size is 0) cost a fork child a quarter of a millisecond.
+fn read_maps() -> Option<String> {
+    use std::io::Read;
+    let mut maps = String::with_capacity(64 << 10);
+    std::fs::File::open("/proc/self/maps")
+        .and_then(|mut f| f.read_to_string(&mut maps))
+        .ok()?;
+    Some(maps)
+}
+
 /// The page runs that are still the region's (not unmapped by the program).
 fn owned_runs(mm: &Mm) -> Vec<Range<usize>> {
     let pages = mm.pages();
@@ -487,6 +499,8 @@ struct Copier<'a> {
     /// The child's device (in `Held::devices` at `device_index`).
     device: Arc<SwapDevice>,
     device_index: usize,
+    /// A batch's buffers, made by the first copy: most forks (a shell's, before `exec`)
+    /// have nothing to copy.
     bufs: Vec<PageBuf>,
     /// Pages copied so far, and the slot of the child's device each went to (`None`: its
     /// data is lost, and the child's accesses fail too).
@@ -499,7 +513,7 @@ impl<'a> Copier<'a> {
             mm,
             device,
             device_index,
-            bufs: (0..BATCH).map(|_| PageBuf::new()).collect(),
+            bufs: Vec::new(),
             copied: HashMap::new(),
         }
     }
@@ -536,6 +550,9 @@ impl<'a> Copier<'a> {
             .collect();
         if locks.is_empty() {
             return Ok(());
+        }
+        if self.bufs.is_empty() {
+            self.bufs = (0..BATCH).map(|_| PageBuf::new()).collect();
         }
         let sources = self.read(&locks);
         self.write(&locks, &sources)

@@ -311,6 +311,14 @@ pub fn supported() -> bool {
     })
 }
 
+/// Whether the kernel gives the calling thread syscall user dispatch, found by turning it
+/// on with the selector at *allow*, which dispatches nothing: for a thread that goes on to
+/// turn it on for good, without [`supported`]'s probe thread. Where it is refused, nothing
+/// changed.
+pub fn supported_here() -> bool {
+    turn_on_with_selector_at_allow().is_ok()
+}
+
 /// Turns dispatch off for the calling thread.
 pub fn disable_for_this_thread() {
     set_selector(ALLOW);

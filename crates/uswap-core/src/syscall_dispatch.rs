@@ -48,7 +48,7 @@ use crate::syscall_args;
 use std::sync::atomic::{AtomicI32, AtomicU64, Ordering::Relaxed};
 use std::sync::Once;
 
-pub use crate::sud::{disable_for_this_thread, supported};
+pub use crate::sud::{disable_for_this_thread, supported, supported_here};
 
 /// `si_code` of a SIGSYS raised by dispatch.
 const SYS_USER_DISPATCH: libc::c_int = 2;

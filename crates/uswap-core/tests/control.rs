@@ -413,6 +413,11 @@ fn sockets_of_processes_that_are_gone_are_removed() {
     let other = rt.dir().join(format!("{}.sock", dead + 1_000_000));
     std::fs::write(&other, b"").unwrap();
     let _server = ControlServer::start(region).unwrap();
+    // The server's thread sweeps, once, as it starts.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    while left.exists() && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
     assert!(!left.exists(), "the dead process's socket is gone");
     assert!(live.exists(), "pid 1 is alive: its socket stays");
     assert!(other.exists(), "not a socket: left alone");

@@ -77,10 +77,16 @@ extern "C" fn init() {
 
 /// Has the C library allocate its name service state now, from the internal heap: a child
 /// of fork rewrites that state before any fork handler runs, before uswap has given the
-/// child its memory. (A lookup in the services database reads a local file.)
+/// child its memory. Any lookup allocates it; one in the networks database, which systems
+/// serve from `/etc/networks` alone, costs a third of one in the services database, where
+/// the C library may first look for a `db` module on every library path.
 fn warm_up_name_services() {
-    // SAFETY: a lookup by NUL-terminated names; the result is not used.
-    unsafe { libc::getservbyname(c"uswap".as_ptr(), c"tcp".as_ptr()) };
+    extern "C" {
+        // The C library's (POSIX); the `libc` crate declares only its `_r` form.
+        fn getnetbyname(name: *const libc::c_char) -> *mut libc::c_void;
+    }
+    // SAFETY: a lookup by a NUL-terminated name; the result is not used.
+    unsafe { getnetbyname(c"uswap".as_ptr()) };
 }
 
 /// Starts the control socket of `uswap stat` and `uswap ctl`; the program runs without it
@@ -104,6 +110,7 @@ fn serve_control(region: &Arc<Region>) {
 fn child_control() {
     *CONTROL_SOCKET.lock().unwrap_or_else(|e| e.into_inner()) = None;
     if let Some(space) = space::get() {
+        let _own = uswap_core::syscall_dispatch::OwnCalls::new();
         serve_control(space.region());
     }
 }
@@ -142,15 +149,8 @@ fn malloc_is_ours() -> bool {
 /// run with syscall dispatch, this one first (before the region, so that a kernel without
 /// it is refused, or in auto mode gets thread mode, before anything is made).
 fn fault_mode(asked: FaultMode) -> uswap_core::Result<FaultMode> {
-    use uswap_core::syscall_dispatch::{enable_for_this_thread, supported};
+    use uswap_core::syscall_dispatch::{enable_for_this_thread, supported_here};
     let mode = match asked {
-        FaultMode::Auto if !supported() => {
-            sys::warn(
-                "uswap run: this kernel has no syscall user dispatch (Linux 5.11+, x86-64): \
-                 faults are served by handler threads (thread mode)\n",
-            );
-            FaultMode::Thread
-        }
         FaultMode::Auto if program::is_go() => {
             sys::warn(
                 "uswap run: a Go program: its signal handlers need the signal stacks Go sets \
@@ -166,6 +166,14 @@ fn fault_mode(asked: FaultMode) -> uswap_core::Result<FaultMode> {
                       stacks Go sets up); use --fault-mode auto or thread"
                     .into(),
             })
+        }
+        // This thread is the first to get dispatch: tried on it, not in a probe thread.
+        FaultMode::Auto if !supported_here() => {
+            sys::warn(
+                "uswap run: this kernel has no syscall user dispatch (Linux 5.11+, x86-64): \
+                 faults are served by handler threads (thread mode)\n",
+            );
+            FaultMode::Thread
         }
         FaultMode::Auto | FaultMode::Sigbus => FaultMode::Sigbus,
         FaultMode::Thread => FaultMode::Thread,

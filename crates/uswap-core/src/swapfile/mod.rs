@@ -267,6 +267,11 @@ impl SwapDevice {
             self.align,
             Duration::from_micros(self.cfg.read_poll_us),
         );
+        // The child's first transfer may be its SIGBUS handler's read of a copied page,
+        // which cannot make rings.
+        if self.used_pages() > 0 {
+            self.io.start();
+        }
     }
 
     /// In a fork child: closes the descriptors of the parent's swap file, which the child
@@ -1783,7 +1788,7 @@ mod tests {
     fn a_growing_file_is_extended_in_64_mib_steps() {
         let (_dir, dev) = temp_device(None, IoMode::Uring);
         assert!(
-            dev.capacity_pages() >= 2 * slot_table::TABLE_CHUNK,
+            dev.capacity_pages() >= 2 * GROW_CHUNK / PAGE_SIZE as u64,
             "needs 128 MiB free in the temp dir"
         );
         assert_eq!(dev.capacity_pages() % u64::from(SWAPFILE_CLUSTER), 0);

@@ -7,9 +7,12 @@ use crate::PAGE_SIZE;
 use std::sync::atomic::Ordering;
 use std::sync::OnceLock;
 
-/// Slots per lazily allocated piece of a [`SlotTable`] (64 MiB of swap).
+/// Slots per lazily allocated piece of a [`SlotTable`] (1 GiB of swap, a 2 MiB piece). A
+/// piece is allocated zeroed, so its memory is the kernel's until its words are written;
+/// large pieces keep the table of pieces small for a device as large as a file system's
+/// free space, which every process under `uswap run` makes.
 #[cfg(not(loom))]
-pub(super) const TABLE_CHUNK: u64 = (64 << 20) / PAGE_SIZE as u64;
+pub(super) const TABLE_CHUNK: u64 = (1 << 30) / PAGE_SIZE as u64;
 #[cfg(loom)]
 pub(super) const TABLE_CHUNK: u64 = 4;
 
@@ -35,8 +38,7 @@ impl SlotTable {
     /// the SIGBUS handler: it reads through [`SlotTable::entry`]).
     pub(super) fn word(&self, slot: SlotId) -> &AtomicU64 {
         let (chunk, index) = Self::position(slot);
-        let entries = self.chunks[chunk]
-            .get_or_init(|| (0..TABLE_CHUNK).map(|_| AtomicU64::new(0)).collect());
+        let entries = self.chunks[chunk].get_or_init(zeroed_chunk);
         &entries[index]
     }
 
@@ -59,4 +61,29 @@ impl SlotTable {
         let slot = u64::from(slot);
         ((slot / TABLE_CHUNK) as usize, (slot % TABLE_CHUNK) as usize)
     }
+}
+
+/// A piece of the table, every word 0, from zeroed memory (`alloc_zeroed` maps a large
+/// block fresh, and the kernel supplies its pages as they are first written).
+#[cfg(not(loom))]
+fn zeroed_chunk() -> Box<[AtomicU64]> {
+    let layout = std::alloc::Layout::array::<AtomicU64>(TABLE_CHUNK as usize)
+        .expect("a table piece's size fits in memory");
+    // SAFETY: a non-zero size; the block, all zero bits, holds TABLE_CHUNK valid
+    // AtomicU64 words (0), and the box frees it with the same layout.
+    unsafe {
+        let words = std::alloc::alloc_zeroed(layout).cast::<AtomicU64>();
+        if words.is_null() {
+            std::alloc::handle_alloc_error(layout);
+        }
+        Box::from_raw(std::ptr::slice_from_raw_parts_mut(
+            words,
+            TABLE_CHUNK as usize,
+        ))
+    }
+}
+
+#[cfg(loom)]
+fn zeroed_chunk() -> Box<[AtomicU64]> {
+    (0..TABLE_CHUNK).map(|_| AtomicU64::new(0)).collect()
 }

@@ -1,8 +1,11 @@
 //! Page-sized swap I/O: io_uring with a pool of rings, or plain `pread`/`pwrite`.
 //!
-//! A batch of page writes goes to the kernel in one `io_uring_enter`. When the kernel refuses
-//! io_uring (too old, `kernel.io_uring_disabled`, seccomp) the engine falls back to
-//! `pread`/`pwrite` once, at creation, and reports the effective mode.
+//! A batch of page writes goes to the kernel in one `io_uring_enter`. The rings are made by
+//! the engine's first transfer outside a signal handler (the first swap-out, in practice),
+//! not with the engine: most processes under `uswap run` never swap, and a ring costs
+//! them a tenth of a millisecond to set up and tear down. When the kernel refuses io_uring
+//! (too old, `kernel.io_uring_disabled`, seccomp) the engine falls back to `pread`/`pwrite`
+//! then, once, and reports the effective mode.
 //!
 //! Transient failures are retried in both modes: EAGAIN, EINTR, ENOMEM and EBUSY up to
 //! [`MAX_TRIES`] tries with a short backoff, EIO on a read up to [`READ_EIO_TRIES`], and a
@@ -37,6 +40,7 @@ use std::fs::File;
 use std::io;
 use std::os::fd::{AsRawFd, RawFd};
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 thread_local! {
@@ -87,8 +91,9 @@ fn backoff(tries: u32) -> Duration {
 /// Issues [`PageOp`]s against a file, through io_uring or `pread`/`pwrite`, retrying
 /// transient errors and short transfers.
 pub(crate) struct IoEngine {
-    /// `None` in pread mode, requested or fallen back to.
-    rings: Option<RingPool>,
+    requested: IoMode,
+    /// Made by the first transfer that may allocate ([`IoEngine::rings`]).
+    rings: OnceLock<Rings>,
     /// The fault injector; `None` unless the configuration asks for faults.
     faults: Option<Injector>,
     /// Offset alignment a resubmitted remainder must keep (`O_DIRECT`); a short transfer
@@ -98,6 +103,12 @@ pub(crate) struct IoEngine {
     retries: AtomicU64,
     /// How long a batch of reads on a ring polls for its completions before it sleeps.
     read_poll: Duration,
+}
+
+/// An engine's rings and the buffers of its signal handler reads.
+struct Rings {
+    /// `None` in pread mode, requested or fallen back to.
+    pool: Option<RingPool>,
     /// Buffers for the SIGBUS handler's batch reads, and rings for its reads unless in
     /// pread mode or without polling.
     signal_sets: SignalSets,
@@ -113,31 +124,47 @@ impl IoEngine {
         align: usize,
         read_poll: Duration,
     ) -> IoEngine {
-        let rings = match requested {
-            IoMode::Uring | IoMode::Auto => RingPool::probe(),
-            IoMode::Pread => None,
-        };
-        let signal_sets = SignalSets::new(rings.is_some() && !read_poll.is_zero());
         IoEngine {
-            rings,
+            requested,
+            rings: OnceLock::new(),
             faults: faults.map(Injector::new),
             align: align.clamp(1, PAGE_SIZE),
             retries: AtomicU64::new(0),
             read_poll,
-            signal_sets,
         }
+    }
+
+    /// The rings, made now if they were not: never from a signal handler (it allocates).
+    fn rings(&self) -> &Rings {
+        self.rings.get_or_init(|| {
+            let pool = match self.requested {
+                IoMode::Uring | IoMode::Auto => RingPool::probe(),
+                IoMode::Pread => None,
+            };
+            let signal_sets = SignalSets::new(pool.is_some() && !self.read_poll.is_zero());
+            Rings { pool, signal_sets }
+        })
+    }
+
+    /// Makes the rings now, for an engine whose first transfer may be a signal handler's
+    /// read (a fork child's, of pages its parent wrote).
+    pub(crate) fn start(&self) {
+        self.rings();
     }
 
     /// The statistics of the ring pool's lock (`io_rings`), when the engine has rings.
     pub(crate) fn lockstat(&self) -> Option<LockClass> {
-        let pool = self.rings.as_ref()?;
+        let pool = self.rings.get()?.pool.as_ref()?;
         Some(LockClass::sum("io_rings", [&pool.0]))
     }
 
     /// In a fork child, for an engine it abandons: closes the rings' descriptors, which
     /// are the parent's rings. A pool its parent was using at the fork is left alone.
     pub(crate) fn close_in_child(&self) {
-        if let Some(pool) = &self.rings {
+        let Some(rings) = self.rings.get() else {
+            return;
+        };
+        if let Some(pool) = &rings.pool {
             if let Some(rings) = pool.0.try_lock() {
                 for ring in rings.iter() {
                     // SAFETY: the abandoned engine never uses its rings again.
@@ -145,12 +172,12 @@ impl IoEngine {
                 }
             }
         }
-        self.signal_sets.close_in_child();
+        rings.signal_sets.close_in_child();
     }
 
-    /// The mode in effect after any fallback.
+    /// The mode in effect after any fallback (the rings are made to find it out).
     pub(crate) fn mode(&self) -> IoMode {
-        match self.rings {
+        match self.rings().pool {
             Some(_) => IoMode::Uring,
             None => IoMode::Pread,
         }
@@ -220,10 +247,9 @@ impl IoEngine {
         if self.faults.is_some() {
             return None;
         }
-        if self
-            .signal_sets
-            .read(file.as_raw_fd(), offset, dst, self.read_poll)
-        {
+        // Without rings yet (no transfer outside a handler so far), a plain read.
+        let sets = self.rings.get().map(|r| &r.signal_sets);
+        if sets.is_some_and(|sets| sets.read(file.as_raw_fd(), offset, dst, self.read_poll)) {
             return Some(Ok(()));
         }
         Some(self.read_sync_in_place(file.as_raw_fd(), offset, dst))
@@ -232,7 +258,8 @@ impl IoEngine {
     /// Reads the pages at `offsets` (at most [`SIGNAL_BATCH`]) in one submission, allocating
     /// and locking nothing, and lends them to `f`, for the SIGBUS handler's readahead: on a
     /// signal set's ring, polled, or with `pread`, transient errors retried. `None` under a
-    /// fault plan or when no set is free: use [`IoEngine::read_batch`].
+    /// fault plan, when no set is free or the engine has none yet: use
+    /// [`IoEngine::read_batch`].
     ///
     /// # Safety
     /// As [`IoEngine::run`].
@@ -247,7 +274,9 @@ impl IoEngine {
         }
         let fd = file.as_raw_fd();
         let read_one = |offset, dst| self.read_sync_in_place(fd, offset, dst).is_ok();
-        self.signal_sets
+        self.rings
+            .get()?
+            .signal_sets
             .read_batch(fd, offsets, self.read_poll, read_one, f)
     }
 
@@ -272,7 +301,7 @@ impl IoEngine {
             may_flip,
         };
         let mut transfers: Vec<Transfer> = ops.iter().map(|&op| Transfer::new(op)).collect();
-        match &self.rings {
+        match &self.rings().pool {
             Some(pool) => pool.run(fd, &mut transfers, &ctx),
             None => transfers
                 .iter_mut()
@@ -836,6 +865,45 @@ pub(crate) mod tests {
     /// Whether this kernel lets us use io_uring, so a test can insist on it.
     pub(crate) fn uring_allowed() -> bool {
         std::fs::read_to_string("/proc/sys/kernel/io_uring_disabled").is_ok_and(|v| v.trim() == "0")
+    }
+
+    #[test]
+    fn rings_are_made_by_the_first_transfer_and_a_handler_read_before_it_reads_plainly() {
+        let engine = IoEngine::new(IoMode::Uring, None, 1, Duration::from_micros(50));
+        assert!(engine.rings.get().is_none(), "no rings at creation");
+        let dir = tempfile::tempdir().unwrap();
+        let file = File::options()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(dir.path().join("io"))
+            .unwrap();
+        let mut page = PageBuf::new();
+        page.as_mut_slice().fill(0x5a);
+        std::fs::write(dir.path().join("io"), page.as_slice()).unwrap();
+        let mut back = PageBuf::new();
+        // SAFETY: a page-sized buffer of this thread.
+        let read = unsafe { engine.read_in_place(&file, 0, back.as_mut_ptr()) };
+        assert!(matches!(read, Some(Ok(()))), "{read:?}");
+        assert_eq!(back.as_slice(), page.as_slice());
+        assert!(
+            engine.rings.get().is_none(),
+            "a handler's read makes no rings"
+        );
+        let none = unsafe { engine.read_batch_in_place(&file, &[Some(0)], |_| ()) };
+        assert!(
+            none.is_none(),
+            "no signal sets yet: the caller's other path"
+        );
+        let op = PageOp::Write {
+            offset: PAGE_SIZE as u64,
+            src: page.as_ptr(),
+        };
+        // SAFETY: as above.
+        let results = unsafe { engine.run(&file, &[op]) };
+        assert!(results.iter().all(|r| r.is_ok()));
+        assert!(engine.rings.get().is_some(), "the first transfer made them");
     }
 
     #[test]

@@ -11,15 +11,19 @@
 //!
 //! The cache is split into address spaces of [`TRUNK_SLOTS`] slots (64 MiB of swap), each
 //! under its own lock, as the kernel split `swapper_spaces` in 4.11; [`SwapCacheMode::Single`]
-//! puts the whole device under one lock instead, to show what the split buys. A trunk's
-//! table is allocated on first use. Lock order: `lockdep.rs` (under page locks and
-//! readahead's window; nothing under it).
+//! puts the whole device under one lock instead, to show what the split buys. A space, and
+//! each trunk's table, is allocated by the first add to it: a growing swap file's device
+//! counts the file system's free space as its capacity (a thousand trunks for 64 GB), and
+//! every process under `uswap run` makes a device. Lock order: `lockdep.rs` (under page
+//! locks and readahead's window; nothing under it).
 
 use super::cluster::SlotId;
 use crate::config::SwapCacheMode;
 use crate::lockdep::Rank;
 use crate::lockstat::{LockClass, StatMutex};
 use serde::Serialize;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::OnceLock;
 
 /// Slots per trunk: 64 MiB of 4 KiB pages.
 pub const TRUNK_SLOTS: u64 = 16_384;
@@ -106,36 +110,64 @@ pub struct SwapCache {
     mode: SwapCacheMode,
     /// Slots of the device.
     slots: u64,
-    spaces: Box<[StatMutex<Space>]>,
+    /// Each made by the first add under it.
+    spaces: Box<[OnceLock<Box<StatMutex<Space>>>]>,
+    /// Lookups in spaces not made yet (they hold nothing).
+    cold_lookups: AtomicU64,
 }
 
 impl SwapCache {
     /// A cache for a device of `slots` slots.
     pub fn new(mode: SwapCacheMode, slots: u64) -> SwapCache {
-        let trunks = slots.div_ceil(TRUNK_SLOTS).max(1) as usize;
-        let space = |n: usize| {
-            StatMutex::new(
-                Rank::SwapCache,
-                Space {
-                    trunks: (0..n).map(|_| Trunk::default()).collect(),
-                },
-            )
-        };
         let spaces = match mode {
-            SwapCacheMode::Single => vec![space(trunks)],
-            SwapCacheMode::Trunks => (0..trunks).map(|_| space(1)).collect(),
+            SwapCacheMode::Single => 1,
+            SwapCacheMode::Trunks => Self::trunks(slots),
         };
         SwapCache {
             mode,
             slots,
-            spaces: spaces.into_boxed_slice(),
+            spaces: (0..spaces).map(|_| OnceLock::new()).collect(),
+            cold_lookups: AtomicU64::new(0),
         }
     }
 
-    /// Runs `f` on `slot`'s entry and its trunk's counters, under the lock that covers it.
+    fn trunks(slots: u64) -> usize {
+        slots.div_ceil(TRUNK_SLOTS).max(1) as usize
+    }
+
+    /// The space at `index`, made now if it was not.
+    fn space(&self, index: usize) -> &StatMutex<Space> {
+        self.spaces[index].get_or_init(|| {
+            let trunks = match self.mode {
+                SwapCacheMode::Single => Self::trunks(self.slots),
+                SwapCacheMode::Trunks => 1,
+            };
+            Box::new(StatMutex::new(
+                Rank::SwapCache,
+                Space {
+                    trunks: (0..trunks).map(|_| Trunk::default()).collect(),
+                },
+            ))
+        })
+    }
+
+    /// The spaces made so far.
+    fn made(&self) -> impl Iterator<Item = (usize, &StatMutex<Space>)> {
+        self.spaces
+            .iter()
+            .enumerate()
+            .filter_map(|(i, s)| Some((i, &**s.get()?)))
+    }
+
+    /// Runs `f` on `slot`'s entry and its trunk's counters, under the lock that covers it;
+    /// on an empty entry, with no counters kept, in a space not made yet (never made here:
+    /// the SIGBUS handler calls this, and must not allocate).
     fn with<R>(&self, slot: SlotId, f: impl FnOnce(&mut u64, &mut SwapCacheStats) -> R) -> R {
         let (space, within, index) = self.position(slot);
-        Self::apply(&mut self.spaces[space].lock(), within, index, f)
+        match self.spaces[space].get() {
+            Some(space) => Self::apply(&mut space.lock(), within, index, f),
+            None => f(&mut 0, &mut SwapCacheStats::default()),
+        }
     }
 
     /// The lock that covers `slot`, its trunk within that lock, and its index in the trunk.
@@ -166,7 +198,7 @@ impl SwapCache {
     /// Adds `slot`, whose data is now in memory as `entry`'s page. Its page lock is held.
     pub fn add(&self, slot: SlotId, entry: CacheEntry) {
         let (space, within, index) = self.position(slot);
-        let mut space = self.spaces[space].lock();
+        let mut space = self.space(space).lock();
         let trunk = &mut space.trunks[within];
         let entries = trunk
             .entries
@@ -208,6 +240,11 @@ impl SwapCache {
     /// brought in by readahead clears its marker and says so (`readahead` set in the
     /// result), once.
     pub fn lookup(&self, slot: SlotId) -> Option<CacheEntry> {
+        let (space, ..) = self.position(slot);
+        if self.spaces[space].get().is_none() {
+            self.cold_lookups.fetch_add(1, Relaxed);
+            return None;
+        }
         self.with(slot, Self::find)
     }
 
@@ -250,7 +287,7 @@ impl SwapCache {
     /// Every entry of region `region` (the invariant walker).
     pub fn entries_of(&self, region: u32) -> Vec<(SlotId, CacheEntry)> {
         let mut found = Vec::new();
-        for (s, space) in self.spaces.iter().enumerate() {
+        for (s, space) in self.made() {
             let space = space.lock();
             for (t, trunk) in space.trunks.iter().enumerate() {
                 let first = (s + t) as u64 * TRUNK_SLOTS;
@@ -269,8 +306,11 @@ impl SwapCache {
     }
 
     pub fn stats(&self) -> SwapCacheStats {
-        let mut total = SwapCacheStats::default();
-        for space in self.spaces.iter() {
+        let mut total = SwapCacheStats {
+            lookups: self.cold_lookups.load(Relaxed),
+            ..Default::default()
+        };
+        for (_, space) in self.made() {
             for trunk in &space.lock().trunks {
                 total.add(&trunk.stats);
             }
@@ -279,7 +319,7 @@ impl SwapCache {
     }
 
     pub fn lockstat(&self) -> LockClass {
-        LockClass::sum("swap_cache", self.spaces.iter())
+        LockClass::sum("swap_cache", self.made().map(|(_, s)| s))
     }
 }
 
@@ -335,17 +375,36 @@ mod tests {
         let single = SwapCache::new(SwapCacheMode::Single, 4 * TRUNK_SLOTS);
         for c in [&trunks, &single] {
             for t in 0..4 {
+                c.add((t * TRUNK_SLOTS) as SlotId, entry(t as u32, false));
                 c.lookup((t * TRUNK_SLOTS) as SlotId);
             }
         }
         assert_eq!(
             (trunks.lockstat().locks, trunks.lockstat().stat.acquisitions),
-            (4, 4)
+            (4, 8)
         );
         assert_eq!(
             (single.lockstat().locks, single.lockstat().stat.acquisitions),
-            (1, 4)
+            (1, 8)
         );
+    }
+
+    #[test]
+    fn a_space_is_made_by_the_first_add_and_lookups_before_it_count() {
+        for mode in SwapCacheMode::ALL {
+            let c = SwapCache::new(*mode, 4 * TRUNK_SLOTS);
+            let slot = (2 * TRUNK_SLOTS + 5) as SlotId;
+            assert_eq!(c.lookup(slot), None, "{mode}");
+            assert_eq!(c.delete(slot), None, "{mode}");
+            assert!(!c.mark_used(slot, 7), "{mode}");
+            assert_eq!(c.lockstat().locks, 0, "{mode}: nothing made by reads");
+            c.add(slot, entry(9, false));
+            assert_eq!(c.lockstat().locks, 1, "{mode}: one space made");
+            assert_eq!(c.lookup(slot), Some(entry(9, false)), "{mode}");
+            assert_eq!(c.entries_of(7), vec![(slot, entry(9, false))], "{mode}");
+            let s = c.stats();
+            assert_eq!((s.lookups, s.hits, s.adds), (2, 1, 1), "{mode}");
+        }
     }
 
     /// Threads add, look up and delete their own slots, spread over trunks: every entry is
