@@ -416,29 +416,15 @@ fn made(
 }
 
 /// The page runs of `owned` (of the region at `start`, `len` bytes) that are mapped in
-/// this process, from `/proc/self/maps`; `owned` itself when that cannot be read.
+/// this process; `owned` itself when that cannot be found out.
 fn mapped_runs(start: usize, len: usize, owned: &[Range<usize>]) -> Vec<Range<usize>> {
-    let Some(maps) = read_maps() else {
+    let Some(ranges) = crate::mapping::mapped_ranges(start, start + len) else {
         return owned.to_vec();
     };
-    let end = start + len;
-    let mut mapped = Vec::new();
-    for line in maps.lines() {
-        let Some((a, b)) = line
-            .split_whitespace()
-            .next()
-            .and_then(|range| range.split_once('-'))
-        else {
-            continue;
-        };
-        let (Ok(a), Ok(b)) = (usize::from_str_radix(a, 16), usize::from_str_radix(b, 16)) else {
-            continue;
-        };
-        let (a, b) = (a.max(start), b.min(end));
-        if a < b {
-            mapped.push((a - start) / PAGE_SIZE..(b - start) / PAGE_SIZE);
-        }
-    }
+    let mapped: Vec<Range<usize>> = ranges
+        .into_iter()
+        .map(|r| (r.start - start) / PAGE_SIZE..(r.end - start) / PAGE_SIZE)
+        .collect();
     let mut runs = Vec::new();
     for own in owned {
         for m in &mapped {
@@ -452,18 +438,6 @@ fn mapped_runs(start: usize, len: usize, owned: &[Range<usize>]) -> Vec<Range<us
         }
     }
     runs
-}
-
-/// `/proc/self/maps`, read in large pieces: each read walks the mappings again from the
-/// start of the piece, so the small first reads of `fs::read_to_string` (the file says its
-/// size is 0) cost a fork child a quarter of a millisecond.
-fn read_maps() -> Option<String> {
-    use std::io::Read;
-    let mut maps = String::with_capacity(64 << 10);
-    std::fs::File::open("/proc/self/maps")
-        .and_then(|mut f| f.read_to_string(&mut maps))
-        .ok()?;
-    Some(maps)
 }
 
 /// The page runs that are still the region's (not unmapped by the program).

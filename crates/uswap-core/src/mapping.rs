@@ -166,6 +166,115 @@ impl Mapping {
     }
 }
 
+/// The parts of `start..end` mapped in this process, as address ranges in address order;
+/// `None` when `/proc/self/maps` cannot be read. One `PROCMAP_QUERY` per mapping in the
+/// range (Linux 6.11), else the whole file read and parsed: for a shell, a hundred
+/// mappings that a fork child took a third of a millisecond to read.
+pub fn mapped_ranges(start: usize, end: usize) -> Option<Vec<std::ops::Range<usize>>> {
+    let maps = std::fs::File::open("/proc/self/maps").ok()?;
+    match query_ranges(&maps, start, end) {
+        Ok(ranges) => Some(ranges),
+        Err(_) => Some(ranges_in_text(&read_whole(maps)?, start, end)),
+    }
+}
+
+/// `struct procmap_query` of `linux/fs.h`.
+#[repr(C)]
+#[derive(Default)]
+struct ProcmapQuery {
+    size: u64,
+    query_flags: u64,
+    query_addr: u64,
+    vma_start: u64,
+    vma_end: u64,
+    vma_flags: u64,
+    vma_page_size: u64,
+    vma_offset: u64,
+    inode: u64,
+    dev_major: u32,
+    dev_minor: u32,
+    vma_name_size: u32,
+    build_id_size: u32,
+    vma_name_addr: u64,
+    build_id_addr: u64,
+}
+
+/// `_IOWR('f', 17, struct procmap_query)`.
+const PROCMAP_QUERY: libc::c_ulong = 0xC068_6611;
+/// The mapping at the address, or the first one after it.
+const PROCMAP_QUERY_COVERING_OR_NEXT_VMA: u64 = 0x10;
+
+/// The mapped ranges by `PROCMAP_QUERY`; an error where the kernel has no such ioctl.
+fn query_ranges(
+    maps: &std::fs::File,
+    start: usize,
+    end: usize,
+) -> std::io::Result<Vec<std::ops::Range<usize>>> {
+    use std::os::fd::AsRawFd;
+    let mut ranges = Vec::new();
+    let mut addr = start;
+    while addr < end {
+        let mut q = ProcmapQuery {
+            size: std::mem::size_of::<ProcmapQuery>() as u64,
+            query_flags: PROCMAP_QUERY_COVERING_OR_NEXT_VMA,
+            query_addr: addr as u64,
+            ..Default::default()
+        };
+        // SAFETY: the ioctl reads and writes `q`, of the size it says.
+        if unsafe { libc::ioctl(maps.as_raw_fd(), PROCMAP_QUERY, &mut q) } != 0 {
+            let e = std::io::Error::last_os_error();
+            match e.raw_os_error() {
+                // No mapping at or after the address.
+                Some(libc::ENOENT) => break,
+                _ => return Err(e),
+            }
+        }
+        let (a, b) = (
+            (q.vma_start as usize).max(start),
+            (q.vma_end as usize).min(end),
+        );
+        if a >= end {
+            break;
+        }
+        if a < b {
+            ranges.push(a..b);
+        }
+        addr = q.vma_end as usize;
+    }
+    Ok(ranges)
+}
+
+/// `/proc/self/maps`, read in large pieces (each read walks the mappings from the start of
+/// the piece again).
+fn read_whole(mut maps: std::fs::File) -> Option<String> {
+    use std::io::Read;
+    let mut text = String::with_capacity(64 << 10);
+    maps.read_to_string(&mut text).ok()?;
+    Some(text)
+}
+
+/// The mapped ranges within `start..end` that `maps` (the file's text) lists.
+fn ranges_in_text(maps: &str, start: usize, end: usize) -> Vec<std::ops::Range<usize>> {
+    let mut ranges = Vec::new();
+    for line in maps.lines() {
+        let Some((a, b)) = line
+            .split_whitespace()
+            .next()
+            .and_then(|range| range.split_once('-'))
+        else {
+            continue;
+        };
+        let (Ok(a), Ok(b)) = (usize::from_str_radix(a, 16), usize::from_str_radix(b, 16)) else {
+            continue;
+        };
+        let (a, b) = (a.max(start), b.min(end));
+        if a < b {
+            ranges.push(a..b);
+        }
+    }
+    ranges
+}
+
 /// uswap manages base pages; and a child of fork() inherits a region only through uswap's
 /// fork handlers, which let the kernel share its mapped pages and give the child the rest
 /// (`fork.rs`): without them the child would read zeros where pages are swapped out.
@@ -211,6 +320,46 @@ mod tests {
     fn first_byte(m: &Mapping, page: usize) -> u8 {
         // SAFETY: inside the mapping.
         unsafe { *((m.addr() + page * PAGE_SIZE) as *const u8) }
+    }
+
+    #[test]
+    fn mapped_ranges_skip_holes_by_query_and_by_the_text_alike() {
+        let m = filled(12);
+        let (start, end) = (m.addr(), m.addr() + 12 * PAGE_SIZE);
+        // A hole of two pages, and a page made read-only (a mapping of its own).
+        // SAFETY: parts of our own mapping, which nothing else uses.
+        unsafe {
+            libc::munmap((start + 3 * PAGE_SIZE) as *mut _, 2 * PAGE_SIZE);
+            libc::mprotect(
+                (start + 8 * PAGE_SIZE) as *mut _,
+                PAGE_SIZE,
+                libc::PROT_READ,
+            );
+        }
+        let pages = |ranges: Vec<std::ops::Range<usize>>| -> Vec<usize> {
+            ranges
+                .into_iter()
+                .flat_map(|r| (r.start - start) / PAGE_SIZE..(r.end - start) / PAGE_SIZE)
+                .collect()
+        };
+        let expected = vec![0, 1, 2, 5, 6, 7, 8, 9, 10, 11];
+        assert_eq!(pages(mapped_ranges(start, end).unwrap()), expected);
+        let text = std::fs::read_to_string("/proc/self/maps").unwrap();
+        assert_eq!(pages(ranges_in_text(&text, start, end)), expected);
+        let maps = std::fs::File::open("/proc/self/maps").unwrap();
+        match query_ranges(&maps, start, end) {
+            Ok(ranges) => assert_eq!(pages(ranges), expected),
+            // Before Linux 6.11: the text is what is used.
+            Err(e) => assert_eq!(e.raw_os_error(), Some(libc::ENOTTY), "{e}"),
+        }
+        // Past the last mapping of the range: nothing.
+        assert_eq!(
+            mapped_ranges(start + 3 * PAGE_SIZE, start + 5 * PAGE_SIZE),
+            Some(vec![])
+        );
+        m.disown();
+        // SAFETY: what is left of our mapping.
+        unsafe { libc::munmap(start as *mut _, 12 * PAGE_SIZE) };
     }
 
     #[test]
