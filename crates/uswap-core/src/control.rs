@@ -183,6 +183,12 @@ impl ControlServer {
     /// A stale socket of an earlier process with this pid is replaced; one this process
     /// serves already is an error (one control socket per process).
     pub fn start(region: Arc<Region>) -> Result<ControlServer> {
+        Self::start_with_watch(region, None)
+    }
+
+    /// [`ControlServer::start`], with `watch` run on the server's thread between requests:
+    /// a process's other periodic look needs no thread of its own.
+    pub fn start_with_watch(region: Arc<Region>, watch: Option<Watch>) -> Result<ControlServer> {
         // SAFETY: geteuid has no preconditions.
         let euid = unsafe { libc::geteuid() };
         let path = socket_path(std::process::id(), euid);
@@ -196,6 +202,7 @@ impl ControlServer {
             stop: stop_rx,
             euid,
             dir: dir.to_path_buf(),
+            watch,
         };
         match crate::signals::spawn_quiet("uswap-control", move || server.run()) {
             Ok(thread) => Ok(ControlServer {
@@ -356,14 +363,23 @@ struct Server {
     euid: u32,
     /// The socket's directory.
     dir: PathBuf,
+    watch: Option<Watch>,
+}
+
+/// A look the control socket's thread takes every `every` (the first after `every`) until
+/// it returns true.
+pub struct Watch {
+    pub every: Duration,
+    pub look: Box<dyn FnMut() -> bool + Send>,
 }
 
 impl Server {
-    fn run(self) {
+    fn run(mut self) {
         // On the server's thread, not in `start`: a process's start (every command of a
         // shell under `uswap run`) does not wait for it.
         remove_dead(&self.dir);
-        while self.wait_for_client() {
+        let mut next_look = self.watch.as_ref().map(|w| Instant::now() + w.every);
+        while self.wait_for_client(&mut next_look) {
             match self.listener.accept() {
                 Ok((stream, _)) => self.serve(&stream),
                 // The client left between poll and accept.
@@ -375,17 +391,32 @@ impl Server {
         }
     }
 
-    /// Waits until a client connects (true) or the server is stopped (false).
-    fn wait_for_client(&self) -> bool {
+    /// Waits until a client connects (true) or the server is stopped (false), taking the
+    /// watch's look when `next_look` comes (`None` once it has said what it had to).
+    fn wait_for_client(&mut self, next_look: &mut Option<Instant>) -> bool {
         let mut fds = [self.listener.as_raw_fd(), self.stop.as_raw_fd()].map(|fd| libc::pollfd {
             fd,
             events: libc::POLLIN,
             revents: 0,
         });
         loop {
+            let timeout = next_look.map_or(-1, |at| {
+                at.saturating_duration_since(Instant::now())
+                    .as_millis()
+                    .min(i32::MAX as u128) as i32
+            });
             // SAFETY: two valid pollfd entries.
-            let r = unsafe { libc::poll(fds.as_mut_ptr(), 2, -1) };
+            let r = unsafe { libc::poll(fds.as_mut_ptr(), 2, timeout) };
             if r < 0 && io::Error::last_os_error().kind() == ErrorKind::Interrupted {
+                continue;
+            }
+            if r == 0 {
+                if let (Some(at), Some(watch)) = (next_look.as_mut(), self.watch.as_mut()) {
+                    *at = Instant::now() + watch.every;
+                    if (watch.look)() {
+                        *next_look = None;
+                    }
+                }
                 continue;
             }
             // The stop pipe hung up, or poll or the listener failed: serving ends.

@@ -422,3 +422,30 @@ fn sockets_of_processes_that_are_gone_are_removed() {
     assert!(live.exists(), "pid 1 is alive: its socket stays");
     assert!(other.exists(), "not a socket: left alone");
 }
+
+#[test]
+fn the_servers_thread_takes_the_watchs_looks_until_one_says_done_and_answers_between() {
+    let _rt = Runtime::new();
+    let region = Arc::new(Region::new(4 * MIB, Config::new(2 * MIB)).unwrap());
+    let looks = Arc::new(std::sync::atomic::AtomicU32::new(0));
+    let counted = looks.clone();
+    let watch = control::Watch {
+        every: std::time::Duration::from_millis(20),
+        look: Box::new(move || counted.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1 == 3),
+    };
+    let _server = ControlServer::start_with_watch(region, Some(watch)).unwrap();
+    assert!(
+        stat()["stats"]["vmstat"].is_object(),
+        "answers before the looks"
+    );
+    std::thread::sleep(std::time::Duration::from_millis(400));
+    assert_eq!(
+        looks.load(std::sync::atomic::Ordering::SeqCst),
+        3,
+        "looks stop at the one that says done"
+    );
+    assert!(
+        stat()["stats"]["vmstat"].is_object(),
+        "and answers after them"
+    );
+}

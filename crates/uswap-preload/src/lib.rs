@@ -54,8 +54,7 @@ extern "C" fn init() {
     match start(&text) {
         Ok((region, commit_limit)) => {
             let _own = uswap_core::syscall_dispatch::OwnCalls::new();
-            serve_control(&region);
-            outside::watch(region.clone(), program);
+            serve_control(&region, program);
             space::install(region, commit_limit);
             // SAFETY: registering a function with C linkage.
             unsafe { libc::atexit(at_exit) };
@@ -89,10 +88,12 @@ fn warm_up_name_services() {
     unsafe { getnetbyname(c"uswap".as_ptr()) };
 }
 
-/// Starts the control socket of `uswap stat` and `uswap ctl`; the program runs without it
-/// (and is told) if it cannot be made.
-fn serve_control(region: &Arc<Region>) {
-    match ControlServer::start(region.clone()) {
+/// Starts the control socket of `uswap stat` and `uswap ctl`, whose thread also watches
+/// the memory outside uswap (`outside`); the program runs without them (and is told) if
+/// it cannot be made.
+fn serve_control(region: &Arc<Region>, program: String) {
+    let watch = outside::watch(region.clone(), program);
+    match ControlServer::start_with_watch(region.clone(), Some(watch)) {
         Ok(server) => {
             let path = server.path().to_path_buf();
             // The server lives as long as the process; its socket goes at exit.
@@ -111,7 +112,8 @@ fn child_control() {
     *CONTROL_SOCKET.lock().unwrap_or_else(|e| e.into_inner()) = None;
     if let Some(space) = space::get() {
         let _own = uswap_core::syscall_dispatch::OwnCalls::new();
-        serve_control(space.region());
+        let program = std::env::args().next().unwrap_or_default();
+        serve_control(space.region(), program);
     }
 }
 

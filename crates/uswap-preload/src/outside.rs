@@ -6,6 +6,7 @@
 
 use std::sync::Arc;
 use std::time::Duration;
+use uswap_core::control::Watch;
 use uswap_core::{Region, PAGE_SIZE};
 
 /// When the first look is taken (start-up is over), and how often after it.
@@ -14,17 +15,17 @@ const EVERY: Duration = Duration::from_secs(10);
 /// Less than this outside is never worth a word: a small program's stacks and libraries.
 const FLOOR: u64 = 64 << 20;
 
-/// Starts the thread that looks every [`EVERY`] until it has said it once.
-pub fn watch(region: Arc<Region>, program: String) {
-    let looker = move || loop {
-        std::thread::sleep(EVERY);
-        if let Some(msg) = verdict(&region, &program) {
-            crate::sys::warn(&msg);
-            return;
-        }
-    };
-    // Without the thread the program runs as it would; only the warning is lost.
-    let _ = uswap_core::spawn_quiet("uswap-outside", looker);
+/// The look, every [`EVERY`] until it has said it once, which the control socket's thread
+/// takes between requests.
+pub fn watch(region: Arc<Region>, program: String) -> Watch {
+    Watch {
+        every: EVERY,
+        look: Box::new(move || {
+            verdict(&region, &program)
+                .inspect(|msg| crate::sys::warn(msg))
+                .is_some()
+        }),
+    }
 }
 
 fn verdict(region: &Region, program: &str) -> Option<String> {
