@@ -632,10 +632,11 @@ impl Watermarks {
     }
 }
 
-/// One fault handler per four CPUs (1 to 8). On a small VM every extra handler costs a
-/// cross-CPU wake-up per fault, which is dearer there than the parallelism it buys.
+/// One fault handler per four CPUs the process can keep busy (1 to 8). On a small VM every
+/// extra handler costs a cross-CPU wake-up per fault, which is dearer there than the
+/// parallelism it buys.
 fn default_handler_threads() -> usize {
-    let cpus = crate::cpu::count();
+    let cpus = crate::cpu::usable();
     // Two, so that two faulting threads' swap-ins overlap (a second handler is woken only
     // then, see handler.rs); beyond that one per four CPUs.
     (cpus / 4).clamp(2.min(cpus), 8)

@@ -76,16 +76,18 @@ extern "C" fn init() {
 
 /// Has the C library allocate its name service state now, from the internal heap: a child
 /// of fork rewrites that state before any fork handler runs, before uswap has given the
-/// child its memory. Any lookup allocates it; one in the networks database, which systems
-/// serve from `/etc/networks` alone, costs a third of one in the services database, where
-/// the C library may first look for a `db` module on every library path.
+/// child its memory. Any lookup allocates it. This one looks up an entry every system's
+/// `/etc/networks` has: a database `nscd` does not cache (a cached answer would leave the
+/// state unmade), found in the file, so a `networks: files dns` setting (Fedora, RHEL)
+/// never reaches DNS; it costs a third of a lookup in the services database, where the C
+/// library may first look for a `db` module on every library path (Debian).
 fn warm_up_name_services() {
     extern "C" {
         // The C library's (POSIX); the `libc` crate declares only its `_r` form.
         fn getnetbyname(name: *const libc::c_char) -> *mut libc::c_void;
     }
     // SAFETY: a lookup by a NUL-terminated name; the result is not used.
-    unsafe { getnetbyname(c"uswap".as_ptr()) };
+    unsafe { getnetbyname(c"loopback".as_ptr()) };
 }
 
 /// Starts the control socket of `uswap stat` and `uswap ctl`, whose thread also watches
