@@ -807,18 +807,23 @@ pub(crate) mod tests {
         assert_eq!((engine.retries(), engine.injected()), (0, 0));
     }
 
-    /// Writes 300 distinct pages and reads them back through `engine` (every op must
-    /// succeed and every byte match), in a file opened with `O_DIRECT` when `direct`.
-    fn roundtrip_with(engine: &IoEngine, direct: bool) {
-        let dir = tempfile::tempdir().unwrap();
-        let file = File::options()
+    /// An empty file "io" in `dir`, opened with `O_DIRECT` when `direct`.
+    fn io_file(dir: &tempfile::TempDir, direct: bool) -> File {
+        File::options()
             .read(true)
             .write(true)
             .create(true)
             .truncate(true)
             .custom_flags(if direct { libc::O_DIRECT } else { 0 })
             .open(dir.path().join("io"))
-            .unwrap();
+            .unwrap()
+    }
+
+    /// Writes 300 distinct pages and reads them back through `engine` (every op must
+    /// succeed and every byte match), in a file opened with `O_DIRECT` when `direct`.
+    fn roundtrip_with(engine: &IoEngine, direct: bool) {
+        let dir = tempfile::tempdir().unwrap();
+        let file = io_file(&dir, direct);
         let mut pages: Vec<PageBuf> = (0..300u32)
             .map(|i| {
                 let mut p = PageBuf::new();
@@ -872,13 +877,7 @@ pub(crate) mod tests {
         let engine = IoEngine::new(IoMode::Uring, None, 1, Duration::from_micros(50));
         assert!(engine.rings.get().is_none(), "no rings at creation");
         let dir = tempfile::tempdir().unwrap();
-        let file = File::options()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .open(dir.path().join("io"))
-            .unwrap();
+        let file = io_file(&dir, false);
         let mut page = PageBuf::new();
         page.as_mut_slice().fill(0x5a);
         std::fs::write(dir.path().join("io"), page.as_slice()).unwrap();
