@@ -23,6 +23,11 @@ pub enum Backend {
     Kernel,
 }
 
+/// A byte size such as `0`, `4096`, `64K`, `512M`, `2G`.
+pub fn size(text: &str) -> Result<u64, String> {
+    parse_size(text).map_err(|e| e.to_string())
+}
+
 /// A byte size such as `4096`, `64K`, `512M`, `2G`; zero is refused.
 pub fn nonzero_size(text: &str) -> Result<u64, String> {
     match parse_size(text) {

@@ -8,7 +8,7 @@
 //! cgroup under the kernel's swap, which is removed after it.
 
 use crate::args::Backend;
-use crate::args::{nonzero_size, CoreArgs, KernelArgs};
+use crate::args::{nonzero_size, size, CoreArgs, KernelArgs};
 use crate::kernel::tunables::Tunable;
 use crate::kernel::{self, program, KernelSwap};
 use anyhow::{bail, Context, Result};
@@ -46,6 +46,14 @@ pub struct RunArgs {
     /// their heaps and commit as they grow [default: --vm-size plus 64G]
     #[arg(long, value_name = "SIZE", value_parser = nonzero_size)]
     pub address_space: Option<u64>,
+
+    /// Memory the program (and each program it starts) may commit before uswap builds its
+    /// region, its userfaultfds, threads, swap file and control socket: a shell's short
+    /// commands run without them, held in the limit all the same; `uswap stat` answers
+    /// once it is built. 0 builds it at the start [default: 8M, at most an eighth of
+    /// --memory]
+    #[arg(long, value_name = "SIZE", value_parser = size)]
+    pub start_allowance: Option<u64>,
 
     /// Whose swap: `uswap`, or `kernel` (root): the program as a child in a memory cgroup
     /// limited to --memory, with the kernel's swap (--kernel-swap) of --swap-size [default:
@@ -101,6 +109,7 @@ pub fn run(args: &RunArgs) -> Result<ExitCode> {
             .address_space
             .unwrap_or(vm_size.saturating_add(RESERVATIONS)),
         memcg: Some(memcg),
+        start_allowance: args.start_allowance,
     };
     let mut preloads = preload.into_os_string();
     if let Some(old) = std::env::var_os("LD_PRELOAD").filter(|v| !v.is_empty()) {
@@ -129,6 +138,9 @@ fn run_under_kernel(args: &RunArgs, memory: u64) -> Result<ExitCode> {
     }
     if args.vm_size.is_some() {
         uswap_only.insert(0, "--vm-size");
+    }
+    if args.start_allowance.is_some() {
+        uswap_only.insert(0, "--start-allowance");
     }
     if !uswap_only.is_empty() {
         bail!(

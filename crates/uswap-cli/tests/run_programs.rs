@@ -137,9 +137,20 @@ fn uswap_run_in(
     memory: Option<&str>,
     program: impl AsRef<OsStr>,
 ) -> Command {
+    uswap_run_with(mode, &[], tmp, memory, program)
+}
+
+/// [`uswap_run_in`] with more options for `uswap run`.
+fn uswap_run_with(
+    mode: &str,
+    options: &[&str],
+    tmp: &Path,
+    memory: Option<&str>,
+    program: impl AsRef<OsStr>,
+) -> Command {
     preload_library_built();
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_uswap"));
-    cmd.args(["run", "--fault-mode", mode]);
+    cmd.args(["run", "--fault-mode", mode]).args(options);
     if let Some(memory) = memory {
         let swap_dir = tmp.join("swap");
         fs::create_dir_all(&swap_dir).expect("a swap directory");
@@ -721,6 +732,74 @@ fn fork_verify_under_uswap_run() {
     cmd.args(["2", "128M"]);
     let line = expect_ok(&run(cmd, b"", "uswap run fork_verify"), "fork_verify");
     assert_eq!(line, format!("ok 2 children {} bytes", 2 * MEMORY_BYTES));
+}
+
+/// A program's region is built when it first commits more than its start-up allowance (4
+/// MiB at a 32 MiB limit) or starts a thread: what it wrote before (600 small blocks and a
+/// block of a MiB) comes through the build, a fork before it (the child builds a region of
+/// its own) and swapping, in both fault modes, and so do a page it only read (the zero
+/// page) and one it lazily freed; before the build the program has no userfaultfd.
+#[test]
+fn memory_written_before_the_region_is_built_comes_through_under_uswap_run() {
+    let _heavy = heavy();
+    let tmp = TempDir::new().unwrap();
+    let Some(exe) = build_c_program(tmp.path(), "late_region") else {
+        return;
+    };
+    for (mode, trigger) in [("auto", None), ("thread", None), ("auto", Some("thread"))] {
+        let mut cmd = uswap_run_in(mode, tmp.path(), Some("32M"), &exe);
+        cmd.arg("96").args(trigger);
+        let line = expect_ok(&run(cmd, b"", "uswap run late_region"), "late_region");
+        let counts: Vec<u32> = line
+            .split_whitespace()
+            .filter_map(|w| w.parse().ok())
+            .collect();
+        assert!(
+            line.starts_with("ok before") && counts.len() == 2,
+            "{mode} {trigger:?}: ok before <n> userfaultfds after <m>: {line}"
+        );
+        assert_eq!(counts[0], 0, "{mode} {trigger:?}: no region before: {line}");
+        assert!(counts[1] > 0, "{mode} {trigger:?}: a region after: {line}");
+    }
+}
+
+/// `uswap stat` of a program that has not built its region (a `sleep`) says so, with the
+/// way to have it from the start; with `--start-allowance 0` the same program answers.
+#[test]
+fn uswap_stat_tells_a_program_without_a_region_and_the_allowance_0_builds_one_at_start() {
+    let tmp = TempDir::new().unwrap();
+    let runtime = tmp.path().join("run");
+    for (options, built) in [(&[][..], false), (&["--start-allowance", "0"][..], true)] {
+        let mut cmd = uswap_run_with("auto", options, tmp.path(), Some(MEMORY), "sleep");
+        cmd.arg("3").env("USWAP_RUNTIME_DIR", &runtime);
+        let stat = |pid: libc::pid_t| {
+            thread::sleep(Duration::from_millis(1500));
+            let out = Command::new(env!("CARGO_BIN_EXE_uswap"))
+                .args(["stat", &pid.to_string()])
+                .env("USWAP_RUNTIME_DIR", &runtime)
+                .output()
+                .unwrap();
+            let (stdout, stderr) = (
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr),
+            );
+            if built {
+                assert!(
+                    out.status.success() && stdout.contains("resident"),
+                    "{options:?}: {stdout}{stderr}"
+                );
+            } else {
+                assert!(
+                    !out.status.success()
+                        && stderr.contains("has not built its region yet")
+                        && stderr.contains("--start-allowance 0"),
+                    "{options:?}: {stdout}{stderr}"
+                );
+            }
+        };
+        let (out, _) = run_watched(cmd, b"", "uswap run sleep", stat);
+        assert!(out.status.success(), "{options:?}: {out:?}");
+    }
 }
 
 /// SIGBUS mode with syscall dispatch: the program's threads serve their own faults and
@@ -1627,7 +1706,9 @@ fn a_programs_swapped_data_is_not_on_the_raw_disk_after_it_exits() {
 /// only (`capset`), then changes group: the C library's change of ids in every thread fails
 /// in uswap's threads, which lost their capabilities with the user, and it aborted the
 /// program with SIGABRT and no message. The call is refused with EPERM and a line that says
-/// why, and `setpriv` fails as it does for any refused call: loudly, by exit status.
+/// why, and `setpriv` fails as it does for any refused call: loudly, by exit status. A
+/// program whose region is not built yet builds it before it changes ids (the user that
+/// started it may use userfaultfd and the swap directory, the new one may not): the same.
 #[test]
 fn a_change_of_group_that_uswaps_threads_cannot_follow_is_refused_loudly() {
     let Some(setpriv) = installed("setpriv") else {

@@ -30,6 +30,17 @@ enum Source {
     Sigbus(sigbus::Service),
 }
 
+/// What a region's pages hold when it is built.
+pub(crate) enum Contents<'a> {
+    /// Nothing: every page is untouched.
+    Untouched,
+    /// A fork child's inherited data.
+    Forked(&'a RegionImage),
+    /// Whatever the program wrote in these page runs (sorted) before the region was built
+    /// on its memory: the pages the kernel has mapped there become resident.
+    Written(&'a [std::ops::Range<usize>]),
+}
+
 /// What a region is made of.
 pub(crate) struct Assembly {
     pub(crate) fault: Arc<FaultPath>,
@@ -88,6 +99,29 @@ const EVENTS: [(u64, &str); 3] = [
     ),
 ];
 
+/// The userfaultfd features of a region in `mode` (resolved): the error names the first
+/// one the kernel lacks.
+fn region_features(probe: &uffd::Probe, mode: FaultMode) -> Result<u64> {
+    let optional = [
+        uffd::FEATURE_WP,
+        uffd::FEATURE_POISON,
+        uffd::FEATURE_THREAD_ID,
+    ];
+    let mut required = vec![MOVE];
+    required.extend(EVENTS);
+    if mode == FaultMode::Sigbus {
+        required.push(SIGBUS);
+    }
+    features(probe, &required, &optional)
+}
+
+/// Whether this kernel gives a region in `mode` what it needs (page size, userfaultfd and
+/// its features); the error says what is missing.
+pub(crate) fn check_kernel(mode: FaultMode) -> Result<()> {
+    crate::mm::check_page_size()?;
+    region_features(&uffd::probe()?, mode.resolve()).map(|_| ())
+}
+
 fn register(uffd: &Uffd, addr: usize, len: usize, mode: u64) -> Result<()> {
     uffd.register(addr, len, mode).map_err(|source| Error::Os {
         op: "UFFDIO_REGISTER",
@@ -97,14 +131,14 @@ fn register(uffd: &Uffd, addr: usize, len: usize, mode: u64) -> Result<()> {
 
 impl Assembly {
     /// Builds a region on `map`, whose page runs `owned` are its own (all of it, but in a
-    /// fork child: the runs the parent had not unmapped). `image` gives the pages their
-    /// inherited data (a fork child's); without it every page is untouched.
+    /// fork child, the runs the parent had not unmapped, or in memory the program used
+    /// before, the runs no other mapping took), its pages holding `contents`.
     pub(crate) fn build(
         cfg: Config,
         swap: Arc<SwapDevice>,
         map: Mapping,
         owned: &[std::ops::Range<usize>],
-        image: Option<&RegionImage>,
+        contents: Contents<'_>,
     ) -> Result<Assembly> {
         let mut cfg = cfg;
         cfg.fault_mode = cfg.fault_mode.resolve();
@@ -121,19 +155,9 @@ impl Assembly {
         let reservation = SwapReservation::new(&swap, needed)?;
 
         let probe = uffd::probe()?;
-        let optional = [
-            uffd::FEATURE_WP,
-            uffd::FEATURE_POISON,
-            uffd::FEATURE_THREAD_ID,
-        ];
-        let mut required = vec![MOVE];
-        required.extend(EVENTS);
-        if cfg.fault_mode == FaultMode::Sigbus {
-            required.push(SIGBUS);
-        }
         let mmap_changing = Arc::new(MmapChanging::default());
         let uffd = Uffd::open(
-            features(&probe, &required, &optional)?,
+            region_features(&probe, cfg.fault_mode)?,
             mmap_changing.clone(),
         )?;
         // Staging has a userfaultfd of its own, without events: freeing a staging frame must
@@ -184,8 +208,13 @@ impl Assembly {
             lru_policy: cfg.lru_policy,
             breakdown: cfg.breakdown,
         })?;
-        if let Some(image) = image {
-            image.apply(&mm, owned);
+        match contents {
+            Contents::Untouched => {}
+            Contents::Forked(image) => image.apply(&mm, owned),
+            Contents::Written(runs) => {
+                adopt_present(&mm, runs)?;
+                mm.unmap_outside(owned);
+            }
         }
         let reclaim = Reclaim::new(
             mm,
@@ -269,6 +298,38 @@ impl Assembly {
         self.abandoned
             .store(true, std::sync::atomic::Ordering::Relaxed);
     }
+}
+
+/// The pages of `runs` the kernel has mapped become resident pages of the region, read
+/// from pagemap 64 pages at a time: a page uswap believed untouched while it was mapped
+/// would be neither charged nor ever reclaimed. Pages mapped elsewhere too are shared.
+fn adopt_present(mm: &Mm, runs: &[std::ops::Range<usize>]) -> Result<()> {
+    let mut entries = [Default::default(); 64];
+    // Mapped in another process too (a fork child's, from a parent whose region was not
+    // built either) or the kernel's zero page: shared, as a fork child's pages are.
+    let mut shared = Vec::new();
+    for run in runs {
+        let mut first = run.start;
+        while first < run.end {
+            let n = entries.len().min(run.end - first);
+            if !mm.pagemap_entries(first, &mut entries[..n]) {
+                return Err(Error::Os {
+                    op: "reading /proc/self/pagemap for the pages written before uswap",
+                    source: std::io::Error::last_os_error(),
+                });
+            }
+            for (i, entry) in entries[..n].iter().enumerate() {
+                match (entry.present, entry.exclusive) {
+                    (true, true) => mm.adopt_mapped(&mut mm.pages().lock(first + i), false),
+                    (true, false) => shared.push(first + i),
+                    (false, _) => {}
+                }
+            }
+            first += n;
+        }
+    }
+    crate::fork_image::share(mm, &shared);
+    Ok(())
 }
 
 /// Swap space promised to one region, given back when the region is dropped.

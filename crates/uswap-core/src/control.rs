@@ -687,6 +687,13 @@ pub fn request(pid: u32, request: &Value) -> Result<Value> {
         for dir in looked.iter().filter_map(|path| path.parent()) {
             remove_dead(dir);
         }
+        if refusal.is_none() && loaded_preload(pid) {
+            let rss_anon_bytes = crate::stats::rss_anon_bytes(pid).unwrap_or(0);
+            return Err(Error::RegionNotBuilt {
+                pid,
+                rss_anon_bytes,
+            });
+        }
         return Err(refusal.unwrap_or(Error::NotUnderUswap {
             pid,
             places: looked,
@@ -703,6 +710,13 @@ pub fn request(pid: u32, request: &Value) -> Result<Value> {
         }),
         None => Ok(reply),
     }
+}
+
+/// Whether process `pid` has `uswap run`'s preload library mapped: one without a control
+/// socket then has not built its region yet.
+fn loaded_preload(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/maps"))
+        .is_ok_and(|maps| maps.contains("libuswap_preload"))
 }
 
 /// Connects to the socket at `path` if the server there is process `pid` itself, running

@@ -84,6 +84,17 @@ pub enum Error {
     NotUnderUswap { pid: u32, places: Vec<PathBuf> },
 
     #[error(
+        "process {pid} runs under uswap run but has not built its region yet: it has \
+         committed no more than its start-up allowance (--start-allowance, by default 8 MiB \
+         or an eighth of the limit) and started no thread, so none of its memory is swapped \
+         ({} KiB of anonymous memory resident; what it committed is charged to the tree's \
+         limit); its statistics and knobs come with its region (run with \
+         --start-allowance 0 to have it from the start)",
+        rss_anon_bytes / 1024
+    )]
+    RegionNotBuilt { pid: u32, rss_anon_bytes: u64 },
+
+    #[error(
         "permission denied: the control socket of process {pid} ({path}) belongs to another \
          user; only its owner or root may read its statistics or change its knobs"
     )]

@@ -43,7 +43,7 @@
 //! Lock order: the registry lock, then each region's fork fence, then page locks (a batch
 //! at a time, in address order), then what reclaim and the swap device take under them.
 
-use crate::assembly::Assembly;
+use crate::assembly::{Assembly, Contents};
 use crate::error::{Error, Result};
 use crate::fork_image::RegionImage;
 use crate::lockdep::{Rank, Ranked};
@@ -361,7 +361,7 @@ fn rebuild(
     // before the fork (its event not read yet) is not the child's.
     let owned = mapped_runs(mm.start(), mm.len(), owned);
     let map = crate::mapping::Mapping::inherited(mm.start(), mm.len(), &owned);
-    Assembly::build(cfg, device, map, &owned, Some(image))
+    Assembly::build(cfg, device, map, &owned, Contents::Forked(image))
 }
 
 /// The child's devices: one made like each device of the parent's regions.

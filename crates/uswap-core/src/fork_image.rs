@@ -81,21 +81,14 @@ impl RegionImage {
         share(mm, &shared);
         for &page in &self.lazyfree {
             if in_owned(page as usize) {
-                mm.inherited_mapped(&mut mm.pages().lock(page as usize), true);
+                mm.adopt_mapped(&mut mm.pages().lock(page as usize), true);
             }
         }
         for &page in &self.poisoned {
             mm.poisoned(&mut mm.pages().lock(page as usize));
         }
         // The gaps between the runs (which are in address order) were unmapped.
-        let mut next = 0;
-        let ends = owned.iter().map(|r| (r.start, r.end));
-        for (start, end) in ends.chain(std::iter::once((mm.pages().len(), 0))) {
-            for page in next..start {
-                mm.unmap_page(&mut mm.pages().lock(page));
-            }
-            next = end;
-        }
+        mm.unmap_outside(owned);
     }
 }
 
@@ -125,14 +118,14 @@ fn present(mm: &Mm, pages: &[usize], unknown: bool) -> Vec<bool> {
 /// write-protected so that the first write to each is seen, before the child runs any of
 /// the program's code. Where the kernel offers no write protection they are this
 /// process's own from the start.
-fn share(mm: &Mm, pages: &[usize]) {
+pub(crate) fn share(mm: &Mm, pages: &[usize]) {
     let shares = mm.caps().write_protect;
     for &page in pages {
         let mut lock = mm.pages().lock(page);
         if shares {
             mm.shared(&mut lock);
         } else {
-            mm.inherited_mapped(&mut lock, false);
+            mm.adopt_mapped(&mut lock, false);
         }
     }
     if !shares {
@@ -156,7 +149,7 @@ fn share(mm: &Mm, pages: &[usize]) {
 /// charged or seen: the child stops, as for any copy it could not have.
 fn fork_child_failed(e: &std::io::Error) -> ! {
     let msg = format!(
-        "uswap: child {} of fork cannot write-protect the pages it shares with its parent \
+        "uswap: process {} cannot write-protect the pages it shares with its parent \
          ({e}); it is stopped with status 125\n",
         std::process::id()
     );

@@ -52,9 +52,10 @@ pub use config::{
 };
 pub use error::{Error, Result};
 pub use lockstat::{LockClass, LockStat};
+pub use mapping::Mapping;
 pub use region::{metadata_bytes, Advice, Region, SwapoffReport};
 pub use sigbus::in_sigbus_handler;
-pub use signals::spawn_quiet;
+pub use signals::{spawn_quiet, Quiet};
 pub use stats::{Latency, LruStats, Stats, VmStatSnapshot};
 pub use swapfile::swap_state::SwapCacheStats;
 pub use swapfile::{Backing, IoStats, ZtierStats};

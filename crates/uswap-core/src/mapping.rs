@@ -48,7 +48,7 @@ impl Mapping {
     /// by this child's own children again, except through a fork's handlers. The rest of
     /// `[addr, addr + len)` is left as it is (the parent had unmapped it; it may hold
     /// someone else's mapping).
-    pub fn inherited(addr: usize, len: usize, owned: &[std::ops::Range<usize>]) -> Self {
+    pub(crate) fn inherited(addr: usize, len: usize, owned: &[std::ops::Range<usize>]) -> Self {
         let m = Mapping {
             addr,
             len,
@@ -86,6 +86,10 @@ impl Mapping {
 
     pub fn len(&self) -> usize {
         self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
     }
 
     /// Frees the memory behind `pages` pages at page index `first` (they read as missing after).

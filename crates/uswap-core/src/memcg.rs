@@ -17,9 +17,10 @@
 use crate::sync::{AtomicU32, AtomicU64};
 use std::sync::atomic::Ordering::{AcqRel, Acquire, Relaxed, Release};
 
-/// Member slots of a group: processes of one tree using uswap at once.
+/// Member slots of a group: processes of one tree using uswap at once (a process that
+/// holds only its start-up allowance takes one too).
 #[cfg(not(loom))]
-pub const MEMBERS: usize = 64;
+pub const MEMBERS: usize = 256;
 #[cfg(loom)]
 pub const MEMBERS: usize = 2;
 
@@ -146,6 +147,34 @@ impl MemCgroup {
             }
         }
         None
+    }
+
+    /// Takes a member slot charged with `pages` for this process (`uswap run`'s program
+    /// before its region is built charges what it commits), if they fit under the limit.
+    /// `None` when no slot is free or they do not fit.
+    pub fn join_holding(&self, pages: u64) -> Option<usize> {
+        let slot = self.join()?;
+        if self.set_charge(slot, pages) {
+            return Some(slot);
+        }
+        self.leave(slot);
+        None
+    }
+
+    /// Makes member `slot`'s charge `pages`, if that fits under the limit (reaping dead
+    /// members' slots when it does not); false, with the charge unchanged, when it does
+    /// not fit.
+    pub fn set_charge(&self, slot: usize, pages: u64) -> bool {
+        for round in 0..2 {
+            if self.others(slot) + pages <= self.limit() {
+                self.charged(slot).store(pages, Relaxed);
+                return true;
+            }
+            if round == 0 && !self.reap_dead() {
+                break;
+            }
+        }
+        false
     }
 
     /// Frees the slots this process id holds: a process that `exec`ed keeps its pid, and
@@ -423,6 +452,34 @@ mod shared {
 #[cfg(all(test, not(loom)))]
 mod tests {
     use super::*;
+
+    /// A charge set outright (a program before its region is built) fits under the limit
+    /// beside the others or is refused unchanged; a dead member's pages are reaped for it.
+    #[test]
+    fn a_set_charge_fits_under_the_limit_or_changes_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        let (cg, _) = MemCgroup::create_shared(10, dir.path()).unwrap();
+        let other = cg.join_holding(4).expect("4 of 10 pages fit");
+        let slot = cg.join_holding(6).expect("6 more fit");
+        assert!(cg.join_holding(1).is_none(), "a full group takes no more");
+        assert!(!cg.set_charge(slot, 7), "7 beside 4 pass 10");
+        assert_eq!(
+            cg.charged(slot).load(Relaxed),
+            6,
+            "a refused charge changes nothing"
+        );
+        assert!(cg.set_charge(slot, 2));
+        assert_eq!(cg.usage(), 6);
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let dead = child.id();
+        child.wait().unwrap();
+        cg.group().members[other].pid.store(dead, Relaxed);
+        assert!(
+            cg.set_charge(slot, 10),
+            "the dead member's 4 pages were reaped"
+        );
+        assert!(cg.is_free(other));
+    }
 
     #[test]
     fn the_last_process_out_removes_the_file_and_others_keep_it() {

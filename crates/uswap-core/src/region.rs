@@ -2,7 +2,7 @@
 //! top layer: it builds the parts (mm -> reclaim -> fault path -> fault source) and holds
 //! them.
 
-use crate::assembly::Assembly;
+use crate::assembly::{Assembly, Contents};
 use crate::config::{Config, LruPolicy, Readahead, MAX_SIZE};
 use crate::error::{Error, Result};
 use crate::lru::LruList;
@@ -15,6 +15,7 @@ use crate::swapfile::SwapDevice;
 use crate::PAGE_SIZE;
 use std::cell::UnsafeCell;
 use std::mem::ManuallyDrop;
+use std::ops::Range;
 use std::sync::Arc;
 
 /// What to do with a range of a region, as `madvise` does for ordinary memory.
@@ -56,7 +57,57 @@ impl Region {
         let pages = check_size(size, &cfg)?;
         let map = Mapping::new(pages as usize * PAGE_SIZE)?;
         let whole = 0..pages as usize;
-        let inner = Assembly::build(cfg, swap, map, std::slice::from_ref(&whole), None)?;
+        let owned = std::slice::from_ref(&whole);
+        Region::assembled(Assembly::build(cfg, swap, map, owned, Contents::Untouched)?)
+    }
+
+    /// A region on `map`, memory the program used before uswap watched it (`uswap run`
+    /// builds a small program's region only when it grows past its start-up allowance).
+    /// The page runs `lent` (sorted) hold other mappings now and are not the region's; in
+    /// the runs `written` (sorted), the pages the kernel has mapped become resident pages,
+    /// charged and active. The caller's other threads must not touch `map` meanwhile. On
+    /// an error `map` is gone (unmapped): a program living in it must stop.
+    pub fn adopt(
+        map: Mapping,
+        cfg: Config,
+        lent: &[Range<usize>],
+        written: &[Range<usize>],
+    ) -> Result<Region> {
+        let pages = check_size(map.len() as u64, &cfg)? as usize;
+        for (what, runs) in [("lent runs", lent), ("written runs", written)] {
+            let ordered = runs.windows(2).all(|w| w[0].end <= w[1].start);
+            if !ordered || runs.iter().any(|r| r.start > r.end || r.end > pages) {
+                return Err(Error::invalid(
+                    what,
+                    format!("{runs:?}: page runs must be sorted, apart and within {pages} pages"),
+                ));
+            }
+        }
+        let swap = SwapDevice::open(&cfg.swap)?;
+        let mut owned = Vec::with_capacity(lent.len() + 1);
+        let mut next = 0;
+        for gap in lent.iter().chain(std::iter::once(&(pages..pages))) {
+            if gap.start > next {
+                owned.push(next..gap.start);
+            }
+            next = gap.end;
+        }
+        // A fork child gets region memory only through uswap's fork handlers from now on.
+        for run in &owned {
+            map.inherit_on_fork(run.start, run.len(), false);
+        }
+        let contents = Contents::Written(written);
+        Region::assembled(Assembly::build(cfg, swap, map, &owned, contents)?)
+    }
+
+    /// Whether this kernel gives a region in fault mode `mode` what it needs; the error
+    /// says what is missing (for a program that builds its region later, `Region::adopt`,
+    /// and wants to be told at its start).
+    pub fn check_kernel(mode: crate::config::FaultMode) -> Result<()> {
+        crate::assembly::check_kernel(mode)
+    }
+
+    fn assembled(inner: Assembly) -> Result<Region> {
         let region = Region {
             inner: ManuallyDrop::new(Box::new(UnsafeCell::new(inner))),
         };

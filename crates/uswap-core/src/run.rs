@@ -23,6 +23,18 @@ pub struct Settings {
     /// The file of the tree's memory cgroup (`MemCgroup::create_shared`): every program of
     /// the tree charges the one limit.
     pub memcg: Option<std::path::PathBuf>,
+    /// Bytes a program may commit before its region is built (its userfaultfds, threads,
+    /// swap file and control socket); it is built at once at 0, or when the tree's limit
+    /// has no room for the allowance. `None`: [`default_start_allowance`].
+    #[serde(default)]
+    pub start_allowance: Option<u64>,
+}
+
+/// The start-up allowance of a program whose memory limit is `limit` bytes: 8 MiB (a
+/// shell's command, a script's helper, a compiler's driver), at most an eighth of the
+/// limit so that a small limit stays mostly uswap's; whole pages.
+pub fn default_start_allowance(limit: u64) -> u64 {
+    (8u64 << 20).min(limit / 8) & !(crate::PAGE_SIZE as u64 - 1)
 }
 
 impl Settings {

@@ -51,11 +51,14 @@ pub(crate) fn handler_mask() -> libc::sigset_t {
 
 /// While alive, the calling thread has every asynchronous signal blocked; the old mask comes
 /// back on drop.
-pub(crate) struct Quiet {
+pub struct Quiet {
     old: libc::sigset_t,
 }
 
 impl Quiet {
+    // A guard that blocks signals when made is not a default value of anything.
+    #[allow(clippy::new_without_default)]
+    #[must_use = "the signals come back when the guard is dropped"]
     pub fn new() -> Quiet {
         let set = asynchronous();
         // SAFETY: plain data; pthread_sigmask changes only this thread's mask.

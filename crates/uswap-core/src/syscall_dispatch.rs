@@ -98,13 +98,33 @@ fn install_handler() -> Result<()> {
             restorer: sud::sigreturn_address(),
             mask: handler_mask(),
         };
+        let mut old = KernelSigaction {
+            handler: 0,
+            flags: 0,
+            restorer: 0,
+            mask: 0,
+        };
         let rc = raw_syscall(
             libc::SYS_rt_sigaction,
-            [libc::SIGSYS as u64, &act as *const _ as u64, 0, 8, 0, 0],
+            [
+                libc::SIGSYS as u64,
+                &act as *const _ as u64,
+                &mut old as *mut _ as u64,
+                8,
+                0,
+                0,
+            ],
         );
         if rc < 0 {
             INSTALL_ERROR.store(-rc as i32, Relaxed);
             return;
+        }
+        // A program whose region is built after it started may have set one: its view.
+        for (slot, value) in PROGRAM_SIGSYS
+            .iter()
+            .zip([old.handler, old.flags, old.mask])
+        {
+            slot.store(value, Relaxed);
         }
         crate::sigbus::return_through_range();
     });
@@ -844,12 +864,21 @@ fn ensure_alternate_stack() -> Result<()> {
         [0, &mut ss as *mut _ as u64, 0, 0, 0, 0],
         "sigaltstack",
     )?;
-    // One the program set up (Rust's runtime gives each thread a small one) is kept when
-    // it is big enough for uswap's fault path.
-    if ss.ss_flags & libc::SS_DISABLE == 0 && ss.ss_size >= ALT_STACK_SIZE {
-        ALT_RANGE.with(|r| r.set(AltRange::whole(ss.ss_sp as u64, ss.ss_size as u64)));
+    // uswap's own, which a fork child's thread inherits, is kept.
+    let sp = ss.ss_sp as usize;
+    let ours = ALT_STACK.with(|s| {
+        s.borrow()
+            .as_ref()
+            .is_some_and(|own| (own.base as usize..own.base as usize + own.len).contains(&sp))
+    });
+    let enabled = ss.ss_flags & libc::SS_DISABLE == 0;
+    if enabled && ours {
+        ALT_RANGE.with(|r| r.set(AltRange::whole(sp as u64, ss.ss_size as u64)));
         return Ok(());
     }
+    // Any other is the program's (Rust's runtime gives each thread a small one; a program
+    // whose region is built after it started may have set one in region memory): its
+    // view, with room of uswap's own as large for its handlers, as `sigaltstack` gives.
     PROGRAM_ALT_STACK.with(|p| {
         p.set((
             ss.ss_sp as u64,
@@ -857,14 +886,19 @@ fn ensure_alternate_stack() -> Result<()> {
             ss.ss_size as u64,
         ))
     });
-    let (own, stack) = map_alternate_stack(ALT_STACK_SIZE)?;
+    let size = if enabled {
+        ss.ss_size.max(ALT_STACK_SIZE)
+    } else {
+        ALT_STACK_SIZE
+    };
+    let (own, stack) = map_alternate_stack(size)?;
     call(
         libc::SYS_sigaltstack,
         [&stack as *const _ as u64, 0, 0, 0, 0, 0],
         "sigaltstack",
     )?;
     ALT_STACK.with(|s| *s.borrow_mut() = Some(own));
-    ALT_RANGE.with(|r| r.set(AltRange::whole(stack.ss_sp as u64, ALT_STACK_SIZE as u64)));
+    ALT_RANGE.with(|r| r.set(AltRange::whole(stack.ss_sp as u64, stack.ss_size as u64)));
     Ok(())
 }
 

@@ -410,3 +410,48 @@ fn a_panicking_kswapd_starts_again() {
         region.check_invariants().unwrap();
     }
 }
+
+/// A region built on memory the program already wrote (`Region::adopt`, as `uswap run`
+/// builds a program's region when it outgrows its start-up allowance): written pages
+/// become resident and charged, a page only read (the kernel's zero page) is shared and
+/// write-protected, a lent run is not the region's; every page reads back after all of
+/// them were paged out, and the walker agrees throughout.
+#[test]
+fn a_region_adopts_the_pages_written_before_it_was_built() {
+    const PAGES: usize = 64;
+    let map = uswap_core::Mapping::new(PAGES * PAGE_SIZE).unwrap();
+    let base = map.addr() as *mut u8;
+    for p in 0..40 {
+        unsafe { fill(base, p, 7) };
+    }
+    // SAFETY: reading a page of the mapping never written: the zero page.
+    let zero = unsafe { std::ptr::read_volatile(base.add(50 * PAGE_SIZE)) };
+    assert_eq!(zero, 0);
+    let cfg = Config::new(MIB);
+    let (lent, written) = (60..PAGES, 0..60);
+    let one = std::slice::from_ref;
+    let region = Region::adopt(map, cfg, one(&lent), one(&written)).unwrap();
+    assert_eq!(
+        region.resident_pages(),
+        40,
+        "the written pages are resident"
+    );
+    let stats = region.stats();
+    assert_eq!(stats.shared_pages, 1, "the zero page is shared");
+    region.check_invariants().unwrap();
+    region.advise(0, 60 * PAGE_SIZE, Advice::PageOut).unwrap();
+    assert!(
+        region.resident_pages() < 40,
+        "adopted pages can be paged out"
+    );
+    for p in 0..40 {
+        unsafe { check(base, p, 7) }.unwrap();
+    }
+    // SAFETY: as above; now written, it is this region's own.
+    unsafe { std::ptr::write_volatile(base.add(50 * PAGE_SIZE), 1) };
+    assert_eq!(region.stats().shared_pages, 0);
+    region.check_invariants().unwrap();
+    let bad = uswap_core::Mapping::new(PAGES * PAGE_SIZE).unwrap();
+    let err = Region::adopt(bad, Config::new(MIB), &[], one(&(0..PAGES + 1)));
+    assert!(err.is_err(), "runs past the end are refused");
+}

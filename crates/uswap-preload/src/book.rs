@@ -140,6 +140,32 @@ impl Book {
         }
     }
 
+    /// Every lent run, in order.
+    pub fn lent_runs(&self) -> Vec<std::ops::Range<usize>> {
+        self.lent.iter().map(|(&at, &len)| at..at + len).collect()
+    }
+
+    /// Every run of handed-out pages that are not lent (committed or reserved: those
+    /// that may hold data the program wrote), in order.
+    pub fn handed_out_runs(&self) -> Vec<std::ops::Range<usize>> {
+        let mut runs = Vec::new();
+        let mut at = 0;
+        let gaps = self
+            .free
+            .iter()
+            .chain(self.lent.iter())
+            .map(|(&a, &l)| (a, l));
+        let mut gaps: Vec<(usize, usize)> = gaps.collect();
+        gaps.sort_unstable();
+        for (start, len) in gaps.into_iter().chain([(self.pages, 0)]) {
+            if start > at {
+                runs.push(at..start);
+            }
+            at = at.max(start + len);
+        }
+        runs
+    }
+
     /// The lent runs within `[first, first + pages)`.
     pub fn lent_in(&self, first: usize, pages: usize) -> Vec<(usize, usize)> {
         runs::pieces(&self.lent, first, pages)

@@ -79,6 +79,9 @@ macro_rules! wrappers {
             #[no_mangle]
             pub unsafe extern "C" fn $name($($arg: $ty),*) -> c_int {
                 static REAL: AtomicPtr<c_void> = AtomicPtr::new(std::ptr::null_mut());
+                // Built by the user that started the program: the new one may not be
+                // allowed userfaultfd, pagemap or the swap directory.
+                crate::space::build_region();
                 if refused(stringify!($name), $cap) {
                     return -1;
                 }

@@ -67,7 +67,7 @@ extern "C" fn child() {
     drop(unsafe { (*std::ptr::addr_of_mut!(HELD)).take() });
     uswap_core::fork::child();
     crate::threads::dispatch_in_fork_child();
-    crate::child_control();
+    crate::child_start();
 }
 
 /// Registers the handlers, and has the core leave fork to them; called before the space
@@ -119,6 +119,11 @@ pub unsafe extern "C" fn syscall(
         _ => return real(nr, a1, a2, a3, a4, a5, a6),
     };
     if flags & libc::CLONE_VM as u64 != 0 {
+        // A thread of the program's own making: the region is built while it has one
+        // (a `vfork`-style child execs or exits instead).
+        if flags & libc::CLONE_VFORK as u64 == 0 {
+            crate::space::build_region();
+        }
         return real(nr, a1, a2, a3, a4, a5, a6);
     }
     let mut errno = 0;

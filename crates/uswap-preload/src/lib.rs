@@ -3,17 +3,21 @@
 //!
 //! `uswap run` sets `LD_PRELOAD` to this library and [`uswap_core::run::ENV`] to the
 //! region's settings. When the library is loaded (before the program's own constructors),
-//! it makes the region (the space), starts uswap's threads, and from then on serves:
+//! it makes the space, whose region (userfaultfds, swap file, uswap's threads, control
+//! socket) is built when the program first outgrows a start-up allowance or starts a
+//! thread (`space`), and from then on serves:
 //! - `malloc` and its family from arenas whose segments are the space's (`heap`);
 //! - private anonymous read-write `mmap`s from the space, with `munmap` and `mremap` on
 //!   them (`mmap`); jemalloc-style allocators land here;
-//! - `madvise` unchanged: the kernel tells uswap about discards through userfaultfd.
+//! - `madvise` unchanged once the region is built: the kernel tells uswap about discards
+//!   through userfaultfd.
 //!
 //! uswap's own allocations never use the space (`internal`). Faults are served by handler
 //! threads (thread mode), so the program's system calls can read and write its memory; or,
 //! in SIGBUS mode, by the faulting thread itself, every program thread running with
 //! syscall dispatch (`uswap_core::syscall_dispatch`) so that its system calls still can.
 
+mod allowance;
 mod book;
 mod calls;
 mod credentials;
@@ -30,12 +34,13 @@ mod stdio;
 mod sys;
 mod threads;
 
+use std::ops::Range;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, OnceLock};
 use uswap_core::control::ControlServer;
 use uswap_core::memcg::MemCgroup;
 use uswap_core::run::{Settings, ENV};
-use uswap_core::{FaultMode, Region};
+use uswap_core::{Config, FaultMode, Mapping, Region, PAGE_SIZE};
 
 /// Runs when the library is loaded, before the program's constructors.
 #[used]
@@ -52,26 +57,60 @@ extern "C" fn init() {
     calls::resolve_all();
     warm_up_name_services();
     match start(&text) {
-        Ok((region, commit_limit)) => {
-            let _own = uswap_core::syscall_dispatch::OwnCalls::new();
-            serve_control(&region, program);
-            space::install(region, commit_limit);
+        Ok(plan) => {
+            let _ = PLAN.set((plan.config, program));
             // SAFETY: registering a function with C linkage.
             unsafe { libc::atexit(at_exit) };
+            space::install(plan.map, plan.commit_limit, plan.allowance, build);
         }
-        Err(e) => {
-            // Running the program without its limit would hide the failure; stop instead.
-            sys::warn(&format!(
-                "uswap run: cannot put {program} in uswap memory: {e}\n"
-            ));
-            // The tree's memory cgroup file goes with the last process, as at exit.
-            if let Some(cg) = MEMCG.get() {
-                cg.last_one_out();
-            }
-            // SAFETY: ending the process before the program starts.
-            unsafe { libc::_exit(125) };
-        }
+        Err(e) => stop(&program, &e),
     }
+}
+
+/// Running the program without its limit would hide a failure to put it in uswap memory:
+/// it stops instead, with status 125.
+fn stop(program: &str, e: &uswap_core::Error) -> ! {
+    sys::warn(&format!(
+        "uswap run: cannot put {program} in uswap memory: {e}\n"
+    ));
+    // The tree's memory cgroup file goes with the last process, as at exit.
+    if let Some(cg) = MEMCG.get() {
+        cg.last_one_out();
+    }
+    // SAFETY: ending the process.
+    unsafe { libc::_exit(125) };
+}
+
+/// The region's configuration and the program's name, for the build.
+static PLAN: OnceLock<(Config, String)> = OnceLock::new();
+
+/// The space's builder (`space::Builder`): the region on the program's memory, with what
+/// the program wrote so far, its fault mode turned on and its control socket.
+fn build(map: Mapping, lent: &[Range<usize>], written: &[Range<usize>]) -> Arc<Region> {
+    let _inside = internal::Inside::enter();
+    let (config, program) = PLAN.get().expect("the plan is made before the space");
+    let mut config = config.clone();
+    if config.fault_mode == FaultMode::Sigbus && sys::threads() > 1 {
+        // Threads uswap did not see start (the C library's own, a raw `clone`): syscall
+        // dispatch cannot be turned on in them from here, and thread mode needs none.
+        sys::warn(&format!(
+            "uswap run: {program} has threads uswap did not see start; its faults are \
+             served by handler threads (thread mode)\n"
+        ));
+        config.fault_mode = FaultMode::Thread;
+    }
+    if let Err(e) = turn_on(config.fault_mode) {
+        stop(program, &e);
+    }
+    let _own = uswap_core::syscall_dispatch::OwnCalls::new();
+    // The region's budget takes a member slot of its own, and charges what it adopts.
+    allowance::give_back();
+    let region = match Region::adopt(map, config, lent, written) {
+        Ok(region) => Arc::new(region),
+        Err(e) => stop(program, &e),
+    };
+    serve_control(&region, program.clone());
+    region
 }
 
 /// Has the C library allocate its name service state now, from the internal heap: a child
@@ -109,13 +148,26 @@ fn serve_control(region: &Arc<Region>, program: String) {
 }
 
 /// A child of fork: the parent's control server (its thread is not here) is left alone,
-/// and the child answers `uswap stat` and `uswap ctl` on a socket of its own.
-fn child_control() {
+/// and the child answers `uswap stat` and `uswap ctl` on a socket of its own; a child of
+/// a parent whose region was not built yet holds an allowance of its own, or builds its
+/// region now if the tree's limit has no room for one.
+fn child_start() {
     *CONTROL_SOCKET.lock().unwrap_or_else(|e| e.into_inner()) = None;
-    if let Some(space) = space::get() {
-        let _own = uswap_core::syscall_dispatch::OwnCalls::new();
-        let program = std::env::args().next().unwrap_or_default();
-        serve_control(space.region(), program);
+    let Some(space) = space::get() else {
+        return;
+    };
+    space.forked();
+    match space.region() {
+        Some(region) => {
+            let _own = uswap_core::syscall_dispatch::OwnCalls::new();
+            let program = std::env::args().next().unwrap_or_default();
+            serve_control(region, program);
+        }
+        None => {
+            if !allowance::take_in_child(space.committed_pages()) {
+                space::build_region();
+            }
+        }
     }
 }
 
@@ -128,6 +180,7 @@ static MEMCG: OnceLock<Arc<MemCgroup>> = OnceLock::new();
 /// On the way out: the control socket goes, and the tree's memory cgroup file if this was
 /// the last process of the tree.
 extern "C" fn at_exit() {
+    allowance::give_back();
     if let Some(path) = CONTROL_SOCKET
         .lock()
         .unwrap_or_else(|e| e.into_inner())
@@ -150,10 +203,11 @@ fn malloc_is_ours() -> bool {
 }
 
 /// The program's system calls must see its swapped-out memory: in SIGBUS mode its threads
-/// run with syscall dispatch, this one first (before the region, so that a kernel without
-/// it is refused, or in auto mode gets thread mode, before anything is made).
+/// run with syscall dispatch (`turn_on`). Whether this kernel gives it is tried before
+/// anything is made, so that a kernel without it is refused, or in auto mode gets thread
+/// mode, at the start.
 fn fault_mode(asked: FaultMode) -> uswap_core::Result<FaultMode> {
-    use uswap_core::syscall_dispatch::{enable_for_this_thread, supported_here};
+    use uswap_core::syscall_dispatch::supported_here;
     let mode = match asked {
         FaultMode::Auto if program::is_go() => {
             sys::warn(
@@ -183,14 +237,45 @@ fn fault_mode(asked: FaultMode) -> uswap_core::Result<FaultMode> {
         FaultMode::Thread => FaultMode::Thread,
     };
     if mode == FaultMode::Sigbus {
-        enable_for_this_thread()?;
-        uswap_core::syscall_direct::prepare_thread();
+        // Tried on this thread (it turns dispatch on, dispatching nothing), then off
+        // until the region is built.
+        if !supported_here() {
+            return Err(uswap_core::Error::InvalidConfig {
+                what: "fault mode",
+                why: "sigbus needs syscall user dispatch, which this kernel refuses (Linux \
+                      5.11 or later on x86-64; it may be turned off by sysctl); use \
+                      --fault-mode auto or thread"
+                    .into(),
+            });
+        }
+        uswap_core::syscall_dispatch::disable_for_this_thread();
     }
     Ok(mode)
 }
 
-/// The program's region, and how much of it may be committed at once.
-fn start(text: &str) -> uswap_core::Result<(Arc<Region>, u64)> {
+/// Turns `mode` on for the program's one thread and those it starts, as its region is
+/// built.
+fn turn_on(mode: FaultMode) -> uswap_core::Result<()> {
+    if mode == FaultMode::Sigbus {
+        uswap_core::syscall_dispatch::enable_for_this_thread()?;
+        uswap_core::syscall_direct::prepare_thread();
+        threads::dispatch_in_new_threads();
+    }
+    Ok(())
+}
+
+/// The program's memory before its region is built.
+struct Plan {
+    map: Mapping,
+    config: Config,
+    /// Bytes of the region that may be committed at once.
+    commit_limit: u64,
+    /// Bytes the program may commit before its region is built (`allowance`).
+    allowance: u64,
+}
+
+/// The plan for the program's memory.
+fn start(text: &str) -> uswap_core::Result<Plan> {
     if !malloc_is_ours() {
         return Err(uswap_core::Error::InvalidConfig {
             what: "program",
@@ -200,11 +285,10 @@ fn start(text: &str) -> uswap_core::Result<(Arc<Region>, u64)> {
         });
     }
     let mut settings = Settings::parse(text)?;
+    settings.config.validate()?;
     settings.config.fault_mode = fault_mode(settings.config.fault_mode)?;
-    let _own = uswap_core::syscall_dispatch::OwnCalls::new();
-    if settings.config.fault_mode == FaultMode::Sigbus {
-        threads::dispatch_in_new_threads();
-    }
+    // Whatever the kernel lacks is said at the start, not when the region is built.
+    Region::check_kernel(settings.config.fault_mode)?;
     settings.config.memcg =
         settings
             .memcg
@@ -225,5 +309,19 @@ fn start(text: &str) -> uswap_core::Result<(Arc<Region>, u64)> {
     let mut config = settings.config;
     config.commit_limit = Some(settings.vm_size);
     let size = settings.address_space.max(settings.vm_size);
-    Ok((Arc::new(Region::new(size, config)?), settings.vm_size))
+    let map = Mapping::new(size.next_multiple_of(PAGE_SIZE as u64) as usize)?;
+    // A build adopts what pagemap shows mapped, on the one thread the program has.
+    let can_wait = sys::threads() == 1 && std::fs::File::open("/proc/self/pagemap").is_ok();
+    let asked = if can_wait {
+        settings.start_allowance
+    } else {
+        Some(0)
+    };
+    let allowance = allowance::take(&config, asked);
+    Ok(Plan {
+        map,
+        config,
+        commit_limit: settings.vm_size,
+        allowance,
+    })
 }

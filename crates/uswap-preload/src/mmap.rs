@@ -1,5 +1,5 @@
 //! The program's private anonymous mappings, served from the space: `mmap`, `munmap`,
-//! `mremap` and `mprotect` as exported here. Read-write mappings are committed memory;
+//! `mremap` and `mprotect` as exported here, and `madvise` before the region is built. Read-write mappings are committed memory;
 //! `PROT_NONE` ones are reservations, committed later in place by `mmap(MAP_FIXED)` or
 //! `mprotect` and uncommitted the same ways, as the JVM, V8 and Go manage their heaps.
 //! File mappings, shared mappings, stacks, mappings made executable or read-only from the
@@ -174,6 +174,20 @@ pub unsafe extern "C" fn mprotect(addr: *mut c_void, len: size_t, prot: c_int) -
         return fail(libc::ENOMEM, -1);
     }
     sys::mprotect(addr, len, prot)
+}
+
+/// `madvise(2)`. Before the program's region is built, `MADV_FREE` in the space is
+/// `MADV_DONTNEED`, which it may always be: the build would take a lazily freed page for
+/// an ordinary one, which the kernel could then drop with nobody told. Everything else
+/// goes to the kernel unchanged (a built region hears of discards from it).
+#[no_mangle]
+pub unsafe extern "C" fn madvise(addr: *mut c_void, len: size_t, advice: c_int) -> c_int {
+    let unbuilt = |s: &Space| s.region().is_none() && s.overlaps(addr as usize, len);
+    let advice = match space() {
+        Some(s) if advice == libc::MADV_FREE && unbuilt(s) => libc::MADV_DONTNEED,
+        _ => advice,
+    };
+    sys::madvise(addr, len, advice)
 }
 
 #[no_mangle]

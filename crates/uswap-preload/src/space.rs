@@ -10,13 +10,21 @@
 //! whole granules of 64 KiB, and the granule table says which heap arena owns each one, so
 //! `free` finds a block's arena without a lock.
 //!
-//! Lock order: an arena's lock (`heap`), then the book's lock.
+//! The region on the space is built when the program first needs it (`build`): before
+//! it commits more than its start-up allowance, or starts a second thread. Until then
+//! the space is plain memory, inherited by a child of fork as the kernel does it, and a
+//! short command (a shell's `true`, `grep`, `sed`) runs to its end without uswap's
+//! threads, userfaultfds or swap file; the tree's limit holds the allowance for it.
+//!
+//! Lock order: an arena's lock (`heap`), then the space's build lock (`unbuilt`), then
+//! the book's lock.
 
 use crate::book::{Book, Refusal, Use};
 use crate::sys;
-use std::sync::atomic::{AtomicU8, Ordering::Relaxed};
+use std::ops::Range;
+use std::sync::atomic::{AtomicU32, AtomicU8, Ordering::Relaxed};
 use std::sync::{Arc, Mutex, OnceLock};
-use uswap_core::{Region, PAGE_SIZE};
+use uswap_core::{Mapping, Region, PAGE_SIZE};
 
 /// Heap segments are made of whole granules of this size.
 pub const GRANULE: usize = 64 * 1024;
@@ -28,9 +36,21 @@ pub const NO_ARENA: u8 = 0;
 
 pub type BookGuard = std::sync::MutexGuard<'static, Book>;
 
+/// Builds the region on the space's mapping, given the page runs lent to other mappings
+/// and those that may hold data; it stops the process when it cannot.
+pub type Builder = fn(Mapping, &[Range<usize>], &[Range<usize>]) -> Arc<Region>;
+
 pub struct Space {
-    /// The region (kept here so it lives as long as the process).
-    region: Arc<Region>,
+    /// The region, once built (kept here so it lives as long as the process).
+    region: OnceLock<Arc<Region>>,
+    /// The mapping and what builds the region on it, until it is built.
+    unbuilt: Mutex<Option<(Mapping, Builder)>>,
+    /// Pages the program may commit before its region is built.
+    allowance: usize,
+    /// The process the space is this library's in: a child made without fork's handlers
+    /// (a `vfork` child, the C library's `clone`) shares the library's state, and must
+    /// not build or charge anything for the process it came from.
+    pid: AtomicU32,
     start: usize,
     end: usize,
     book: Mutex<Book>,
@@ -45,22 +65,40 @@ pub fn get() -> Option<&'static Space> {
     SPACE.get()
 }
 
-/// Makes `region` the program's memory, of which at most `commit_limit` bytes may be
-/// accessible at once.
-pub fn install(region: Arc<Region>, commit_limit: u64) {
-    let start = region.as_ptr() as usize;
-    let pages = region.len() / PAGE_SIZE;
+/// Makes `map` the program's memory, of which at most `commit_limit` bytes may be
+/// accessible at once; `build` makes its region when the program has committed more than
+/// `allowance` bytes (0: at once) or starts a thread.
+pub fn install(map: Mapping, commit_limit: u64, allowance: u64, build: Builder) {
+    let (start, len) = (map.addr(), map.len());
+    let pages = len / PAGE_SIZE;
     let commit_pages = commit_limit.div_ceil(PAGE_SIZE as u64).min(pages as u64) as usize;
-    let granules = (start + region.len() - 1) / GRANULE - start / GRANULE + 1;
+    let granules = (start + len - 1) / GRANULE - start / GRANULE + 1;
+    // Plain memory until the region is built: a child of fork gets it as the kernel gives
+    // one anything else.
+    map.inherit_on_fork(0, pages, true);
     let space = Space {
         start,
-        end: start + region.len(),
+        end: start + len,
         book: Mutex::new(Book::new(pages, commit_pages)),
         owner: unowned(granules),
-        region,
+        region: OnceLock::new(),
+        unbuilt: Mutex::new(Some((map, build))),
+        allowance: allowance.div_ceil(PAGE_SIZE as u64) as usize,
+        pid: AtomicU32::new(std::process::id()),
     };
     if SPACE.set(space).is_err() {
         sys::warn("uswap: the program's memory was set up twice; keeping the first\n");
+        return;
+    }
+    if allowance == 0 {
+        build_region();
+    }
+}
+
+/// Builds the program's region now, if there is a space and its region is not built.
+pub fn build_region() {
+    if let Some(space) = get() {
+        space.build();
     }
 }
 
@@ -76,8 +114,62 @@ fn unowned(granules: usize) -> Box<[AtomicU8]> {
 }
 
 impl Space {
-    pub fn region(&self) -> &Arc<Region> {
-        &self.region
+    /// The region, once built.
+    pub fn region(&self) -> Option<&Arc<Region>> {
+        self.region.get()
+    }
+
+    /// Builds the region on the space, adopting what the program wrote so far. The
+    /// program has one thread (a second one builds it first) or the builder is told
+    /// otherwise; the book stays locked, so no other range is handed out meanwhile, and
+    /// signals that could run a handler which allocates are held off.
+    fn build(&self) {
+        if !self.ours() {
+            return;
+        }
+        let _quiet = uswap_core::Quiet::new();
+        let mut unbuilt = self.unbuilt.lock().unwrap_or_else(|e| e.into_inner());
+        let Some((map, build)) = unbuilt.take() else {
+            return;
+        };
+        let book = self.lock_book();
+        let region = build(map, &book.lent_runs(), &book.handed_out_runs());
+        let _ = self.region.set(region);
+    }
+
+    /// Whether this process is the one the space was set up for (see `pid`).
+    fn ours(&self) -> bool {
+        self.pid.load(Relaxed) == std::process::id()
+    }
+
+    /// In a child of fork, after its handlers ran: the space is this process's now.
+    pub fn forked(&self) {
+        self.pid.store(std::process::id(), Relaxed);
+    }
+
+    /// Before its region is built, the program's commits are charged to the tree's limit
+    /// (`allowance`): committing `pages` more builds the region first when that would pass
+    /// the allowance or the limit has no room for them.
+    fn before_commit(&self, pages: usize) {
+        if self.region.get().is_some() || !self.ours() {
+            return;
+        }
+        let after = self.lock_book().committed() + pages;
+        if after > self.allowance || !crate::allowance::charge(after) {
+            self.build();
+        }
+    }
+
+    /// Charges what the program has committed while its region is not built.
+    fn charge_commits(&self) {
+        if self.region.get().is_none() && self.ours() {
+            crate::allowance::charge(self.lock_book().committed());
+        }
+    }
+
+    /// Pages the program has committed.
+    pub fn committed_pages(&self) -> usize {
+        self.lock_book().committed()
     }
 
     pub fn contains(&self, addr: usize) -> bool {
@@ -125,6 +217,9 @@ impl Space {
     }
 
     fn hand_out(&self, len: usize, align: usize, use_: Use) -> Option<usize> {
+        if use_ == Use::Committed {
+            self.before_commit(len / PAGE_SIZE);
+        }
         let align_pages = (align / PAGE_SIZE).max(1);
         let got =
             self.lock_book()
@@ -144,6 +239,7 @@ impl Space {
     /// False if it is not, or the commit limit is reached (said once on stderr).
     pub fn take(&self, addr: usize, len: usize) -> bool {
         let (first, pages) = self.pages(addr, len);
+        self.before_commit(pages);
         match self.lock_book().take(first, pages) {
             Ok(()) => true,
             Err(Refusal::OverCommit) => {
@@ -159,6 +255,9 @@ impl Space {
     /// (said once on stderr).
     pub fn claim(&self, addr: usize, len: usize, use_: Use) -> bool {
         let (first, pages) = self.pages(addr, len);
+        if use_ == Use::Committed {
+            self.before_commit(pages);
+        }
         let done = self.lock_book().map(first, pages, use_);
         if let Err(refusal) = done {
             warn_exhausted(refusal);
@@ -170,6 +269,9 @@ impl Space {
     /// (`mprotect`).
     pub fn protect(&self, addr: usize, len: usize, use_: Use) -> Result<(), Refusal> {
         let (first, pages) = self.pages(addr, len);
+        if use_ == Use::Committed {
+            self.before_commit(pages);
+        }
         let done = self.lock_book().protect(first, pages, use_);
         if done == Err(Refusal::OverCommit) {
             warn_exhausted(Refusal::OverCommit);
@@ -212,6 +314,7 @@ impl Space {
         self.set_owner(addr, len, NO_ARENA);
         let (first, pages) = self.pages(addr, len);
         self.lock_book().give_back(first, pages);
+        self.charge_commits();
     }
 
     fn pages(&self, addr: usize, len: usize) -> (usize, usize) {
@@ -235,7 +338,11 @@ impl Space {
         // SAFETY: as above.
         let zapped =
             writable && unsafe { sys::madvise(addr as *mut _, len, libc::MADV_DONTNEED) } == 0;
-        zapped && self.region.forget(addr - self.start, len).is_ok()
+        zapped
+            && self
+                .region
+                .get()
+                .is_none_or(|r| r.forget(addr - self.start, len).is_ok())
     }
 
     /// Records the heap arena owning the whole granules of `[addr, addr + len)`.

@@ -44,6 +44,18 @@ pub fn warn(msg: &str) {
     unsafe { libc::write(2, msg.as_ptr().cast(), msg.len()) };
 }
 
+/// The process's threads, from `/proc/self/status` (2 when it cannot be read: more than
+/// one is the cautious answer).
+pub fn threads() -> usize {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|status| {
+            let line = status.lines().find(|l| l.starts_with("Threads:"))?;
+            line["Threads:".len()..].trim().parse().ok()
+        })
+        .unwrap_or(2)
+}
+
 pub fn set_errno(e: c_int) {
     // SAFETY: errno is this thread's own.
     unsafe { *libc::__errno_location() = e };

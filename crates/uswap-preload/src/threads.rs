@@ -96,6 +96,8 @@ pub unsafe extern "C" fn pthread_create(
 ) -> c_int {
     if !internal::inside() {
         let _inside = Inside::enter();
+        // The region is built while the program has one thread (`space`).
+        crate::space::build_region();
         if !DISPATCH.load(Acquire) {
             return real()(thread, attr, routine, arg);
         }

@@ -284,6 +284,20 @@ impl Mm {
         self.debug_check(lock);
     }
 
+    /// Every page outside the page runs `owned` (sorted) is `Unmapped`: not the region's
+    /// (a fork child's parent had unmapped it, or another mapping took its place before
+    /// the region was built).
+    pub fn unmap_outside(&self, owned: &[std::ops::Range<usize>]) {
+        let mut next = 0;
+        let ends = owned.iter().map(|r| (r.start, r.end));
+        for (start, end) in ends.chain(std::iter::once((self.pages().len(), 0))) {
+            for page in next..start {
+                self.unmap_page(&mut self.pages().lock(page));
+            }
+            next = end;
+        }
+    }
+
     /// Page event: the page's data goes elsewhere (the source of an mremap): off its list
     /// and `Unmapped`; what it held is returned for its new place, not given back.
     pub fn take_out(&self, lock: &mut PageLock<'_>) -> PageState {
@@ -339,10 +353,12 @@ impl Mm {
         self.debug_check(lock);
     }
 
-    /// Page event, fork: a child's page the kernel mapped from the parent, not to be
-    /// shared: lazily freed there (`lazyfree`, kept so here), or with no write protection to
-    /// see its first write here. Its own from the start: charged, on the active list.
-    pub fn inherited_mapped(&self, lock: &mut PageLock<'_>, lazyfree: bool) {
+    /// Page event: a page the kernel mapped before uswap watched it, this process's own
+    /// from now on: charged, on the active list. A fork child's page mapped from the
+    /// parent and not to be shared (lazily freed there, `lazyfree`, kept so here; or with
+    /// no write protection to see its first write here), or a page the program wrote
+    /// before its region was built on its memory (`Region::adopt`).
+    pub fn adopt_mapped(&self, lock: &mut PageLock<'_>, lazyfree: bool) {
         lock.map_new();
         if lazyfree {
             lock.lazyfree();
