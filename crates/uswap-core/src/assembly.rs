@@ -115,10 +115,9 @@ fn region_features(probe: &uffd::Probe, mode: FaultMode) -> Result<u64> {
     features(probe, &required, &optional)
 }
 
-/// Whether this kernel gives a region in `mode` what it needs (page size, userfaultfd and
-/// its features); the error says what is missing.
+/// Whether this kernel gives a region in `mode` what it needs (userfaultfd and its
+/// features); the error says what is missing.
 pub(crate) fn check_kernel(mode: FaultMode) -> Result<()> {
-    crate::mm::check_page_size()?;
     region_features(&uffd::probe()?, mode.resolve()).map(|_| ())
 }
 

@@ -100,11 +100,13 @@ impl Region {
         Region::assembled(Assembly::build(cfg, swap, map, &owned, contents)?)
     }
 
-    /// Whether this kernel gives a region in fault mode `mode` what it needs; the error
-    /// says what is missing (for a program that builds its region later, `Region::adopt`,
-    /// and wants to be told at its start).
-    pub fn check_kernel(mode: crate::config::FaultMode) -> Result<()> {
-        crate::assembly::check_kernel(mode)
+    /// Whether a region of `size` bytes with `cfg` can be made here: its sizes, the page
+    /// size, userfaultfd and the features its fault mode needs; the error says what is
+    /// wrong. For a program that builds its region later (`Region::adopt`) and wants to
+    /// be told at its start.
+    pub fn check(size: u64, cfg: &Config) -> Result<()> {
+        check_size(size, cfg)?;
+        crate::assembly::check_kernel(cfg.fault_mode)
     }
 
     fn assembled(inner: Assembly) -> Result<Region> {

@@ -285,10 +285,7 @@ fn start(text: &str) -> uswap_core::Result<Plan> {
         });
     }
     let mut settings = Settings::parse(text)?;
-    settings.config.validate()?;
     settings.config.fault_mode = fault_mode(settings.config.fault_mode)?;
-    // Whatever the kernel lacks is said at the start, not when the region is built.
-    Region::check_kernel(settings.config.fault_mode)?;
     settings.config.memcg =
         settings
             .memcg
@@ -309,6 +306,8 @@ fn start(text: &str) -> uswap_core::Result<Plan> {
     let mut config = settings.config;
     config.commit_limit = Some(settings.vm_size);
     let size = settings.address_space.max(settings.vm_size);
+    // Whatever is wrong is said at the start, not when the region is built.
+    Region::check(size, &config)?;
     let map = Mapping::new(size.next_multiple_of(PAGE_SIZE as u64) as usize)?;
     // A build adopts what pagemap shows mapped, on the one thread the program has.
     let can_wait = sys::threads() == 1 && std::fs::File::open("/proc/self/pagemap").is_ok();
