@@ -140,6 +140,12 @@ impl Book {
         }
     }
 
+    /// Pages of `[first, first + pages)` that committing all of it would add: the free,
+    /// reserved and lent ones.
+    pub fn uncommitted(&self, first: usize, pages: usize) -> usize {
+        runs::count(&self.free, first, pages) + self.uncharged(first, pages)
+    }
+
     /// Every lent run, in order.
     pub fn lent_runs(&self) -> Vec<std::ops::Range<usize>> {
         self.lent.iter().map(|(&at, &len)| at..at + len).collect()
@@ -213,6 +219,30 @@ impl Book {
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    /// What a commit over a range would add (charged before a region is built), and the
+    /// runs a region built now takes over: handed out and not lent.
+    #[test]
+    fn a_commit_adds_the_free_reserved_and_lent_pages_and_the_runs_follow_the_uses() {
+        let mut book = Book::new(100, 100);
+        assert_eq!(book.alloc(10, 1, 0, Use::Committed), Ok(0));
+        assert_eq!(book.alloc(10, 1, 0, Use::Reserved), Ok(10));
+        assert_eq!(book.map(20, 5, Use::Lent), Ok(()));
+        assert_eq!(book.map(40, 5, Use::Committed), Ok(()));
+        assert_eq!(book.uncommitted(0, 10), 0, "committed already");
+        assert_eq!(
+            book.uncommitted(5, 20),
+            15,
+            "5 committed, 10 reserved, 5 lent"
+        );
+        assert_eq!(
+            book.uncommitted(25, 30),
+            25,
+            "15 free, 5 committed, 10 free"
+        );
+        assert_eq!(book.lent_runs(), std::slice::from_ref(&(20..25)));
+        assert_eq!(book.handed_out_runs(), [0..20, 40..45]);
+    }
 
     #[test]
     fn reservations_are_not_charged_until_committed() {

@@ -148,13 +148,16 @@ impl Space {
     }
 
     /// Before its region is built, the program's commits are charged to the tree's limit
-    /// (`allowance`): committing `pages` more builds the region first when that would pass
-    /// the allowance or the limit has no room for them.
-    fn before_commit(&self, pages: usize) {
+    /// (`allowance`): a commit that adds `added(book)` pages builds the region first when
+    /// that would pass the allowance or the limit has no room for them.
+    fn before_commit(&self, added: impl FnOnce(&Book) -> usize) {
         if self.region.get().is_some() || !self.ours() {
             return;
         }
-        let after = self.lock_book().committed() + pages;
+        let after = {
+            let book = self.lock_book();
+            book.committed() + added(&book)
+        };
         if after > self.allowance || !crate::allowance::charge(after) {
             self.build();
         }
@@ -218,7 +221,8 @@ impl Space {
 
     fn hand_out(&self, len: usize, align: usize, use_: Use) -> Option<usize> {
         if use_ == Use::Committed {
-            self.before_commit(len / PAGE_SIZE);
+            // Wherever it lands, all of it is new.
+            self.before_commit(|_| len / PAGE_SIZE);
         }
         let align_pages = (align / PAGE_SIZE).max(1);
         let got =
@@ -239,7 +243,8 @@ impl Space {
     /// False if it is not, or the commit limit is reached (said once on stderr).
     pub fn take(&self, addr: usize, len: usize) -> bool {
         let (first, pages) = self.pages(addr, len);
-        self.before_commit(pages);
+        // All of it is free, or it is refused.
+        self.before_commit(|_| pages);
         match self.lock_book().take(first, pages) {
             Ok(()) => true,
             Err(Refusal::OverCommit) => {
@@ -256,7 +261,7 @@ impl Space {
     pub fn claim(&self, addr: usize, len: usize, use_: Use) -> bool {
         let (first, pages) = self.pages(addr, len);
         if use_ == Use::Committed {
-            self.before_commit(pages);
+            self.before_commit(|book| book.uncommitted(first, pages));
         }
         let done = self.lock_book().map(first, pages, use_);
         if let Err(refusal) = done {
@@ -270,7 +275,7 @@ impl Space {
     pub fn protect(&self, addr: usize, len: usize, use_: Use) -> Result<(), Refusal> {
         let (first, pages) = self.pages(addr, len);
         if use_ == Use::Committed {
-            self.before_commit(pages);
+            self.before_commit(|book| book.uncommitted(first, pages));
         }
         let done = self.lock_book().protect(first, pages, use_);
         if done == Err(Refusal::OverCommit) {
