@@ -317,7 +317,10 @@ fn adopt_present(mm: &Mm, runs: &[std::ops::Range<usize>]) -> Result<()> {
                     source: std::io::Error::last_os_error(),
                 });
             }
-            for (i, entry) in entries[..n].iter().enumerate() {
+            for (i, entry) in entries[..n].iter_mut().enumerate() {
+                if entry.swapped {
+                    *entry = brought_back(mm, first + i)?;
+                }
                 match (entry.present, entry.exclusive) {
                     (true, true) => mm.adopt_mapped(&mut mm.pages().lock(first + i), false),
                     (true, false) => shared.push(first + i),
@@ -329,6 +332,23 @@ fn adopt_present(mm: &Mm, runs: &[std::ops::Range<usize>]) -> Result<()> {
     }
     crate::fork_image::share(mm, &shared);
     Ok(())
+}
+
+/// Page `page`, out in the kernel's swap (or being migrated) when the region was built,
+/// read so that the kernel brings it back (such a page raises no userfaultfd fault), and
+/// its pagemap entry then: a page left there would come back later uncharged, and a
+/// child of fork would not get it.
+fn brought_back(mm: &Mm, page: usize) -> Result<crate::mm::PagemapEntry> {
+    // SAFETY: a page of the region's own mapping, which the kernel maps back on this read.
+    unsafe { std::ptr::read_volatile(mm.page_addr(page) as *const u8) };
+    let mut entry = [Default::default()];
+    if mm.pagemap_entries(page, &mut entry) && entry[0].present {
+        return Ok(entry[0]);
+    }
+    Err(Error::Os {
+        op: "bringing back a page the kernel had swapped out before uswap watched it",
+        source: std::io::Error::from_raw_os_error(libc::EAGAIN),
+    })
 }
 
 /// Swap space promised to one region, given back when the region is dropped.

@@ -1,4 +1,10 @@
-//! Changes of user and group in a process that has uswap's threads beside the program's.
+//! Changes of user and group in a process that has uswap's threads beside the program's,
+//! and every change of privilege a region's build needs to come before.
+//!
+//! A program's region is built when it first needs one (`space`), by whatever user and
+//! privileges the program has then. A change of ids, of capabilities, of root or of
+//! namespace, a seccomp filter or `PR_SET_DUMPABLE` may take away what the build needs
+//! (userfaultfd, `/proc/self/pagemap`, the swap directory), so each builds it first.
 //!
 //! The C library makes every thread of a process take new ids (its `setxid` broadcast) and
 //! aborts the program, without a word, if the change fails in some threads only. A program
@@ -10,7 +16,7 @@
 
 use crate::internal::Inside;
 use crate::threads::next;
-use libc::{c_int, c_void, gid_t, size_t, uid_t};
+use libc::{c_int, c_ulong, c_void, gid_t, size_t, uid_t};
 use std::ffi::CStr;
 use std::sync::atomic::AtomicPtr;
 
@@ -92,6 +98,72 @@ macro_rules! wrappers {
             }
         )*
     };
+}
+
+/// `builds_first! { name(arg: type, …); … }`: each wrapper builds the program's region,
+/// then calls the C library's function of the same name.
+macro_rules! builds_first {
+    ($($name:ident($($arg:ident: $ty:ty),*);)*) => {
+        $(
+            #[no_mangle]
+            pub unsafe extern "C" fn $name($($arg: $ty),*) -> c_int {
+                static REAL: AtomicPtr<c_void> = AtomicPtr::new(std::ptr::null_mut());
+                crate::space::build_region();
+                type F = unsafe extern "C" fn($($ty),*) -> c_int;
+                let name = CStr::from_bytes_with_nul(concat!(stringify!($name), "\0").as_bytes())
+                    .expect("one NUL, at the end");
+                next::<F>(&REAL, name)($($arg),*)
+            }
+        )*
+    };
+}
+
+builds_first! {
+    capset(header: *mut c_void, data: *const c_void);
+    chroot(path: *const libc::c_char);
+    unshare(flags: c_int);
+    setns(fd: c_int, nstype: c_int);
+}
+
+/// `prctl(2)`'s options that take away what a region's build needs.
+fn drops_privilege(option: c_int) -> bool {
+    [
+        libc::PR_SET_DUMPABLE,
+        libc::PR_SET_SECCOMP,
+        libc::PR_SET_NO_NEW_PRIVS,
+        libc::PR_CAPBSET_DROP,
+        libc::PR_SET_SECUREBITS,
+        libc::PR_CAP_AMBIENT,
+    ]
+    .contains(&option)
+}
+
+/// The C library's `prctl`, looked up at load: uswap's own `prctl` calls (turning
+/// syscall dispatch on in a child of fork, which may be born in a signal handler) come
+/// through the export below, where `dlsym` must not run.
+static REAL_PRCTL: AtomicPtr<c_void> = AtomicPtr::new(std::ptr::null_mut());
+
+type Prctl = unsafe extern "C" fn(c_int, c_ulong, c_ulong, c_ulong, c_ulong) -> c_int;
+
+pub fn resolve() {
+    // SAFETY: the slot's function is `prctl` (only its address is taken).
+    unsafe { next::<Prctl>(&REAL_PRCTL, c"prctl") };
+}
+
+/// `prctl(2)`, declared with its five words: on x86-64 a variadic call passes them in the
+/// same registers.
+#[no_mangle]
+pub unsafe extern "C" fn prctl(
+    option: c_int,
+    a2: c_ulong,
+    a3: c_ulong,
+    a4: c_ulong,
+    a5: c_ulong,
+) -> c_int {
+    if drops_privilege(option) {
+        crate::space::build_region();
+    }
+    next::<Prctl>(&REAL_PRCTL, c"prctl")(option, a2, a3, a4, a5)
 }
 
 wrappers! {

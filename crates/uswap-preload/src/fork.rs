@@ -30,6 +30,7 @@ use uswap_core::syscall_dispatch::OwnCalls;
 struct Held {
     _internal: std::sync::MutexGuard<'static, dlmalloc::Dlmalloc<internal::KernelPages>>,
     _book: Option<space::BookGuard>,
+    _unbuilt: Option<space::UnbuiltGuard>,
     _arenas: Vec<std::sync::MutexGuard<'static, dlmalloc::Dlmalloc<heap::SpaceGranules>>>,
 }
 
@@ -38,8 +39,9 @@ static mut HELD: Option<Held> = None;
 extern "C" fn prepare() {
     let _inside = internal::Inside::enter();
     let _own = OwnCalls::new();
-    // The order every allocation nests in: arena, book, internal heap.
+    // The order every allocation nests in: arena, build lock, book, internal heap.
     let arenas = heap::lock_all();
+    let unbuilt = space::get().map(|s| s.lock_unbuilt());
     let book = space::get().map(|s| s.lock_book());
     uswap_core::fork::prepare();
     let internal = internal::heap();
@@ -48,6 +50,7 @@ extern "C" fn prepare() {
         HELD = Some(Held {
             _internal: internal,
             _book: book,
+            _unbuilt: unbuilt,
             _arenas: arenas,
         })
     };
@@ -116,6 +119,11 @@ pub unsafe extern "C" fn syscall(
         libc::SYS_clone3 if a1 != 0 && a2 >= 8 => unsafe {
             std::ptr::read_unaligned(a1 as *const u64)
         },
+        libc::SYS_seccomp => {
+            // A filter may take away what the region's build needs (`credentials`).
+            crate::space::build_region();
+            return real(nr, a1, a2, a3, a4, a5, a6);
+        }
         _ => return real(nr, a1, a2, a3, a4, a5, a6),
     };
     if flags & libc::CLONE_VM as u64 != 0 {

@@ -55,6 +55,7 @@ extern "C" fn init() {
     let program = std::env::args().next().unwrap_or_default();
     fork::register();
     calls::resolve_all();
+    credentials::resolve();
     warm_up_name_services();
     match start(&text) {
         Ok(plan) => {

@@ -176,13 +176,18 @@ pub unsafe extern "C" fn mprotect(addr: *mut c_void, len: size_t, prot: c_int) -
     sys::mprotect(addr, len, prot)
 }
 
-/// `madvise(2)`. Before the program's region is built, `MADV_FREE` in the space is
-/// `MADV_DONTNEED`, which it may always be: the build would take a lazily freed page for
+/// `madvise(2)`. Before the program's region is built, `MADV_FREE` over the program's
+/// pages in the space (none of them lent) is `MADV_DONTNEED`, which it may always be: the build would take a lazily freed page for
 /// an ordinary one, which the kernel could then drop with nobody told. Everything else
 /// goes to the kernel unchanged (a built region hears of discards from it).
 #[no_mangle]
 pub unsafe extern "C" fn madvise(addr: *mut c_void, len: size_t, advice: c_int) -> c_int {
-    let unbuilt = |s: &Space| s.region().is_none() && s.overlaps(addr as usize, len);
+    let start = addr as usize;
+    let unbuilt = |s: &Space| {
+        // The book allocates under its lock: from uswap's own heap.
+        let _inside = Inside::enter();
+        s.region().is_none() && s.holds(start, len) && s.lent_in(start, len).is_empty()
+    };
     let advice = match space() {
         Some(s) if advice == libc::MADV_FREE && unbuilt(s) => libc::MADV_DONTNEED,
         _ => advice,

@@ -36,6 +36,8 @@ pub const NO_ARENA: u8 = 0;
 
 pub type BookGuard = std::sync::MutexGuard<'static, Book>;
 
+pub type UnbuiltGuard = std::sync::MutexGuard<'static, Option<(Mapping, Builder)>>;
+
 /// Builds the region on the space's mapping, given the page runs lent to other mappings
 /// and those that may hold data; it stops the process when it cannot.
 pub type Builder = fn(Mapping, &[Range<usize>], &[Range<usize>]) -> Arc<Region>;
@@ -97,7 +99,7 @@ pub fn install(map: Mapping, commit_limit: u64, allowance: u64, build: Builder) 
 
 /// Builds the program's region now, if there is a space and its region is not built.
 pub fn build_region() {
-    if let Some(space) = get() {
+    if let Some(space) = get().filter(|s| s.region.get().is_none()) {
         space.build();
     }
 }
@@ -128,13 +130,19 @@ impl Space {
             return;
         }
         let _quiet = uswap_core::Quiet::new();
-        let mut unbuilt = self.unbuilt.lock().unwrap_or_else(|e| e.into_inner());
+        let mut unbuilt = self.lock_unbuilt();
         let Some((map, build)) = unbuilt.take() else {
             return;
         };
         let book = self.lock_book();
         let region = build(map, &book.lent_runs(), &book.handed_out_runs());
         let _ = self.region.set(region);
+    }
+
+    /// The build lock, held across `fork` (a child must not find it held by a thread it
+    /// does not have).
+    pub fn lock_unbuilt(&self) -> std::sync::MutexGuard<'_, Option<(Mapping, Builder)>> {
+        self.unbuilt.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// Whether this process is the one the space was set up for (see `pid`).

@@ -117,6 +117,9 @@ pub(crate) struct PagemapEntry {
     pub write_protected: bool,
     /// Mapped by this process alone (`PM_MMAP_EXCLUSIVE`): no fork relative maps it too.
     pub exclusive: bool,
+    /// Out in the kernel's swap, or being migrated (`PM_SWAP`): not present, yet not
+    /// missing either (the kernel brings it back itself).
+    pub swapped: bool,
 }
 
 /// The pieces a region is made of, built by `Region::with_swap`.
@@ -523,6 +526,7 @@ impl Mm {
         for (entry, bits) in into.iter_mut().zip(raw.iter()) {
             *entry = PagemapEntry {
                 present: bits & (1 << 63) != 0,
+                swapped: bits & (1 << 62) != 0,
                 write_protected: bits & (1 << 57) != 0,
                 exclusive: bits & (1 << 56) != 0,
             };
