@@ -14,7 +14,8 @@
 //! it commits more than its start-up allowance, or starts a second thread. Until then
 //! the space is plain memory, inherited by a child of fork as the kernel does it, and a
 //! short command (a shell's `true`, `grep`, `sed`) runs to its end without uswap's
-//! threads, userfaultfds or swap file; the tree's limit holds the allowance for it.
+//! threads, userfaultfds or swap file; what it commits is charged to the tree's limit
+//! (`allowance`).
 //!
 //! Lock order: an arena's lock (`heap`), then the space's build lock (`unbuilt`), then
 //! the book's lock.
@@ -150,6 +151,12 @@ impl Space {
         self.pid.load(Relaxed) == std::process::id()
     }
 
+    /// Whether the region is not built and this process is the space's: its commits
+    /// are charged and may build it.
+    fn unbuilt_here(&self) -> bool {
+        self.region.get().is_none() && self.ours()
+    }
+
     /// In a child of fork, after its handlers ran: the space is this process's now.
     pub fn forked(&self) {
         self.pid.store(std::process::id(), Relaxed);
@@ -159,7 +166,7 @@ impl Space {
     /// (`allowance`): a commit that adds `added(book)` pages builds the region first when
     /// that would pass the allowance or the limit has no room for them.
     fn before_commit(&self, added: impl FnOnce(&Book) -> usize) {
-        if self.region.get().is_some() || !self.ours() {
+        if !self.unbuilt_here() {
             return;
         }
         let after = {
@@ -173,7 +180,7 @@ impl Space {
 
     /// Charges what the program has committed while its region is not built.
     fn charge_commits(&self) {
-        if self.region.get().is_none() && self.ours() {
+        if self.unbuilt_here() {
             crate::allowance::charge(self.lock_book().committed());
         }
     }
