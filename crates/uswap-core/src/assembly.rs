@@ -195,6 +195,10 @@ impl Assembly {
             uffd,
             staging_uffd,
             swap,
+            ancestors: match contents {
+                Contents::Forked(image) => image.ancestors.clone(),
+                _ => Vec::new(),
+            },
             caps,
             limit,
             mode: cfg.fault_mode,
@@ -278,9 +282,13 @@ impl Assembly {
 
     /// In a fork child, for the parent's region copied into the child's memory: closes the
     /// descriptors that act on the parent (its userfaultfds and pagemap; its swap file and
-    /// rings, once per device, `closed` listing those done), and marks it never to be
-    /// dropped.
-    pub(crate) fn abandon_in_child(&self, closed: &mut Vec<*const SwapDevice>) {
+    /// rings, once per device, `closed` listing those done; the files of `lenders`, the
+    /// devices whose slots the child reads, stay open), and marks it never to be dropped.
+    pub(crate) fn abandon_in_child(
+        &self,
+        lenders: &[*const SwapDevice],
+        closed: &mut Vec<*const SwapDevice>,
+    ) {
         if self.abandoned.load(std::sync::atomic::Ordering::Relaxed) {
             return;
         }
@@ -291,7 +299,15 @@ impl Assembly {
         mm.close_in_child();
         let device = Arc::as_ptr(mm.swap());
         if !closed.contains(&device) {
-            mm.swap().close_in_child();
+            mm.swap().close_in_child(lenders.contains(&device));
+            closed.push(device);
+        }
+        // An ancestor's device has only its file open here, and the child may not need it.
+        for ancestor in mm.ancestors() {
+            let device = Arc::as_ptr(ancestor);
+            if !closed.contains(&device) && !lenders.contains(&device) {
+                ancestor.close_file_in_child();
+            }
             closed.push(device);
         }
         self.abandoned

@@ -530,7 +530,8 @@ impl FaultPath {
     /// is read is never lost: a page that cannot be charged goes back to a slot (and the
     /// access fails loudly), or, with no slot either, is mapped over the limit.
     /// Pages read ahead are mapped as `readahead` says (clean for a fault, dirty for
-    /// swapoff).
+    /// swapoff). A page whose data is in an ancestor's slot (a fork's, shared) is read
+    /// alone, and mapped dirty: the slot is not this process's to keep.
     fn swap_in(
         &self,
         mut lock: PageLock<'_>,
@@ -540,8 +541,9 @@ impl FaultPath {
         write: bool,
     ) -> Outcome {
         let mm = self.mm();
-        let slot = lock.state().slot().expect("a swapped page has a slot");
-        let cached = mm.swap().cache().lookup(slot);
+        let state = lock.state();
+        let own = state.slot();
+        let cached = own.and_then(|slot| mm.swap().cache().lookup(slot));
         debug_assert_eq!(
             cached,
             None,
@@ -549,27 +551,32 @@ impl FaultPath {
             lock.page()
         );
         let mut buf = mm.take_bounce(true).expect("may allocate");
-        let (window, writable) =
-            self.readahead
+        let (window, writable) = match own {
+            Some(slot) => self
+                .readahead
                 .window(slot, lock.page(), mm.pages().len(), |last| {
                     self.mark_readahead_used(last)
-                });
+                }),
+            None => (Window::None, false),
+        };
         let readahead = match readahead {
             Destination::Clean if writable => Destination::Writable,
             dest => dest,
         };
-        let dst = (slot, buf.as_mut_ptr());
         laps.lap(Phase::Prepare);
         // SAFETY: the buffer is one aligned page we own.
         let read = unsafe {
-            read_around(
-                &self.reclaim,
-                &self.readahead,
-                &lock,
-                dst,
-                window,
-                readahead,
-            )
+            match own {
+                Some(slot) => read_around(
+                    &self.reclaim,
+                    &self.readahead,
+                    &lock,
+                    (slot, buf.as_mut_ptr()),
+                    window,
+                    readahead,
+                ),
+                None => mm.read_swapped(state, buf.as_mut_ptr()),
+            }
         };
         if let Err(e) = read {
             drop(buf);
@@ -581,7 +588,11 @@ impl FaultPath {
             };
             mm.count(event, 1);
             mm.poisoned(&mut lock);
-            let why = format!("swap-in from slot {slot} failed: {e}; the page's data is lost");
+            let why = match state.ancestor_slot() {
+                None => format!("swap-in from slot {} failed: {e}", own.unwrap_or_default()),
+                Some((_, slot)) => format!("swap-in from slot {slot} of the parent's swap file, shared at fork, failed: {e}"),
+            };
+            let why = format!("{why}; the page's data is lost");
             return self.fail(lock, &why, false);
         }
         laps.lap(Phase::Read);
@@ -590,9 +601,10 @@ impl FaultPath {
         // device says not to (`SwapDevice::keeps_slot`) or the access is a write. A page of
         // a window the walk writes is mapped dirty too, but its slot goes only once it is
         // mapped: until then the fault may still back out.
-        let keep = mm.caps().write_protect && mm.swap().keeps_slot(slot) && !write;
+        let keep =
+            own.is_some_and(|slot| mm.caps().write_protect && mm.swap().keeps_slot(slot)) && !write;
         let clean = keep && readahead != Destination::Writable;
-        if !keep {
+        if let (false, Some(slot)) = (keep, own) {
             mm.release_slot(slot);
         }
         // Backing out while events are handled is safe only with the data still in its
@@ -664,6 +676,19 @@ impl FaultPath {
         room: fn() -> bool,
     ) -> Option<Outcome> {
         let mm = self.mm();
+        if lock.state().ancestor_slot().is_some() {
+            let mut buf = mm.take_bounce(false)?;
+            // SAFETY: the buffer is one aligned page we own.
+            let read =
+                unsafe { mm.read_ancestor_in_signal(lock.state(), buf.as_mut_ptr(), room()) };
+            let outcome =
+                read.then(|| self.map_in_signal(&mut lock, None, buf.as_ptr(), true))??;
+            if outcome == Outcome::Resolved {
+                drop(lock);
+                mm.record(FaultKind::Major, start);
+            }
+            return Some(outcome);
+        }
         let (page, slot) = (lock.page(), lock.state().slot().expect("swapped"));
         let (window, writable) =
             self.readahead
@@ -676,7 +701,7 @@ impl FaultPath {
             let mut buf = mm.take_bounce(false)?;
             // SAFETY: the buffer is one aligned page we own.
             let read = unsafe { mm.swap().read_page_in_place(slot, buf.as_mut_ptr(), room()) };
-            read.then(|| self.map_in_signal(&mut lock, slot, buf.as_ptr(), false))?
+            read.then(|| self.map_in_signal(&mut lock, Some(slot), buf.as_ptr(), false))?
         } else {
             let dest = match writable {
                 true => Destination::Writable,
@@ -690,7 +715,7 @@ impl FaultPath {
                     (page, slot),
                     window,
                     dest,
-                    |data| self.map_in_signal(&mut lock, slot, data, writable),
+                    |data| self.map_in_signal(&mut lock, Some(slot), data, writable),
                 )
             }
         }?;
@@ -702,19 +727,20 @@ impl FaultPath {
     }
 
     /// Charges (without reclaim) and maps the swapped-in copy of `lock`'s page (which
-    /// holds `slot`) at `data`, clean and cached while the slot is kept, dirty when
-    /// `writable` (a window the walk writes). `None` when it cannot be charged or mapped
-    /// for a reason the full path reports.
+    /// holds `slot`, or `None`: an ancestor's) at `data`, clean and cached while the slot
+    /// is kept, dirty when `writable` (a window the walk writes). `None` when it cannot be
+    /// charged or mapped for a reason the full path reports.
     fn map_in_signal(
         &self,
         lock: &mut PageLock<'_>,
-        slot: u32,
+        slot: Option<u32>,
         data: *const u8,
         writable: bool,
     ) -> Option<Outcome> {
         let mm = self.mm();
         self.reclaim.charge_without_reclaim(1)?;
-        let keep = mm.caps().write_protect && mm.swap().keeps_slot(slot) && !writable;
+        let keep =
+            slot.is_some_and(|s| mm.caps().write_protect && mm.swap().keeps_slot(s)) && !writable;
         mm.count(VmEvent::pswpin, 1);
         mm.count(VmEvent::pgmajfault, 1);
         let mapped = mm
@@ -726,10 +752,10 @@ impl FaultPath {
             mm.budget().uncharge(1);
             return (p.vanished() || p.busy()).then_some(Outcome::Retry);
         }
-        let after = if keep {
-            SlotAfter::Cached
-        } else {
-            SlotAfter::Freed
+        let after = match (keep, slot) {
+            (true, _) => SlotAfter::Cached,
+            (false, Some(_)) => SlotAfter::Freed,
+            (false, None) => SlotAfter::FreedBefore,
         };
         mm.swapped_in(lock, after, false);
         Some(Outcome::Resolved)

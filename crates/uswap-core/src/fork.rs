@@ -8,9 +8,13 @@
 //!   page out of the region until the child exists) and a new swap device is made like
 //!   the region's (an unlinked file beside it). Then, batch by batch under page locks, a
 //!   mapped page (active or lazily freed) is only noted: the kernel will map it in the
-//!   child, shared with the parent; a page that is not mapped (inactive, in a staging
-//!   frame, or swapped out) is written to a slot of the child's device, verified on the
-//!   way. The image says which page is where. Last, the region's runs are let be inherited
+//!   child, shared with the parent. A page swapped out to the region's swap file keeps its
+//!   slot, which the child reads from that file when it needs the page: the slot is held
+//!   for the child until the fork's lifeline hangs up (`swapfile/swap_map.rs`); a slot
+//!   this process was itself lent by an ancestor is passed on the same way. The other
+//!   pages that are not mapped (inactive, in a staging frame, in the compressed pool) are
+//!   written to a slot of the child's device, verified on the way. The image says which
+//!   page is where. Last, the region's runs are let be inherited
 //!   (`MADV_DOFORK`; they are `MADV_DONTFORK` at any other time, so a fork these handlers
 //!   do not see leaves the child no region memory rather than zeros where pages were
 //!   swapped).
@@ -25,8 +29,8 @@
 //!   device is the child's alone. A page it still shares is copied by reclaim before it is
 //!   moved out (UFFDIO_MOVE moves only pages mapped once; `vmscan.rs`).
 //!
-//! The fork costs the page tables (the kernel's share) plus writing the pages that were not
-//! mapped. A child that cannot get its copy (no space for the device, a write error) is
+//! The fork costs the page tables (the kernel's share), a look at each swapped page, plus
+//! writing the pages that were neither mapped nor in the swap file. A child that cannot get its copy (no space for the device, a write error) is
 //! stopped with a message and exit status 125 before it runs any code of the program: it
 //! would read wrong memory otherwise.
 //!
@@ -55,9 +59,10 @@ use crate::swapfile::swap_io::PageBuf;
 use crate::swapfile::{SlotId, SwapDevice};
 use crate::sync::{lock_std, RwLockWriteGuard};
 use crate::PAGE_SIZE;
-use std::cell::UnsafeCell;
+use std::cell::{OnceCell, UnsafeCell};
 use std::collections::HashMap;
 use std::ops::Range;
+use std::os::fd::{FromRawFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use std::sync::{Arc, Mutex, MutexGuard, Once, OnceLock};
 
@@ -172,6 +177,8 @@ extern "C" fn child_c() {
 enum Copy {
     Made {
         image: RegionImage,
+        /// Slots of the region's device held for the child.
+        lent: Vec<SlotId>,
         owned: Vec<Range<usize>>,
         /// Its device, in `Held::devices`.
         device: usize,
@@ -187,7 +194,41 @@ struct Held {
     copies: Vec<Copy>,
     /// The child's devices, one per device of the parent's regions (same order).
     devices: Vec<Arc<SwapDevice>>,
+    /// The fork's lifeline, when it lends slots.
+    lifeline: Option<Pipe>,
     regions: Ranked<MutexGuard<'static, Vec<Entry>>>,
+}
+
+/// A pipe: its read and write ends.
+struct Pipe {
+    read: OwnedFd,
+    write: OwnedFd,
+}
+
+/// The fork's lifeline (`swapfile/swap_map.rs`), made when its first slot is lent: the
+/// child and its descendants keep the write end, the parent watches the read end. `None`
+/// inside when no pipe could be made: the pages are copied then.
+#[derive(Default)]
+struct Lifeline(OnceCell<Option<Pipe>>);
+
+impl Lifeline {
+    /// Whether the fork has a lifeline, made now if need be.
+    fn ready(&self) -> bool {
+        self.0
+            .get_or_init(|| {
+                let mut fds = [0; 2];
+                // SAFETY: `fds` has room for the two descriptors.
+                let rc = unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) };
+                // SAFETY: on success both are new descriptors owned by nothing else.
+                (rc == 0).then(|| unsafe {
+                    Pipe {
+                        read: OwnedFd::from_raw_fd(fds[0]),
+                        write: OwnedFd::from_raw_fd(fds[1]),
+                    }
+                })
+            })
+            .is_some()
+    }
 }
 
 static mut HELD: Option<Held> = None;
@@ -205,13 +246,17 @@ pub fn prepare() {
     let _quiet = Quiet::new();
     let regions = registry();
     let mut devices = Devices::default();
+    let lifeline = Lifeline::default();
     let mut copiers: Vec<Result<Copier<'_>>> = regions
         .iter()
         .map(|e| {
             // SAFETY: registered regions are alive; see `Entry`.
             let mm = unsafe { &*(*e.0).get() }.fault().mm();
+            // Slots lent at earlier forks whose families are done are free again.
+            mm.swap().reap_forks();
             let device = devices.child_of(mm.swap())?;
-            let mut copier = Copier::new(mm, device, devices.children[device].clone());
+            let child_device = devices.children[device].clone();
+            let mut copier = Copier::new(mm, device, child_device, &lifeline);
             copier.copy_unmapped()?;
             Ok(copier)
         })
@@ -241,6 +286,7 @@ pub fn prepare() {
     let held = Held {
         copies,
         devices: devices.children,
+        lifeline: lifeline.0.into_inner().flatten(),
         regions,
     };
     // SAFETY: only the forking thread touches HELD, between prepare and parent/child.
@@ -255,13 +301,26 @@ pub fn parent() {
         return;
     };
     for (e, copy) in held.regions.iter().zip(&held.copies) {
-        if let Copy::Made { owned, .. } = copy {
+        if let Copy::Made { owned, lent, .. } = copy {
             // SAFETY: as in prepare.
             let mm = unsafe { &*(*e.0).get() }.fault().mm();
             mm.inherit_on_fork(owned, false);
             mm.set_reclaim_paused(false);
+            let watched = held.lifeline.as_ref().map(|l| l.read.try_clone());
+            match watched {
+                Some(Ok(fd)) if !lent.is_empty() => mm.swap().watch_fork(fd, lent.clone()),
+                // Without a descriptor to watch, the slots stay held while this runs:
+                // space lost, never data.
+                Some(Err(e)) if !lent.is_empty() => eprintln!(
+                    "uswap: cannot watch a fork child's hold on {} swap slots ({e}); they \
+                     stay in use until this process exits",
+                    lent.len()
+                ),
+                _ => {}
+            }
         }
     }
+    // The parent's ends go: the child's write end is the lifeline now.
     drop(held);
 }
 
@@ -278,8 +337,15 @@ pub fn child() {
     let Held {
         copies,
         mut devices,
+        lifeline,
         regions,
     } = held;
+    if let Some(pipe) = lifeline {
+        drop(pipe.read);
+        // Kept open for the rest of this process's life (closed by `exec`): while it is,
+        // the parent holds the slots lent to this child and to its own fork children.
+        std::mem::forget(pipe.write);
+    }
     // The fences are the parent's structures' (abandoned here); every copy must be whole.
     let copies: Vec<(RegionImage, Vec<Range<usize>>, usize)> = copies
         .into_iter()
@@ -289,6 +355,7 @@ pub fn child() {
                 owned,
                 device,
                 fence,
+                ..
             } => {
                 drop(fence);
                 (image, owned, device)
@@ -298,11 +365,16 @@ pub fn child() {
         .collect();
     // The parent's descriptors go first, so that nothing made here takes their numbers
     // while the abandoned structures still name them.
+    // Their swap files stay open where the child reads slots lent to it.
+    let lenders: Vec<*const SwapDevice> = copies
+        .iter()
+        .flat_map(|(image, ..)| image.ancestors.iter().map(Arc::as_ptr))
+        .collect();
     let mut closed: Vec<*const SwapDevice> = Vec::new();
     for e in regions.iter() {
         // SAFETY: as in prepare.
         let old = unsafe { &*(*e.0).get() };
-        old.abandon_in_child(&mut closed);
+        old.abandon_in_child(&lenders, &mut closed);
     }
     let mut regions = regions;
     for device in &mut devices {
@@ -395,6 +467,7 @@ fn made(
     parts
         .map(|((copier, note), fence)| match (copier, note, fence) {
             (Ok(c), Some((image, _)), Some(fence)) => {
+                let lent = c.lent();
                 // SAFETY: the region stays registered, so alive, while the registry is
                 // held, which is until `parent` or `child`; `Held` lets the fence go first.
                 let fence: Ranked<RwLockWriteGuard<'static, ()>> =
@@ -405,6 +478,7 @@ fn made(
                 Copy::Made {
                     owned,
                     image,
+                    lent,
                     device: c.device_index,
                     fence,
                 }
@@ -460,6 +534,19 @@ fn owned_runs(mm: &Mm) -> Vec<Range<usize>> {
     runs
 }
 
+/// What the child gets for a page that was not mapped at the fork.
+#[derive(Clone, Copy)]
+enum Kept {
+    /// A copy, in this slot of the child's device.
+    Copied(SlotId),
+    /// The page's slot on the region's device, held for the child.
+    Lent(SlotId),
+    /// A slot an ancestor lent this process (on `Mm::ancestors()[ancestor]`), passed on.
+    Passed { ancestor: u32, slot: SlotId },
+    /// Nothing: its data is lost, and the child's accesses fail too.
+    Lost,
+}
+
 /// Where a locked page that is not mapped has its data.
 enum Source {
     /// In a staging frame, which only its lock holder changes.
@@ -473,23 +560,57 @@ struct Copier<'a> {
     /// The child's device (in `Held::devices` at `device_index`).
     device: Arc<SwapDevice>,
     device_index: usize,
+    lifeline: &'a Lifeline,
     /// A batch's buffers, made by the first copy: most forks (a shell's, before `exec`)
     /// have nothing to copy.
     bufs: Vec<PageBuf>,
-    /// Pages copied so far, and the slot of the child's device each went to (`None`: its
-    /// data is lost, and the child's accesses fail too).
-    copied: HashMap<u32, Option<SlotId>>,
+    /// Pages that were not mapped, dealt with so far.
+    copied: HashMap<u32, Kept>,
 }
 
 impl<'a> Copier<'a> {
-    fn new(mm: &'a Mm, device_index: usize, device: Arc<SwapDevice>) -> Self {
+    fn new(
+        mm: &'a Mm,
+        device_index: usize,
+        device: Arc<SwapDevice>,
+        lifeline: &'a Lifeline,
+    ) -> Self {
         Copier {
             mm,
             device,
             device_index,
+            lifeline,
             bufs: Vec::new(),
             copied: HashMap::new(),
         }
+    }
+
+    /// The slots of the region's device held for the child.
+    fn lent(&self) -> Vec<SlotId> {
+        let lent = self.copied.values().filter_map(|kept| match *kept {
+            Kept::Lent(slot) => Some(slot),
+            _ => None,
+        });
+        lent.collect()
+    }
+
+    /// Lends the child the slot of a locked swapped (or clean inactive) page, or passes on
+    /// an ancestor's; false when the page must be copied.
+    fn lend(&mut self, lock: &PageLock<'_>) -> bool {
+        let state = lock.state();
+        let kept = match (lock.kind(), state.slot(), state.ancestor_slot()) {
+            (Kind::Swapped, _, Some((ancestor, slot))) => Kept::Passed { ancestor, slot },
+            // A parked page with a slot is clean: the slot holds its data too.
+            (Kind::Swapped | Kind::Inactive, Some(slot), None)
+                if self.lifeline.ready() && self.mm.swap().share_with_fork(slot) =>
+            {
+                self.mm.count(VmEvent::fork_lent, 1);
+                Kept::Lent(slot)
+            }
+            _ => return false,
+        };
+        self.copied.insert(lock.page() as u32, kept);
+        true
     }
 
     /// The first pass: every page that is not mapped, batch by batch.
@@ -522,6 +643,8 @@ impl<'a> Copier<'a> {
             .map(|&p| table.lock(p))
             .filter(|l| matches!(l.kind(), Kind::Inactive | Kind::Swapped | Kind::Poisoned))
             .collect();
+        let mut locks = locks;
+        locks.retain(|l| !self.lend(l));
         if locks.is_empty() {
             return Ok(());
         }
@@ -558,16 +681,31 @@ impl<'a> Copier<'a> {
             if self.copied.is_empty() {
                 continue;
             }
-            if let Some(Some(slot)) = self.copied.remove(&key) {
-                self.device.free_slot(slot);
+            match self.copied.remove(&key) {
+                Some(Kept::Copied(slot)) => self.device.free_slot(slot),
+                Some(Kept::Lent(slot)) => {
+                    self.mm.uncount(VmEvent::fork_lent, 1);
+                    self.mm.swap().unshare_with_fork(slot);
+                }
+                _ => {}
             }
         }
-        for (&page, &slot) in &self.copied {
-            match slot {
-                Some(slot) => image.pages.push((page, slot)),
-                None => image.poisoned.push(page),
+        let mut ancestors = Ancestors::default();
+        for (&page, &kept) in &self.copied {
+            match kept {
+                Kept::Copied(slot) => image.pages.push((page, slot)),
+                Kept::Lost => image.poisoned.push(page),
+                Kept::Lent(slot) => {
+                    let device = ancestors.index(self.mm.swap());
+                    image.shared_slots.push((page, device, slot));
+                }
+                Kept::Passed { ancestor, slot } => {
+                    let device = ancestors.index(&self.mm.ancestors()[ancestor as usize]);
+                    image.shared_slots.push((page, device, slot));
+                }
             }
         }
+        image.ancestors = ancestors.0;
         (image, left)
     }
 
@@ -615,7 +753,7 @@ impl<'a> Copier<'a> {
         let mut written = Vec::new();
         for (i, (l, source)) in locks.iter().zip(sources).enumerate() {
             if let Source::Lost = source {
-                self.copied.insert(l.page() as u32, None);
+                self.copied.insert(l.page() as u32, Kept::Lost);
                 continue;
             }
             let slot = self
@@ -638,9 +776,27 @@ impl<'a> Copier<'a> {
             })?;
         }
         self.mm.count(VmEvent::fork_copied, written.len() as u64);
-        self.copied
-            .extend(written.into_iter().map(|(page, slot)| (page, Some(slot))));
+        self.copied.extend(
+            written
+                .into_iter()
+                .map(|(page, slot)| (page, Kept::Copied(slot))),
+        );
         Ok(())
+    }
+}
+
+/// The devices a child's image names for its lent and passed slots, each once.
+#[derive(Default)]
+struct Ancestors(Vec<Arc<SwapDevice>>);
+
+impl Ancestors {
+    fn index(&mut self, device: &Arc<SwapDevice>) -> u32 {
+        let found = self.0.iter().position(|d| Arc::ptr_eq(d, device));
+        let i = found.unwrap_or_else(|| {
+            self.0.push(device.clone());
+            self.0.len() - 1
+        });
+        i as u32
     }
 }
 

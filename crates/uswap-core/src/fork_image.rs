@@ -1,12 +1,14 @@
 //! What a fork child inherits of one region: which pages the kernel gave it mapped (shared
-//! copy-on-write with the parent), which the parent wrote to which slot of the child's swap
-//! device (those that were not mapped), and which were lost. `fork.rs` writes it in the
-//! parent; the child's region is built from it (`assembly.rs`).
+//! copy-on-write with the parent), which stay in a slot the parent shares with it (swapped
+//! out in the parent's file or an earlier ancestor's), which the parent wrote to which slot
+//! of the child's swap device (the others that were not mapped), and which were lost.
+//! `fork.rs` writes it in the parent; the child's region is built from it (`assembly.rs`).
 
 use crate::mm::Mm;
-use crate::swapfile::SlotId;
+use crate::swapfile::{SlotId, SwapDevice};
 use crate::PAGE_SIZE;
 use std::ops::Range;
+use std::sync::Arc;
 
 /// What a fork child needs to build one region again.
 #[derive(Default)]
@@ -22,6 +24,12 @@ pub(crate) struct RegionImage {
     /// Pages whose data is lost (poisoned in the parent, or unreadable): their accesses
     /// fail in the child too.
     pub(crate) poisoned: Vec<u32>,
+    /// Pages swapped out at the fork whose slots are shared, not copied: (page, device in
+    /// `ancestors`, slot there).
+    pub(crate) shared_slots: Vec<(u32, u32, SlotId)>,
+    /// The devices those slots are on: the parent's own, and its ancestors' that it
+    /// passes on (the child's copies of their structures, as they were at the fork).
+    pub(crate) ancestors: Vec<Arc<SwapDevice>>,
 }
 
 impl RegionImage {
@@ -40,8 +48,8 @@ impl RegionImage {
     ///
     /// The kernel's page tables decide between a mapped page and a copy: a page the parent
     /// had mapped that is not here was discarded just before the fork (zeros), and a page
-    /// that was copied but is mapped here was brought back in the parent between the copy
-    /// and the fork (the mapped one is the newer).
+    /// that was copied (or whose slot is shared) but is mapped here was brought back in the
+    /// parent between the copy and the fork (the mapped one is the newer).
     pub(crate) fn apply(&self, mm: &Mm, owned: &[Range<usize>]) {
         let in_owned = |p: usize| {
             let i = owned.partition_point(|r| r.end <= p);
@@ -75,6 +83,21 @@ impl RegionImage {
                 shared.push(page);
             } else {
                 mm.inherited(&mut mm.pages().lock(page), slot);
+            }
+        }
+        let mut lent: Vec<(usize, u32, SlotId)> = self
+            .shared_slots
+            .iter()
+            .map(|&(page, device, slot)| (page as usize, device, slot))
+            .filter(|&(page, ..)| in_owned(page))
+            .collect();
+        lent.sort_unstable_by_key(|&(page, ..)| page);
+        let lent_pages: Vec<usize> = lent.iter().map(|&(p, ..)| p).collect();
+        for (&(page, device, slot), here) in lent.iter().zip(present(mm, &lent_pages, false)) {
+            if here {
+                shared.push(page);
+            } else {
+                mm.inherited_shared(&mut mm.pages().lock(page), device, slot);
             }
         }
         shared.sort_unstable();

@@ -47,7 +47,9 @@
 //!     (`stats.rs`) and `Phases` (`breakdown.rs`), whose histogram shards are recorded
 //!     into at the end of a fault; the compressed tier's `ZswapLru` (`swapfile/zswap.rs`,
 //!     its store order) and `ZpoolClass` (`swapfile/zpool.rs`, a size class's chunks),
-//!     taken by reclaim's writes under page locks.
+//!     taken by reclaim's writes under page locks; `SwapLifelines` (`swapfile/swap_map.rs`,
+//!     the forks whose holds on slots a device watches), taken by the fork handlers, by
+//!     kswapd and by a slot allocation that finds the device full.
 //!
 //! The resident budget, the bounce pool, the swap cache's readahead markers, the pins of
 //! `gup.rs` and the SIGBUS handler's tables are lock-free. The fill gate of
@@ -91,6 +93,7 @@ ranks! {
     Phases,
     ZswapLru,
     ZpoolClass,
+    SwapLifelines,
 }
 
 #[cfg(all(debug_assertions, not(loom)))]

@@ -11,8 +11,9 @@
 //! device (it is clean); a write after swap-in frees the slot. The frame is the staging
 //! frame holding an inactive page's data. `ref` is the referenced bit (second-chance
 //! aging of hot pages); `sh` marks an active page shared copy-on-write with another
-//! process since a fork (see [`PageState::shared`]). The lock bit serialises every
-//! transition.
+//! process since a fork (see [`PageState::shared`]), or a swapped page whose slot is on
+//! an ancestor's device (see [`PageState::ancestor_slot`]; the frame field then says
+//! which device). The lock bit serialises every transition.
 //!
 //! # Locking
 //!
@@ -120,13 +121,35 @@ impl PageState {
     }
 
     pub fn frame(self) -> Option<u32> {
-        let f = ((self.0 >> FRAME_SHIFT) as u32) & FRAME_NONE;
-        (f != FRAME_NONE).then_some(f)
+        let f = self.frame_field();
+        (f != FRAME_NONE && !self.on_ancestor_device()).then_some(f)
     }
 
+    /// The page's slot on the region's own swap device.
     pub fn slot(self) -> Option<u32> {
-        let s = (self.0 >> SLOT_SHIFT) as u32;
-        (s != SLOT_NONE).then_some(s)
+        let s = self.slot_field();
+        (s != SLOT_NONE && !self.on_ancestor_device()).then_some(s)
+    }
+
+    /// A swapped page of a fork child whose data is in a slot its parent (or an earlier
+    /// ancestor) shared at the fork rather than copied: (which of the region's ancestor
+    /// devices, the slot there). The child reads it from there; it never frees it (the
+    /// ancestor does, once the fork's family is done: `swapfile/swap_map.rs`).
+    pub fn ancestor_slot(self) -> Option<(u32, u32)> {
+        self.on_ancestor_device()
+            .then(|| (self.frame_field(), self.slot_field()))
+    }
+
+    fn on_ancestor_device(self) -> bool {
+        self.0 & (SHARED | KIND_MASK) == SHARED | Kind::Swapped as u64
+    }
+
+    fn frame_field(self) -> u32 {
+        ((self.0 >> FRAME_SHIFT) as u32) & FRAME_NONE
+    }
+
+    fn slot_field(self) -> u32 {
+        (self.0 >> SLOT_SHIFT) as u32
     }
 
     /// Whether aging is to pass over this active page once more.
@@ -145,7 +168,7 @@ impl PageState {
     /// while the other process maps it), write-protected so its first write here is seen.
     /// It becomes an ordinary active page at that write, or when found mapped here alone.
     pub fn shared(self) -> bool {
-        self.0 & SHARED != 0
+        self.0 & (SHARED | KIND_MASK) == SHARED | Kind::Active as u64
     }
 
     /// Whether a write to this active page faults to uswap first: it keeps a swap copy
@@ -164,8 +187,13 @@ impl PageState {
         if self.0 & LOCKED != 0 {
             return false;
         }
-        if (self.referenced() || self.shared()) && self.kind() != Kind::Active {
+        if self.referenced() && self.kind() != Kind::Active {
             return false;
+        }
+        if self.0 & SHARED != 0 && !self.shared() {
+            return self.on_ancestor_device()
+                && self.frame_field() != FRAME_NONE
+                && self.slot_field() != SLOT_NONE;
         }
         if self.shared() && self.slot().is_some() {
             return false;
@@ -470,6 +498,15 @@ impl PageLock<'_> {
     pub fn inherit(&mut self, slot: u32) {
         self.expect(&[Kind::None], "inherit");
         self.become_(Kind::Swapped, None, Some(slot));
+    }
+
+    /// A fork child's page: its data, as the parent had it, is in `slot` of ancestor
+    /// device `device` (see [`PageState::ancestor_slot`]).
+    pub fn inherit_shared(&mut self, device: u32, slot: u32) {
+        self.expect(&[Kind::None], "inherit_shared");
+        debug_assert!(device < FRAME_NONE && slot != SLOT_NONE);
+        self.state = PageState::of(Kind::Swapped, Some(device), Some(slot));
+        self.state.0 |= SHARED;
     }
 
     /// The data is lost: every later access fails. Returns what the page held.

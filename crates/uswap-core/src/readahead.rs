@@ -447,7 +447,9 @@ fn gather<const N: usize>(
     let swapped = |p: usize, slot: Option<u32>| {
         let lock = pages.try_lock(p)?;
         let held = lock.state().slot();
-        (lock.kind() == Kind::Swapped && (slot.is_none() || held == slot)).then_some(lock)
+        // A page whose slot is an ancestor's has none here, and is read alone.
+        let own = held.is_some() && (slot.is_none() || held == slot);
+        (lock.kind() == Kind::Swapped && own).then_some(lock)
     };
     let mut found: ArrayVec<PageLock<'_>, N> = ArrayVec::new();
     let mut keep = |lock: Option<_>| {

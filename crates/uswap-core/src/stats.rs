@@ -159,6 +159,9 @@ vmstat! {
     /// Pages a fork wrote to the child's swap device (in the parent): those that were not
     /// mapped (inactive or swapped out), which the kernel cannot share.
     fork_copied,
+    /// Swapped pages a fork left in their slot of this process's swap file (in the
+    /// parent), lent to the child, which reads them from there: not copied.
+    fork_lent,
     /// Shared pages that became this process's own at their first write here (the
     /// kernel's copy-on-write break).
     cow_break,
@@ -300,6 +303,13 @@ pub struct Stats {
     /// there and not in `resident_pages`.
     #[serde(default)]
     pub shared_pages: u64,
+    /// Slots of the swap device that fork children hold: they read those pages from it
+    /// (the device's; shared by the regions on it).
+    #[serde(default)]
+    pub fork_lent_slots: u64,
+    /// Pages whose data is in a slot a fork ancestor lent this process.
+    #[serde(default)]
+    pub ancestor_slot_pages: u64,
     /// Memory uswap keeps for the region outside its limit (page table, LRU links,
     /// shadows).
     pub metadata_bytes: u64,

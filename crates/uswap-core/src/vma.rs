@@ -318,15 +318,14 @@ impl<'a> Vma<'a> {
                 copy(mm.staging().addr(frame) as *const u8)
             }
             Kind::Swapped => {
-                let slot = held.slot().expect("a swapped page has a slot");
                 let mut buf = mm.take_bounce(true).expect("may allocate");
                 // SAFETY: the buffer is one aligned page we own.
-                let placed = match unsafe { mm.swap().read_page(slot, buf.as_mut_ptr()) } {
+                let placed = match unsafe { mm.read_swapped(held, buf.as_mut_ptr()) } {
                     Ok(()) => copy(buf.as_ptr()),
                     Err(e) => {
                         eprintln!(
                             "uswap: page moved by mremap to {dst:#x} could not be read back \
-                             from slot {slot}: {e}; it is poisoned"
+                             from swap: {e}; it is poisoned"
                         );
                         mm.count(VmEvent::failed_faults, 1);
                         self.poison_at(dst)

@@ -709,6 +709,8 @@ fn kswapd(r: &Reclaim, balanced: impl Fn()) {
     let mut shared_looked = Instant::now();
     while !r.mm.shutting_down() {
         r.kswapd.sleep();
+        // Slots held for fork children whose families are done become free.
+        r.mm.swap().reap_forks();
         if r.mm.shared_pages() > 0 && shared_looked.elapsed() >= SHARED_LOOK_EVERY {
             r.claim_unshared();
             shared_looked = Instant::now();

@@ -99,6 +99,7 @@ fn check_locked(
     let mut resident = 0u64;
     let mut shared = 0u64;
     let mut slots = std::collections::HashSet::new();
+    let mut ancestor_slots = std::collections::HashSet::new();
     let mut frames = std::collections::HashSet::new();
     let placing = vma.placing();
     // With every page locked no page can join a batch: a drain must leave none waiting
@@ -147,6 +148,20 @@ fn check_locked(
                 errors.push(format!("slot {slot} is held by two pages"));
             }
         }
+        if let Some((device, slot)) = st.ancestor_slot() {
+            if device as usize >= mm.ancestors().len() {
+                errors.push(format!(
+                    "page {} reads from ancestor device {device} of {}",
+                    l.page(),
+                    mm.ancestors().len()
+                ));
+            }
+            if !ancestor_slots.insert((device, slot)) {
+                errors.push(format!(
+                    "slot {slot} of ancestor device {device} is held by two pages"
+                ));
+            }
+        }
         if let Some(f) = st.frame() {
             if !frames.insert(f) {
                 errors.push(format!("frame {f} is held by two pages"));
@@ -184,6 +199,13 @@ fn check_locked(
         errors.push(format!(
             "{shared} pages are shared but the region counts {}",
             mm.shared_pages()
+        ));
+    }
+    if ancestor_slots.len() as u64 != mm.ancestor_pages() {
+        errors.push(format!(
+            "{} pages read from ancestors' slots but the region counts {}",
+            ancestor_slots.len(),
+            mm.ancestor_pages()
         ));
     }
     if slots.len() as u64 != mm.slots_held() {

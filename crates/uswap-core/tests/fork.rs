@@ -637,3 +637,176 @@ fn a_handle_to_the_parents_swap_device_refuses_io_in_a_fork_child() {
     let written = unsafe { standalone.write_pages(&[(slot, page[at..].as_ptr())]) };
     assert!(written[0].is_ok(), "{:?}", written[0]);
 }
+
+/// Waits up to 10 s for `done`; false if it never held.
+fn eventually(mut done: impl FnMut() -> bool) -> bool {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while !done() {
+        if std::time::Instant::now() > deadline {
+            return false;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    true
+}
+
+/// Swapped pages stay in the parent's swap file at a fork: the child reads them from
+/// there (they are not copied), the parent does not reuse their slots while the child may
+/// still read them (it rewrites everything twice meanwhile), and it gets them back once
+/// the child has exited.
+#[test]
+fn swapped_pages_are_lent_to_the_child_and_their_slots_come_back_when_it_is_done() {
+    for mode in [FaultMode::Thread, FaultMode::Sigbus] {
+        let mut cfg = Config::new(MIB as u64);
+        cfg.fault_mode = mode;
+        let region = Region::new(4 * MIB as u64, cfg).unwrap();
+        let pages = region.len() / PAGE_SIZE;
+        for page in 0..pages {
+            unsafe { fill(region.as_ptr(), page, 1) };
+        }
+        region.advise(0, region.len(), Advice::PageOut).unwrap();
+        let swapped = region.stats().swap_used_pages;
+        assert!(
+            swapped as usize > pages / 2,
+            "{mode:?}: {swapped} pages swapped"
+        );
+        let (go, done) = (Line::new(), Line::new());
+        let before = region.stats().vmstat;
+        let pid = unsafe { libc::fork() };
+        assert!(pid >= 0);
+        if pid == 0 {
+            let result = go.hear(60).and_then(|_| {
+                let inherited = region.stats().ancestor_slot_pages;
+                if inherited == 0 {
+                    return Err("no page reads from its parent's slot".into());
+                }
+                (0..pages).try_for_each(|page| unsafe { check(region.as_ptr(), page, 1) })?;
+                region.check_invariants()?;
+                Ok(inherited)
+            });
+            done.say(&match result {
+                Ok(n) => format!("ok {n}"),
+                Err(e) => e,
+            });
+            // Lingers until told, so the parent sees its slots held meanwhile.
+            let _ = go.hear(60);
+            unsafe { libc::_exit(0) };
+        }
+        let after = region.stats().vmstat;
+        let lent = after.fork_lent - before.fork_lent;
+        let copied = after.fork_copied - before.fork_copied;
+        assert!(
+            lent as usize > pages / 2,
+            "{mode:?}: {lent} lent, {copied} copied"
+        );
+        let held = region.swap_device().fork_shared_slots();
+        assert_eq!(held, lent, "{mode:?}: slots held for the child");
+        // Twice over, every page rewritten and pushed out: lent slots are not reused.
+        for round in 2..4 {
+            for page in 0..pages {
+                unsafe { fill(region.as_ptr(), page, round) };
+            }
+            region.advise(0, region.len(), Advice::PageOut).unwrap();
+        }
+        assert_eq!(region.swap_device().fork_shared_slots(), held);
+        go.say("go");
+        let heard = done.hear(60);
+        go.say("exit");
+        let mut status = 0;
+        unsafe { libc::waitpid(pid, &mut status, 0) };
+        assert_eq!(heard, Ok(format!("ok {lent}")), "{mode:?}");
+        assert!(exited_ok(status), "{mode:?}: child status {status:#x}");
+        // kswapd looks at the child's lifeline every 100 ms at least.
+        let device = region.swap_device();
+        assert!(
+            eventually(|| device.fork_shared_slots() == 0
+                && device.used_pages() == region.stats().swap_used_pages),
+            "{mode:?}: {} slots still held, {} used for {} of the region's",
+            device.fork_shared_slots(),
+            device.used_pages(),
+            region.stats().swap_used_pages
+        );
+        (0..pages).for_each(|page| unsafe { check(region.as_ptr(), page, 3) }.unwrap());
+        region.check_invariants().unwrap();
+    }
+}
+
+/// A child that calls `exec` at once gives its parent's slots back with it (the lifeline
+/// is closed on exec), and one killed with SIGKILL gives them back too.
+#[test]
+fn a_child_that_execs_or_is_killed_gives_the_lent_slots_back() {
+    let (region, pages) = filled_region();
+    region.advise(0, region.len(), Advice::PageOut).unwrap();
+    let device = region.swap_device();
+    let true_path = std::ffi::CString::new("/bin/true").unwrap();
+    let argv = [true_path.as_ptr(), std::ptr::null()];
+    let pid = unsafe { libc::fork() };
+    if pid == 0 {
+        unsafe { libc::execv(true_path.as_ptr(), argv.as_ptr()) };
+        unsafe { libc::_exit(127) };
+    }
+    assert!(device.fork_shared_slots() > 0, "slots lent to the child");
+    let mut status = 0;
+    unsafe { libc::waitpid(pid, &mut status, 0) };
+    assert!(exited_ok(status), "child status {status:#x}");
+    assert!(
+        eventually(|| device.fork_shared_slots() == 0),
+        "slots still held after exec"
+    );
+    let pid = unsafe { libc::fork() };
+    if pid == 0 {
+        unsafe { libc::pause() };
+        unsafe { libc::_exit(0) };
+    }
+    assert!(
+        device.fork_shared_slots() > 0,
+        "slots lent to the second child"
+    );
+    unsafe { libc::kill(pid, libc::SIGKILL) };
+    unsafe { libc::waitpid(pid, &mut status, 0) };
+    assert!(
+        eventually(|| device.fork_shared_slots() == 0),
+        "slots still held after kill"
+    );
+    (0..pages).for_each(|page| unsafe { check(region.as_ptr(), page, 1) }.unwrap());
+    region.check_invariants().unwrap();
+}
+
+/// Three generations: the grandchild reads pages from its grandparent's swap file (lent
+/// to its parent, which passed them on), after its parent exited.
+#[test]
+fn a_grandchild_reads_the_slots_its_grandparent_lent_after_its_parent_exits() {
+    let (region, pages) = filled_region();
+    region.advise(0, region.len(), Advice::PageOut).unwrap();
+    let done = Line::new();
+    let status = in_child(|| {
+        // The child reads nothing, so its pages are all in the grandparent's slots.
+        let pid = unsafe { libc::fork() };
+        if pid == 0 {
+            std::thread::sleep(std::time::Duration::from_millis(200));
+            let result = (|| {
+                if unsafe { libc::getppid() } != 1 && region.stats().ancestor_slot_pages == 0 {
+                    return Err("the grandchild reads nothing from an ancestor".into());
+                }
+                (0..pages).try_for_each(|page| unsafe { check(region.as_ptr(), page, 1) })?;
+                region.check_invariants()
+            })();
+            done.say(&result.err().unwrap_or_else(|| "ok".into()));
+            unsafe { libc::_exit(0) };
+        }
+        Ok(())
+    });
+    assert!(exited_ok(status), "child status {status:#x}");
+    // Meanwhile the grandparent writes everything again.
+    for page in 0..pages {
+        unsafe { fill(region.as_ptr(), page, 2) };
+    }
+    region.advise(0, region.len(), Advice::PageOut).unwrap();
+    assert_eq!(done.hear(60), Ok("ok".into()));
+    let device = region.swap_device();
+    assert!(
+        eventually(|| device.fork_shared_slots() == 0),
+        "slots still held"
+    );
+    (0..pages).for_each(|page| unsafe { check(region.as_ptr(), page, 2) }.unwrap());
+}

@@ -117,7 +117,9 @@ impl Mm {
     /// its list (`workingset.rs`). Its slot goes as `slot` says.
     pub fn swapped_in(&self, lock: &mut PageLock<'_>, slot: SlotAfter, readahead: bool) {
         let page = lock.page();
-        let held = lock.state().slot().expect("a swapped page has a slot");
+        let held = lock.state().slot();
+        let ancestor = lock.state().ancestor_slot().is_some();
+        debug_assert!(held.is_some() || (ancestor && matches!(slot, SlotAfter::FreedBefore)));
         let refault = self.workingset().refault(page, self.lru());
         let arrival = if readahead {
             Arrival::Readahead
@@ -135,16 +137,20 @@ impl Mm {
         self.lru().cache_add(list, page, tail);
         match slot {
             SlotAfter::Cached => {
+                let held = held.expect("a clean page keeps its slot");
                 self.swap()
                     .cache()
                     .add(held, self.cache_entry(page, readahead));
                 lock.swap_in(Some(held));
             }
             SlotAfter::Freed => {
-                self.release_slot(held);
+                self.release_slot(held.expect("a swapped page has a slot"));
                 lock.swap_in(None);
             }
             SlotAfter::FreedBefore => lock.swap_in(None),
+        }
+        if ancestor {
+            self.ancestor_pages.fetch_sub(1, Relaxed);
         }
         self.debug_check(lock);
     }
@@ -153,6 +159,9 @@ impl Mm {
     /// [`SlotAfter::FreedBefore`]) could not be charged after all, and its data was
     /// written to `slot` instead: it holds that one now.
     pub fn rehomed(&self, lock: &mut PageLock<'_>, slot: u32) {
+        if lock.state().ancestor_slot().is_some() {
+            self.ancestor_pages.fetch_sub(1, Relaxed);
+        }
         self.slots_taken(1);
         self.own_slot(slot, lock.page());
         lock.rehome(slot);
@@ -388,6 +397,14 @@ impl Mm {
         self.debug_check(lock);
     }
 
+    /// Page event, fork: a child's page starts out with the parent's data in `slot` of
+    /// ancestor device `device`, shared at the fork (see `PageState::ancestor_slot`).
+    pub fn inherited_shared(&self, lock: &mut PageLock<'_>, device: u32, slot: u32) {
+        lock.inherit_shared(device, slot);
+        self.ancestor_pages.fetch_add(1, Relaxed);
+        self.debug_check(lock);
+    }
+
     /// Gives back what a page held: budget, staging frame, swap slot.
     pub fn release_held(&self, held: PageState) {
         if held.is_charged() {
@@ -395,6 +412,9 @@ impl Mm {
         }
         if held.shared() {
             self.shared_pages.fetch_sub(1, Relaxed);
+        }
+        if held.ancestor_slot().is_some() {
+            self.ancestor_pages.fetch_sub(1, Relaxed);
         }
         if let Some(frame) = held.frame() {
             self.staging().release(frame);

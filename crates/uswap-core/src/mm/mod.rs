@@ -130,6 +130,8 @@ pub(crate) struct Parts {
     pub uffd: Uffd,
     pub staging_uffd: Uffd,
     pub swap: Arc<SwapDevice>,
+    /// A fork child's ancestors' swap devices, which hold slots shared at the fork.
+    pub ancestors: Vec<Arc<SwapDevice>>,
     pub caps: Caps,
     pub limit: u64,
     pub mode: FaultMode,
@@ -166,6 +168,12 @@ pub(crate) struct Mm {
     /// budget counts them beside the resident pages.
     pool_charged: AtomicU64,
     swap: Arc<SwapDevice>,
+    /// Swap devices of the fork ancestors whose slots pages of this region read from
+    /// (`PageState::ancestor_slot`): the child's copies of their structures, as they were
+    /// at the fork, with their files left open.
+    ancestors: Vec<Arc<SwapDevice>>,
+    /// Pages whose data is in an ancestor's slot.
+    ancestor_pages: AtomicU64,
     caps: Caps,
     mode: FaultMode,
     vmstat: VmStat,
@@ -233,6 +241,8 @@ impl Mm {
             staging: p.staging,
             mmap_changing: p.mmap_changing,
             swap: p.swap,
+            ancestors: p.ancestors,
+            ancestor_pages: AtomicU64::new(0),
             caps: p.caps,
             mode: p.mode,
             vmstat: VmStat::default(),
@@ -305,6 +315,53 @@ impl Mm {
 
     pub fn swap(&self) -> &Arc<SwapDevice> {
         &self.swap
+    }
+
+    /// [`Mm::read_swapped`] of a page in an ancestor's slot, for the SIGBUS handler:
+    /// allocates nothing; false when the full path must read it (and report what fails).
+    ///
+    /// # Safety
+    /// As [`Mm::read_swapped`].
+    pub unsafe fn read_ancestor_in_signal(
+        &self,
+        state: crate::page::PageState,
+        dst: *mut u8,
+        stack_room: bool,
+    ) -> bool {
+        let Some((device, slot)) = state.ancestor_slot() else {
+            return false;
+        };
+        let device = &self.ancestors[device as usize];
+        device.read_shared(slot, dst, Some(stack_room)).is_ok()
+    }
+
+    /// The ancestor devices whose slots pages of this region read from.
+    pub fn ancestors(&self) -> &[Arc<SwapDevice>] {
+        &self.ancestors
+    }
+
+    /// Pages whose data is in a slot of an ancestor's device.
+    pub fn ancestor_pages(&self) -> u64 {
+        self.ancestor_pages.load(Relaxed)
+    }
+
+    /// Reads the data of a swapped page (`state`, locked) into `dst` and checks it, from
+    /// its own slot or from the ancestor's slot it was shared at a fork.
+    ///
+    /// # Safety
+    /// `dst` must be valid for writing 4096 bytes until this returns, and page-aligned.
+    pub unsafe fn read_swapped(
+        &self,
+        state: crate::page::PageState,
+        dst: *mut u8,
+    ) -> std::result::Result<(), crate::swapfile::ReadError> {
+        match (state.slot(), state.ancestor_slot()) {
+            (Some(slot), _) => self.swap.read_page(slot, dst),
+            (None, Some((device, slot))) => {
+                self.ancestors[device as usize].read_shared(slot, dst, None)
+            }
+            (None, None) => unreachable!("a swapped page has a slot: {state:?}"),
+        }
     }
 
     /// The region's userfaultfd: faults, events, and every fill of region pages.

@@ -12,6 +12,7 @@ mod cluster;
 mod seal;
 mod slot_table;
 pub mod swap_io;
+mod swap_map;
 pub mod swap_state;
 mod zpool;
 mod zswap;
@@ -38,6 +39,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 use swap_io::PageBuf;
 use swap_io::{IoEngine, PageOp, SignalBatch, SIGNAL_BATCH};
+use swap_map::{Freed, SwapMap};
 use swap_state::SwapCache;
 use zswap::{Load, Zswap};
 
@@ -161,6 +163,8 @@ pub struct SwapDevice {
     zswap: Zswap,
     owners: OwnerTable,
     cache: SwapCache,
+    /// Slots fork children hold, which are not reused until they let go.
+    map: SwapMap,
     /// For a growing file: bytes allocated to it so far and when growing last failed.
     /// `None` for a fixed size.
     grown: Option<StatMutex<Growth>>,
@@ -229,6 +233,7 @@ impl SwapDevice {
             zswap: Zswap::new(&cfg.ztier, capacity),
             owners: OwnerTable(SlotTable::new(capacity)),
             cache: SwapCache::new(cfg.swap_cache, capacity),
+            map: SwapMap::new(capacity),
             grown,
             growth_failed: AtomicBool::new(false),
             punch_unsupported: AtomicBool::new(false),
@@ -274,14 +279,26 @@ impl SwapDevice {
         }
     }
 
-    /// In a fork child: closes the descriptors of the parent's swap file, which the child
-    /// never uses (it would keep the file's space alive after the parent is gone), and of
-    /// its io_uring rings, and unmaps its compressed pool. The device must never be used
-    /// or dropped after this.
-    pub(crate) fn close_in_child(&self) {
-        // SAFETY: closing a descriptor of the leaked parent device, never used again.
-        unsafe { libc::close(self.file.as_raw_fd()) };
+    /// In a fork child: closes the descriptors of the parent's io_uring rings and, unless
+    /// `keep_file` (the child reads slots the parent shared at the fork:
+    /// [`SwapDevice::read_shared`]), closes its swap file (it would keep the file's space
+    /// alive after the parent is gone) and unmaps its compressed pool. Nothing but
+    /// `read_shared` may use the device after this, and it must never be dropped.
+    pub(crate) fn close_in_child(&self, keep_file: bool) {
         self.io.close_in_child();
+        if !keep_file {
+            // SAFETY: closing a descriptor of the leaked parent device, never used again.
+            unsafe { libc::close(self.file.as_raw_fd()) };
+            self.zswap.close_in_child();
+        }
+    }
+
+    /// In a fork child: closes the file of an ancestor's device (whose rings were closed
+    /// in the child that got it first) that this child reads nothing from, and unmaps its
+    /// copy of the pool.
+    pub(crate) fn close_file_in_child(&self) {
+        // SAFETY: as in `close_in_child`.
+        unsafe { libc::close(self.file.as_raw_fd()) };
         self.zswap.close_in_child();
     }
 
@@ -352,16 +369,27 @@ impl SwapDevice {
             if let Some(slot) = self.slots.alloc() {
                 return Some(slot);
             }
-            if !self.grow() {
+            if self.reap_forks() == 0 && !self.grow() {
                 return None;
             }
         }
     }
 
     /// Gives a slot back and forgets its guard and owner. Panics if the slot is not in
-    /// use. The slot must not be in the swap cache.
+    /// use. The slot must not be in the swap cache. A slot a fork child still holds is
+    /// given back when the child lets go (`swap_map.rs`).
     pub fn free_slot(&self, slot: SlotId) {
         self.check_slot(slot);
+        if self.map.release(slot) == Freed::Later {
+            // A fork child reads a slot of the pool from its own copy of the pool.
+            self.zswap.invalidate(slot);
+            return;
+        }
+        self.give_back(slot);
+    }
+
+    /// Frees a slot no one holds any more.
+    fn give_back(&self, slot: SlotId) {
         // Forget first: once freed, the slot may be reallocated and written by another
         // thread. The compressed copy goes first: a writeback of it records the guard.
         self.zswap.invalidate(slot);
@@ -369,6 +397,111 @@ impl SwapDevice {
         self.owners.0.clear(slot);
         self.slots
             .free_with(slot, |first, n| self.discard(first, n));
+    }
+
+    /// Lets a fork child read `slot` instead of getting a copy of its page: from this
+    /// device's file, or from the child's copy of the compressed pool, as it was at the
+    /// fork (the pool's memory is copy-on-write in the child). True when the slot holds
+    /// its page in either; the slot is then held until the fork's lifeline hangs up
+    /// ([`SwapDevice::watch_fork`]), since the pool's writeback may move the page to the
+    /// file before the fork. The caller holds the lock of the page that owns it.
+    pub(crate) fn share_with_fork(&self, slot: SlotId) -> bool {
+        self.check_slot(slot);
+        let written = self.guard.get(slot).is_some() || self.zswap.holds(slot);
+        if self.owned() && written {
+            self.map.duplicate(slot);
+            return true;
+        }
+        false
+    }
+
+    /// Takes back a hold of [`SwapDevice::share_with_fork`] before the fork (the page was
+    /// mapped again, and the child gets the mapped page).
+    pub(crate) fn unshare_with_fork(&self, slot: SlotId) {
+        if self.map.put(slot) == Freed::Now {
+            self.give_back(slot);
+        }
+    }
+
+    /// After a fork: the holds on `slots` last until `lifeline` (the read end of a pipe
+    /// whose write end the child and its descendants keep) hangs up.
+    pub(crate) fn watch_fork(&self, lifeline: std::os::fd::OwnedFd, slots: Vec<SlotId>) {
+        self.map.watch(lifeline, slots);
+    }
+
+    /// Drops the holds of forks whose families have all exited or called `exec`, and
+    /// frees the slots they kept from being reused; returns how many. One `poll` when
+    /// forks are watched, nothing otherwise.
+    pub(crate) fn reap_forks(&self) -> usize {
+        let freed = self.map.reap();
+        for &slot in &freed {
+            self.give_back(slot);
+        }
+        freed.len()
+    }
+
+    /// Slots that fork children hold (they read their pages from this device).
+    pub fn fork_shared_slots(&self) -> u64 {
+        self.map.shared()
+    }
+
+    /// Whether a fork child holds `slot`.
+    #[cfg(test)]
+    pub(crate) fn held_by_fork(&self, slot: SlotId) -> bool {
+        self.map.held(slot)
+    }
+
+    /// In a fork child: reads a slot its parent shared at the fork (this is the child's
+    /// copy of the parent's device, whose guards and pool are as they were at the fork)
+    /// into `dst`, and checks it: from the pool's copy, or with the file's plain reads (the
+    /// rings are the parent's). `in_signal` is `Some(stack_room)` for the SIGBUS handler:
+    /// then it allocates nothing, and leaves to the full path, as an error, a slot the
+    /// pool holds when the stack has no room for its copy, and a zstd object.
+    ///
+    /// # Safety
+    /// `dst` must be valid for writing 4096 bytes until this returns, and page-aligned.
+    pub(crate) unsafe fn read_shared(
+        &self,
+        slot: SlotId,
+        dst: *mut u8,
+        in_signal: Option<bool>,
+    ) -> Result<(), ReadError> {
+        if in_signal == Some(false) && self.zswap.holds(slot) {
+            return Err(ReadError::Pool { slot });
+        }
+        match self.zswap.load(slot, dst, in_signal.is_some()) {
+            Load::Page => return Ok(()),
+            Load::Corrupt | Load::NotInSignal => return Err(ReadError::Pool { slot }),
+            Load::NotHere => {}
+        }
+        let expected = self
+            .guard
+            .get(slot)
+            .ok_or(ReadError::NeverWritten { slot })?;
+        for read in 0..READ_TRIES {
+            let n = libc::pread(
+                self.file.as_raw_fd(),
+                dst.cast(),
+                PAGE_SIZE,
+                slot_offset(slot) as libc::off_t,
+            );
+            if n != PAGE_SIZE as isize {
+                let e = match n {
+                    -1 if io::Error::last_os_error().raw_os_error() == Some(libc::EINTR) => {
+                        continue
+                    }
+                    -1 => io::Error::last_os_error(),
+                    _ => io::ErrorKind::UnexpectedEof.into(),
+                };
+                return Err(ReadError::Io(e));
+            }
+            match self.guard.check(slot, expected, dst) {
+                Ok(()) => return Ok(()),
+                Err(e) if read + 1 == READ_TRIES => return Err(e),
+                Err(_) => {}
+            }
+        }
+        Err(ReadError::Io(io::ErrorKind::Interrupted.into()))
     }
 
     /// Punches the file range of `n` freed slots from `first` out of a swap file in memory
@@ -1291,6 +1424,39 @@ mod tests {
                 "slot {slot}"
             );
         }
+    }
+
+    #[test]
+    fn a_slot_lent_to_a_fork_is_not_reused_until_both_sides_let_go() {
+        let (_dir, dev) = temp_device(None, IoMode::Pread);
+        let slot = dev.alloc_slot().unwrap();
+        let data = page(11);
+        write(&dev, &[(slot, &data)]);
+        let unwritten = dev.alloc_slot().unwrap();
+        assert!(
+            !dev.share_with_fork(unwritten),
+            "nothing to lend in a slot never written"
+        );
+        dev.free_slot(unwritten);
+        assert!(dev.share_with_fork(slot));
+        assert_eq!(dev.fork_shared_slots(), 1);
+        let used = dev.used_pages();
+        dev.free_slot(slot);
+        assert_eq!(dev.used_pages(), used, "given up by its owner, still held");
+        assert!(dev.held_by_fork(slot));
+        // What the child reads is what was written.
+        let mut buf = PageBuf::new();
+        unsafe { dev.read_shared(slot, buf.as_mut_ptr(), None) }.unwrap();
+        assert_eq!(buf.as_slice(), data.as_slice());
+        // Every other slot is handed out before this one comes back.
+        let others: Vec<SlotId> = std::iter::from_fn(|| dev.alloc_slot())
+            .take(3 * SWAPFILE_CLUSTER as usize)
+            .collect();
+        assert!(!others.contains(&slot), "a held slot was handed out again");
+        let used = used + others.len() as u64;
+        dev.unshare_with_fork(slot);
+        assert_eq!(dev.fork_shared_slots(), 0);
+        assert_eq!(dev.used_pages(), used - 1, "freed by the last to let go");
     }
 
     #[test]
