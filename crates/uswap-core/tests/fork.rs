@@ -10,6 +10,13 @@ use uswap_core::{Advice, Config, FaultMode, Region, PAGE_SIZE};
 
 const MIB: usize = 1 << 20;
 
+/// One test at a time: a fork copies or lends every region of the process, so a test's
+/// counts would include other tests' forks.
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 /// Forks; the child runs `child` and exits with its result (0 for Ok, else 1 after
 /// printing the error); the parent waits and returns the child's wait status.
 fn in_child(child: impl FnOnce() -> Result<(), String>) -> i32 {
@@ -126,11 +133,13 @@ fn filled_region() -> (Region, usize) {
 
 #[test]
 fn a_child_gets_the_memory_as_it_was_and_each_goes_its_own_way() {
+    let _serial = serial();
     child_gets_the_memory_as_it_was(FaultMode::Thread);
 }
 
 #[test]
 fn a_sigbus_mode_child_gets_the_memory_as_it_was_and_each_goes_its_own_way() {
+    let _serial = serial();
     child_gets_the_memory_as_it_was(FaultMode::Sigbus);
 }
 
@@ -235,6 +244,7 @@ impl Line {
 
 #[test]
 fn parent_and_child_each_see_only_their_own_writes_after_the_fork() {
+    let _serial = serial();
     let (region, versions) = mixed_region(FaultMode::Thread);
     let versions = settled(versions, &region);
     let pages = versions.len();
@@ -277,6 +287,7 @@ fn parent_and_child_each_see_only_their_own_writes_after_the_fork() {
 
 #[test]
 fn a_child_carries_on_when_its_parent_is_killed_and_claims_what_it_shared() {
+    let _serial = serial();
     let (region, versions) = mixed_region(FaultMode::Thread);
     let versions = settled(versions, &region);
     let pages = versions.len();
@@ -329,6 +340,7 @@ fn a_child_carries_on_when_its_parent_is_killed_and_claims_what_it_shared() {
 
 #[test]
 fn a_child_killed_while_it_writes_takes_nothing_of_the_parents_memory() {
+    let _serial = serial();
     let (region, versions) = mixed_region(FaultMode::Thread);
     let versions = settled(versions, &region);
     let pages = versions.len();
@@ -361,6 +373,7 @@ fn a_child_killed_while_it_writes_takes_nothing_of_the_parents_memory() {
 
 #[test]
 fn fifty_forks_of_a_half_swapped_region_each_see_their_moment() {
+    let _serial = serial();
     let (region, pages) = filled_region();
     for round in 0..50u32 {
         // The parent moves on between forks: a stripe rewritten each round.
@@ -386,6 +399,7 @@ fn fifty_forks_of_a_half_swapped_region_each_see_their_moment() {
 
 #[test]
 fn a_grandchild_gets_the_memory_of_its_parent() {
+    let _serial = serial();
     let (region, versions) = mixed_region(FaultMode::Thread);
     let versions = settled(versions, &region);
     let status = in_child(|| {
@@ -409,6 +423,7 @@ fn a_grandchild_gets_the_memory_of_its_parent() {
 
 #[test]
 fn regions_sharing_a_swap_device_are_all_copied() {
+    let _serial = serial();
     let cfg = Config::new(MIB as u64);
     let swap = uswap_core::swapfile::SwapDevice::open(&cfg.swap).unwrap();
     let a = Region::with_swap(4 * MIB as u64, cfg.clone(), swap.clone()).unwrap();
@@ -430,6 +445,7 @@ fn regions_sharing_a_swap_device_are_all_copied() {
 
 #[test]
 fn forks_while_other_threads_fault_and_reclaim() {
+    let _serial = serial();
     let (region, versions) = mixed_region(FaultMode::Thread);
     let versions = settled(versions, &region);
     let region = Arc::new(region);
@@ -478,6 +494,7 @@ fn forks_while_other_threads_fault_and_reclaim() {
 
 #[test]
 fn a_hole_the_parent_unmapped_stays_a_hole_in_the_child() {
+    let _serial = serial();
     let (region, pages) = filled_region();
     let hole = 100..200;
     let base = region.as_ptr();
@@ -527,6 +544,7 @@ fn perms_at(addr: usize) -> Option<String> {
 
 #[test]
 fn a_child_keeps_the_protections_the_parent_gave_its_pages() {
+    let _serial = serial();
     let (region, pages) = filled_region();
     let ro = unsafe { region.as_ptr().add(300 * PAGE_SIZE) };
     assert_eq!(
@@ -593,6 +611,7 @@ fn uffd_vmas() -> impl Iterator<Item = (usize, usize)> {
 /// the parent's), and the parent's device is untouched.
 #[test]
 fn a_handle_to_the_parents_swap_device_refuses_io_in_a_fork_child() {
+    let _serial = serial();
     let (region, pages) = filled_region();
     // A region's device, and one a library user opened and no region uses.
     let device = region.swap_device().clone();
@@ -656,6 +675,7 @@ fn eventually(mut done: impl FnMut() -> bool) -> bool {
 /// the child has exited.
 #[test]
 fn swapped_pages_are_lent_to_the_child_and_their_slots_come_back_when_it_is_done() {
+    let _serial = serial();
     for mode in [FaultMode::Thread, FaultMode::Sigbus] {
         let mut cfg = Config::new(MIB as u64);
         cfg.fault_mode = mode;
@@ -735,6 +755,7 @@ fn swapped_pages_are_lent_to_the_child_and_their_slots_come_back_when_it_is_done
 /// is closed on exec), and one killed with SIGKILL gives them back too.
 #[test]
 fn a_child_that_execs_or_is_killed_gives_the_lent_slots_back() {
+    let _serial = serial();
     let (region, pages) = filled_region();
     region.advise(0, region.len(), Advice::PageOut).unwrap();
     let device = region.swap_device();
@@ -776,6 +797,7 @@ fn a_child_that_execs_or_is_killed_gives_the_lent_slots_back() {
 /// to its parent, which passed them on), after its parent exited.
 #[test]
 fn a_grandchild_reads_the_slots_its_grandparent_lent_after_its_parent_exits() {
+    let _serial = serial();
     let (region, pages) = filled_region();
     region.advise(0, region.len(), Advice::PageOut).unwrap();
     let done = Line::new();
