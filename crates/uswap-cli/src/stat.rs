@@ -58,7 +58,7 @@ struct Counters {
     #[serde(default)]
     fork_lent_slots: u64,
     #[serde(default)]
-    ancestor_slot_pages: u64,
+    borrowed_pages: u64,
     #[serde(default)]
     ztier: uswap_core::ZtierStats,
 }
@@ -110,7 +110,7 @@ fn print_block(pid: u32, s: &Snapshot) {
         mib(k.memory / PAGE_SIZE as u64),
         mib(c.swap_used_pages)
     );
-    if v.fork_shared + v.fork_copied + v.fork_lent + c.fork_lent_slots + c.ancestor_slot_pages > 0 {
+    if v.fork_shared + v.fork_copied + v.fork_lent + c.fork_lent_slots + c.borrowed_pages > 0 {
         println!(
             "  fork       shared {} MiB (copy-on-write, counted by the process that made them); \
              inherited shared {}, copied at forks {}, lent in the swap file {}; copy-on-write \
@@ -127,7 +127,7 @@ fn print_block(pid: u32, s: &Snapshot) {
             "  fork swap  {} MiB of this swap file lent to fork children; {} MiB still in \
              slots a parent lent this process",
             mib(c.fork_lent_slots),
-            mib(c.ancestor_slot_pages)
+            mib(c.borrowed_pages)
         );
     }
     if c.ztier.enabled || c.ztier.stored_pages > 0 {

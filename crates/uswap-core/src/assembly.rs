@@ -11,6 +11,7 @@ use crate::handler::{HandlerConfig, Handlers};
 use crate::lockdep::Rank;
 use crate::lockstat::{LockClass, StatMutex};
 use crate::mapping::Mapping;
+use crate::mm::lender::Lender;
 use crate::mm::{Caps, Mm, Parts};
 use crate::mmap_changing::MmapChanging;
 use crate::page::MAX_FRAMES;
@@ -195,8 +196,8 @@ impl Assembly {
             uffd,
             staging_uffd,
             swap,
-            ancestors: match contents {
-                Contents::Forked(image) => image.ancestors.clone(),
+            lenders: match contents {
+                Contents::Forked(image) => image.lenders.clone(),
                 _ => Vec::new(),
             },
             caps,
@@ -282,13 +283,10 @@ impl Assembly {
 
     /// In a fork child, for the parent's region copied into the child's memory: closes the
     /// descriptors that act on the parent (its userfaultfds and pagemap; its swap file and
-    /// rings, once per device, `closed` listing those done; the files of `lenders`, the
-    /// devices whose slots the child reads, stay open), and marks it never to be dropped.
-    pub(crate) fn abandon_in_child(
-        &self,
-        lenders: &[*const SwapDevice],
-        closed: &mut Vec<*const SwapDevice>,
-    ) {
+    /// rings, once per device, `closed` listing those done), and what an ancestor lent it,
+    /// but for what the child borrows (`lenders`: swap files stay open, staging areas
+    /// mapped), and marks it never to be dropped.
+    pub(crate) fn abandon_in_child(&self, lenders: &[Lender], closed: &mut Vec<*const SwapDevice>) {
         if self.abandoned.load(std::sync::atomic::Ordering::Relaxed) {
             return;
         }
@@ -297,18 +295,23 @@ impl Assembly {
         }
         let mm = self.fault.mm();
         mm.close_in_child();
+        let lent = |l: &Lender| lenders.iter().any(|k| k.same(l));
         let device = Arc::as_ptr(mm.swap());
         if !closed.contains(&device) {
-            mm.swap().close_in_child(lenders.contains(&device));
+            mm.swap()
+                .close_in_child(lent(&Lender::Device(mm.swap().clone())));
             closed.push(device);
         }
-        // An ancestor's device has only its file open here, and the child may not need it.
-        for ancestor in mm.ancestors() {
-            let device = Arc::as_ptr(ancestor);
-            if !closed.contains(&device) && !lenders.contains(&device) {
-                ancestor.close_file_in_child();
+        // What an ancestor lent this region stays only if the child borrows from it too.
+        for lender in mm.lenders().iter().filter(|l| !lent(l)) {
+            match lender {
+                Lender::Device(d) if !closed.contains(&Arc::as_ptr(&d)) => {
+                    d.close_file_in_child();
+                    closed.push(Arc::as_ptr(&d));
+                }
+                Lender::Device(_) => {}
+                Lender::Staging { .. } => lender.keep_only(&[]),
             }
-            closed.push(device);
         }
         self.abandoned
             .store(true, std::sync::atomic::Ordering::Relaxed);

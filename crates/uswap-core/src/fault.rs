@@ -470,7 +470,8 @@ impl FaultPath {
         let (dst, src) = (mm.page_addr(lock.page()), mm.staging().addr(frame));
         // A clean page must come back write-protected, which only COPY does atomically; a
         // dirty one moves back without copying, unless the program changed the protection
-        // of its range (MOVE needs both sides alike), where it is copied too.
+        // of its range (MOVE needs both sides alike, EINVAL) or a fork child shares its
+        // frame (MOVE takes only pages mapped once, EBUSY), where it is copied too.
         if let Some(slot) = st.slot() {
             let hit = self.cache_lookup(slot);
             debug_assert!(
@@ -492,7 +493,8 @@ impl FaultPath {
         } else {
             mm.uffd().move_pages(dst, src, PAGE_SIZE, true)
         };
-        if matches!(&back, Err(p) if p.error.raw_os_error() == Some(libc::EINVAL)) && !clean {
+        let refused = |e: Option<i32>| matches!(e, Some(libc::EINVAL | libc::EBUSY));
+        if matches!(&back, Err(p) if refused(p.error.raw_os_error())) && !clean {
             copied = true;
             back = mm.uffd().copy(dst, src as *const u8, PAGE_SIZE, false);
         }
@@ -588,7 +590,7 @@ impl FaultPath {
             };
             mm.count(event, 1);
             mm.poisoned(&mut lock);
-            let why = match state.ancestor_slot() {
+            let why = match state.borrowed() {
                 None => format!("swap-in from slot {} failed: {e}", own.unwrap_or_default()),
                 Some((_, slot)) => format!("swap-in from slot {slot} of the parent's swap file, shared at fork, failed: {e}"),
             };
@@ -676,11 +678,11 @@ impl FaultPath {
         room: fn() -> bool,
     ) -> Option<Outcome> {
         let mm = self.mm();
-        if lock.state().ancestor_slot().is_some() {
+        if lock.state().borrowed().is_some() {
             let mut buf = mm.take_bounce(false)?;
             // SAFETY: the buffer is one aligned page we own.
             let read =
-                unsafe { mm.read_ancestor_in_signal(lock.state(), buf.as_mut_ptr(), room()) };
+                unsafe { mm.read_borrowed_in_signal(lock.state(), buf.as_mut_ptr(), room()) };
             let outcome =
                 read.then(|| self.map_in_signal(&mut lock, None, buf.as_ptr(), true))??;
             if outcome == Outcome::Resolved {

@@ -8,13 +8,14 @@
 //!   page out of the region until the child exists) and a new swap device is made like
 //!   the region's (an unlinked file beside it). Then, batch by batch under page locks, a
 //!   mapped page (active or lazily freed) is only noted: the kernel will map it in the
-//!   child, shared with the parent. A page swapped out to the region's swap file keeps its
-//!   slot, which the child reads from that file when it needs the page: the slot is held
-//!   for the child until the fork's lifeline hangs up (`swapfile/swap_map.rs`); a slot
-//!   this process was itself lent by an ancestor is passed on the same way. The other
-//!   pages that are not mapped (inactive, in a staging frame, in the compressed pool) are
-//!   written to a slot of the child's device, verified on the way. The image says which
-//!   page is where. Last, the region's runs are let be inherited
+//!   child, shared with the parent. A page that is not mapped is lent, not copied
+//!   (`mm/lender.rs`): a swapped page (in the file or the compressed pool) or a clean
+//!   inactive one keeps its slot, held for the child until the fork's lifeline hangs up
+//!   (`swapfile/swap_map.rs`); a dirty inactive page keeps its staging frame, locked until
+//!   the child exists, and the kernel shares the staging area with the child; what an
+//!   ancestor lent this process is passed on. A page that cannot be lent (its lock busy
+//!   at the note, a device made elsewhere) is written to a slot of the child's device,
+//!   verified on the way. The image says which page is where. Last, the region's runs are let be inherited
 //!   (`MADV_DOFORK`; they are `MADV_DONTFORK` at any other time, so a fork these handlers
 //!   do not see leaves the child no region memory rather than zeros where pages were
 //!   swapped).
@@ -51,8 +52,9 @@ use crate::assembly::{Assembly, Contents};
 use crate::error::{Error, Result};
 use crate::fork_image::RegionImage;
 use crate::lockdep::{Rank, Ranked};
+use crate::mm::lender::Lender;
 use crate::mm::Mm;
-use crate::page::{Kind, PageLock};
+use crate::page::{Kind, PageLock, PageTable};
 use crate::signals::Quiet;
 use crate::stats::VmEvent;
 use crate::swapfile::swap_io::PageBuf;
@@ -179,6 +181,8 @@ enum Copy {
         image: RegionImage,
         /// Slots of the region's device held for the child.
         lent: Vec<SlotId>,
+        /// Inactive pages whose staging frames are lent, locked until the child exists.
+        parked: Vec<PageLock<'static>>,
         owned: Vec<Range<usize>>,
         /// Its device, in `Held::devices`.
         device: usize,
@@ -266,16 +270,16 @@ pub fn prepare() {
             .iter()
             .map(|c| c.as_ref().ok().map(|c| c.mm.fork_fence().exclusive()))
             .collect();
-        let notes: Vec<Option<(RegionImage, Vec<usize>)>> = copiers
+        let notes: Vec<Option<Note<'_>>> = copiers
             .iter_mut()
             .map(|c| c.as_mut().ok().map(Copier::note))
             .collect();
-        if notes.iter().flatten().all(|(_, left)| left.is_empty()) {
+        if notes.iter().flatten().all(|note| note.left.is_empty()) {
             break made(copiers, notes, fences);
         }
         drop(fences);
         for (copier, note) in copiers.iter_mut().zip(notes) {
-            let (Ok(c), Some((_, left))) = (copier.as_mut(), note) else {
+            let (Ok(c), Some(Note { left, .. })) = (copier.as_mut(), note) else {
                 continue;
             };
             if let Err(e) = left.chunks(BATCH).try_for_each(|batch| c.copy(batch)) {
@@ -301,10 +305,19 @@ pub fn parent() {
         return;
     };
     for (e, copy) in held.regions.iter().zip(&held.copies) {
-        if let Copy::Made { owned, lent, .. } = copy {
+        if let Copy::Made {
+            owned,
+            lent,
+            parked,
+            ..
+        } = copy
+        {
             // SAFETY: as in prepare.
             let mm = unsafe { &*(*e.0).get() }.fault().mm();
             mm.inherit_on_fork(owned, false);
+            if !parked.is_empty() {
+                mm.staging().inherit_on_fork(false);
+            }
             mm.set_reclaim_paused(false);
             let watched = held.lifeline.as_ref().map(|l| l.read.try_clone());
             match watched {
@@ -365,10 +378,10 @@ pub fn child() {
         .collect();
     // The parent's descriptors go first, so that nothing made here takes their numbers
     // while the abandoned structures still name them.
-    // Their swap files stay open where the child reads slots lent to it.
-    let lenders: Vec<*const SwapDevice> = copies
+    // What was lent to the child stays: swap files open, staging areas mapped.
+    let lenders: Vec<Lender> = copies
         .iter()
-        .flat_map(|(image, ..)| image.ancestors.iter().map(Arc::as_ptr))
+        .flat_map(|(image, ..)| image.lenders.iter().cloned())
         .collect();
     let mut closed: Vec<*const SwapDevice> = Vec::new();
     for e in regions.iter() {
@@ -460,25 +473,32 @@ impl Devices {
 /// are let be inherited for the fork, and its fence is held until the child exists.
 fn made(
     copiers: Vec<Result<Copier<'_>>>,
-    notes: Vec<Option<(RegionImage, Vec<usize>)>>,
+    notes: Vec<Option<Note<'_>>>,
     fences: Vec<Option<Ranked<RwLockWriteGuard<'_, ()>>>>,
 ) -> Vec<Copy> {
     let parts = copiers.into_iter().zip(notes).zip(fences);
     parts
         .map(|((copier, note), fence)| match (copier, note, fence) {
-            (Ok(c), Some((image, _)), Some(fence)) => {
+            (Ok(c), Some(Note { image, parked, .. }), Some(fence)) => {
                 let lent = c.lent();
                 // SAFETY: the region stays registered, so alive, while the registry is
-                // held, which is until `parent` or `child`; `Held` lets the fence go first.
-                let fence: Ranked<RwLockWriteGuard<'static, ()>> =
-                    unsafe { std::mem::transmute(fence) };
+                // held, which is until `parent` or `child`; `Held` lets the fence and the
+                // page locks go first.
+                let (fence, parked): (
+                    Ranked<RwLockWriteGuard<'static, ()>>,
+                    Vec<PageLock<'static>>,
+                ) = unsafe { (std::mem::transmute(fence), std::mem::transmute(parked)) };
                 c.mm.set_reclaim_paused(true);
                 let owned = owned_runs(c.mm);
                 c.mm.inherit_on_fork(&owned, true);
+                if !parked.is_empty() {
+                    c.mm.staging().inherit_on_fork(true);
+                }
                 Copy::Made {
                     owned,
                     image,
                     lent,
+                    parked,
                     device: c.device_index,
                     fence,
                 }
@@ -534,17 +554,29 @@ fn owned_runs(mm: &Mm) -> Vec<Range<usize>> {
     runs
 }
 
-/// What the child gets for a page that was not mapped at the fork.
+/// What the child gets for a page that was not mapped at the fork (but for a staging
+/// frame lent: see [`Note::parked`]).
 #[derive(Clone, Copy)]
 enum Kept {
     /// A copy, in this slot of the child's device.
     Copied(SlotId),
     /// The page's slot on the region's device, held for the child.
     Lent(SlotId),
-    /// A slot an ancestor lent this process (on `Mm::ancestors()[ancestor]`), passed on.
-    Passed { ancestor: u32, slot: SlotId },
+    /// What an ancestor lent this process (slot or frame `at` of `Mm::lenders()[lender]`),
+    /// passed on.
+    Passed { lender: u32, at: u32 },
     /// Nothing: its data is lost, and the child's accesses fail too.
     Lost,
+}
+
+/// A region's note, taken under its fork fence.
+struct Note<'a> {
+    image: RegionImage,
+    /// Pages not mapped and not yet copied or lent, for a copy with the fences let go.
+    left: Vec<usize>,
+    /// Inactive pages whose staging frames the image lends, locked (so their frames keep
+    /// their data) until the child exists.
+    parked: Vec<PageLock<'a>>,
 }
 
 /// Where a locked page that is not mapped has its data.
@@ -595,11 +627,11 @@ impl<'a> Copier<'a> {
     }
 
     /// Lends the child the slot of a locked swapped (or clean inactive) page, or passes on
-    /// an ancestor's; false when the page must be copied.
+    /// what an ancestor lent; false when the page must be copied.
     fn lend(&mut self, lock: &PageLock<'_>) -> bool {
         let state = lock.state();
-        let kept = match (lock.kind(), state.slot(), state.ancestor_slot()) {
-            (Kind::Swapped, _, Some((ancestor, slot))) => Kept::Passed { ancestor, slot },
+        let kept = match (lock.kind(), state.slot(), state.borrowed()) {
+            (Kind::Swapped, _, Some((lender, at))) => Kept::Passed { lender, at },
             // A parked page with a slot is clean: the slot holds its data too.
             (Kind::Swapped | Kind::Inactive, Some(slot), None)
                 if self.lifeline.ready() && self.mm.swap().share_with_fork(slot) =>
@@ -613,15 +645,11 @@ impl<'a> Copier<'a> {
         true
     }
 
-    /// The first pass: every page that is not mapped, batch by batch.
+    /// The first pass: every page that is swapped out (or lost), batch by batch. Inactive
+    /// pages are left to the note, which lends their frames.
     fn copy_unmapped(&mut self) -> Result<()> {
         let pages = self.mm.pages();
-        let unmapped = |p: usize| {
-            matches!(
-                pages.peek(p).0.kind(),
-                Kind::Inactive | Kind::Swapped | Kind::Poisoned
-            )
-        };
+        let unmapped = |p: usize| matches!(pages.peek(p).0.kind(), Kind::Swapped | Kind::Poisoned);
         let mut left: Vec<usize> = Vec::with_capacity(BATCH);
         for run in pages.used_runs() {
             for first in run.clone().step_by(BATCH) {
@@ -655,19 +683,37 @@ impl<'a> Copier<'a> {
         self.write(&locks, &sources)
     }
 
-    /// Under the fork fence: the image of the region as the child gets it, and the pages
-    /// that are not mapped and were not copied (the fence must be let go to copy them). A
-    /// page copied earlier that is mapped now, or was discarded since, gives its slot back.
-    fn note(&mut self) -> (RegionImage, Vec<usize>) {
-        let pages = self.mm.pages();
+    /// Under the fork fence: the image of the region as the child gets it, the pages that
+    /// are not mapped and were not copied or lent (the fence must be let go to copy them),
+    /// and the inactive pages whose frames are lent. A page copied or lent earlier that is
+    /// mapped now, or was discarded since, gives its slot back.
+    fn note(&mut self) -> Note<'a> {
+        let pages: &'a PageTable = self.mm.pages();
         let mut image = RegionImage::default();
         let mut left = Vec::new();
+        let mut parked = Vec::new();
         // One look per page decides it: a page seen swapped may be swapped in a moment
         // later (swap-ins pass the fence), and must then keep its copy, which the child
         // drops for the mapped page the kernel gives it; looking twice could lose both.
+        // An inactive page is looked at under its lock.
         for page in pages.used_runs().into_iter().flatten() {
             let key = page as u32;
             match pages.peek(page).0.kind() {
+                Kind::Inactive if !self.copied.contains_key(&key) => {
+                    let Some(lock) = pages.try_lock(page) else {
+                        left.push(page);
+                        continue;
+                    };
+                    match (lock.kind(), lock.state().frame(), lock.state().slot()) {
+                        (Kind::Inactive, Some(_), None) => parked.push(lock),
+                        (Kind::Inactive, _, Some(_)) if self.lend(&lock) => {}
+                        (Kind::Active, ..) => image.add_mapped(page),
+                        (Kind::Lazyfree, ..) => image.lazyfree.push(key),
+                        (Kind::None | Kind::Discarded | Kind::Unmapped, ..) => {}
+                        _ => left.push(page),
+                    }
+                    continue;
+                }
                 Kind::Inactive | Kind::Swapped | Kind::Poisoned => {
                     if !self.copied.contains_key(&key) {
                         left.push(page);
@@ -690,23 +736,38 @@ impl<'a> Copier<'a> {
                 _ => {}
             }
         }
-        let mut ancestors = Ancestors::default();
+        let mut lenders = Lenders::default();
         for (&page, &kept) in &self.copied {
             match kept {
                 Kept::Copied(slot) => image.pages.push((page, slot)),
                 Kept::Lost => image.poisoned.push(page),
                 Kept::Lent(slot) => {
-                    let device = ancestors.index(self.mm.swap());
-                    image.shared_slots.push((page, device, slot));
+                    let lender = lenders.index(&Lender::Device(self.mm.swap().clone()));
+                    image.borrowed.push((page, lender, slot));
                 }
-                Kept::Passed { ancestor, slot } => {
-                    let device = ancestors.index(&self.mm.ancestors()[ancestor as usize]);
-                    image.shared_slots.push((page, device, slot));
+                Kept::Passed { lender, at } => {
+                    let lender = lenders.index(&self.mm.lenders()[lender as usize]);
+                    image.borrowed.push((page, lender, at));
                 }
             }
         }
-        image.ancestors = ancestors.0;
-        (image, left)
+        if !parked.is_empty() {
+            let staging = self.mm.staging().mapping();
+            let lender = lenders.index(&Lender::Staging {
+                base: staging.addr(),
+                len: staging.len(),
+            });
+            for lock in &parked {
+                let frame = lock.state().frame().expect("a parked page has a frame");
+                image.borrowed.push((lock.page() as u32, lender, frame));
+            }
+        }
+        image.lenders = lenders.0;
+        Note {
+            image,
+            left,
+            parked,
+        }
     }
 
     /// Reads the locked pages into the buffers.
@@ -785,15 +846,15 @@ impl<'a> Copier<'a> {
     }
 }
 
-/// The devices a child's image names for its lent and passed slots, each once.
+/// What a child's image names for its borrowed pages, each once.
 #[derive(Default)]
-struct Ancestors(Vec<Arc<SwapDevice>>);
+struct Lenders(Vec<Lender>);
 
-impl Ancestors {
-    fn index(&mut self, device: &Arc<SwapDevice>) -> u32 {
-        let found = self.0.iter().position(|d| Arc::ptr_eq(d, device));
+impl Lenders {
+    fn index(&mut self, lender: &Lender) -> u32 {
+        let found = self.0.iter().position(|l| l.same(lender));
         let i = found.unwrap_or_else(|| {
-            self.0.push(device.clone());
+            self.0.push(lender.clone());
             self.0.len() - 1
         });
         i as u32

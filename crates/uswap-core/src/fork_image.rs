@@ -1,14 +1,15 @@
 //! What a fork child inherits of one region: which pages the kernel gave it mapped (shared
-//! copy-on-write with the parent), which stay in a slot the parent shares with it (swapped
-//! out in the parent's file or an earlier ancestor's), which the parent wrote to which slot
-//! of the child's swap device (the others that were not mapped), and which were lost.
-//! `fork.rs` writes it in the parent; the child's region is built from it (`assembly.rs`).
+//! copy-on-write with the parent), which it borrows (read from a slot or staging frame the
+//! parent, or an earlier ancestor, lent it: `mm/lender.rs`), which the parent wrote to
+//! which slot of the child's swap device (the others that were not mapped), and which
+//! were lost. `fork.rs` writes it in the parent; the child's region is built from it
+//! (`assembly.rs`).
 
+use crate::mm::lender::Lender;
 use crate::mm::Mm;
-use crate::swapfile::{SlotId, SwapDevice};
+use crate::swapfile::SlotId;
 use crate::PAGE_SIZE;
 use std::ops::Range;
-use std::sync::Arc;
 
 /// What a fork child needs to build one region again.
 #[derive(Default)]
@@ -24,12 +25,12 @@ pub(crate) struct RegionImage {
     /// Pages whose data is lost (poisoned in the parent, or unreadable): their accesses
     /// fail in the child too.
     pub(crate) poisoned: Vec<u32>,
-    /// Pages swapped out at the fork whose slots are shared, not copied: (page, device in
-    /// `ancestors`, slot there).
-    pub(crate) shared_slots: Vec<(u32, u32, SlotId)>,
-    /// The devices those slots are on: the parent's own, and its ancestors' that it
-    /// passes on (the child's copies of their structures, as they were at the fork).
-    pub(crate) ancestors: Vec<Arc<SwapDevice>>,
+    /// Pages that were not mapped whose data is lent, not copied: (page, lender in
+    /// `lenders`, slot or frame there).
+    pub(crate) borrowed: Vec<(u32, u32, u32)>,
+    /// What those pages are read from: the parent's swap device and staging area, and
+    /// what an ancestor lent the parent that it passes on.
+    pub(crate) lenders: Vec<Lender>,
 }
 
 impl RegionImage {
@@ -85,20 +86,27 @@ impl RegionImage {
                 mm.inherited(&mut mm.pages().lock(page), slot);
             }
         }
-        let mut lent: Vec<(usize, u32, SlotId)> = self
-            .shared_slots
+        let mut lent: Vec<(usize, u32, u32)> = self
+            .borrowed
             .iter()
-            .map(|&(page, device, slot)| (page as usize, device, slot))
+            .map(|&(page, lender, at)| (page as usize, lender, at))
             .filter(|&(page, ..)| in_owned(page))
             .collect();
         lent.sort_unstable_by_key(|&(page, ..)| page);
         let lent_pages: Vec<usize> = lent.iter().map(|&(p, ..)| p).collect();
-        for (&(page, device, slot), here) in lent.iter().zip(present(mm, &lent_pages, false)) {
+        let mut kept = vec![Vec::new(); mm.lenders().len()];
+        for (&(page, lender, at), here) in lent.iter().zip(present(mm, &lent_pages, false)) {
             if here {
                 shared.push(page);
             } else {
-                mm.inherited_shared(&mut mm.pages().lock(page), device, slot);
+                mm.inherited_borrowed(&mut mm.pages().lock(page), lender, at);
+                kept[lender as usize].push(at);
             }
+        }
+        // A staging area lent keeps only the frames borrowed here.
+        for (lender, mut frames) in mm.lenders().iter().zip(kept) {
+            frames.sort_unstable();
+            lender.keep_only(&frames);
         }
         shared.sort_unstable();
         share(mm, &shared);

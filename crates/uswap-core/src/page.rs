@@ -122,25 +122,25 @@ impl PageState {
 
     pub fn frame(self) -> Option<u32> {
         let f = self.frame_field();
-        (f != FRAME_NONE && !self.on_ancestor_device()).then_some(f)
+        (f != FRAME_NONE && !self.is_borrowed()).then_some(f)
     }
 
     /// The page's slot on the region's own swap device.
     pub fn slot(self) -> Option<u32> {
         let s = self.slot_field();
-        (s != SLOT_NONE && !self.on_ancestor_device()).then_some(s)
+        (s != SLOT_NONE && !self.is_borrowed()).then_some(s)
     }
 
     /// A swapped page of a fork child whose data is in a slot its parent (or an earlier
     /// ancestor) shared at the fork rather than copied: (which of the region's ancestor
     /// devices, the slot there). The child reads it from there; it never frees it (the
     /// ancestor does, once the fork's family is done: `swapfile/swap_map.rs`).
-    pub fn ancestor_slot(self) -> Option<(u32, u32)> {
-        self.on_ancestor_device()
+    pub fn borrowed(self) -> Option<(u32, u32)> {
+        self.is_borrowed()
             .then(|| (self.frame_field(), self.slot_field()))
     }
 
-    fn on_ancestor_device(self) -> bool {
+    fn is_borrowed(self) -> bool {
         self.0 & (SHARED | KIND_MASK) == SHARED | Kind::Swapped as u64
     }
 
@@ -191,7 +191,7 @@ impl PageState {
             return false;
         }
         if self.0 & SHARED != 0 && !self.shared() {
-            return self.on_ancestor_device()
+            return self.is_borrowed()
                 && self.frame_field() != FRAME_NONE
                 && self.slot_field() != SLOT_NONE;
         }
@@ -502,8 +502,8 @@ impl PageLock<'_> {
 
     /// A fork child's page: its data, as the parent had it, is in `slot` of ancestor
     /// device `device` (see [`PageState::ancestor_slot`]).
-    pub fn inherit_shared(&mut self, device: u32, slot: u32) {
-        self.expect(&[Kind::None], "inherit_shared");
+    pub fn inherit_borrowed(&mut self, device: u32, slot: u32) {
+        self.expect(&[Kind::None], "inherit_borrowed");
         debug_assert!(device < FRAME_NONE && slot != SLOT_NONE);
         self.state = PageState::of(Kind::Swapped, Some(device), Some(slot));
         self.state.0 |= SHARED;

@@ -170,7 +170,7 @@ impl Region {
             swap_used_pages: mm.slots_held(),
             shared_pages: mm.shared_pages(),
             fork_lent_slots: mm.swap().fork_shared_slots(),
-            ancestor_slot_pages: mm.ancestor_pages(),
+            borrowed_pages: mm.borrowed_pages(),
             metadata_bytes: metadata_bytes(mm.pages().len() as u64),
             lru: LruStats {
                 policy: mm.workingset().policy(),

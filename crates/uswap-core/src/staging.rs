@@ -124,6 +124,13 @@ impl Staging {
         }
     }
 
+    /// Lets a fork child have the staging area (copy-on-write), or not: only while a fork
+    /// lends it frames (`mm/lender.rs`).
+    pub fn inherit_on_fork(&self, inherit: bool) {
+        self.map
+            .inherit_on_fork(0, self.map.len() / PAGE_SIZE, inherit);
+    }
+
     pub fn mapping(&self) -> &Mapping {
         &self.map
     }

@@ -309,7 +309,7 @@ pub struct Stats {
     pub fork_lent_slots: u64,
     /// Pages whose data is in a slot a fork ancestor lent this process.
     #[serde(default)]
-    pub ancestor_slot_pages: u64,
+    pub borrowed_pages: u64,
     /// Memory uswap keeps for the region outside its limit (page table, LRU links,
     /// shadows).
     pub metadata_bytes: u64,

@@ -148,12 +148,12 @@ fn check_locked(
                 errors.push(format!("slot {slot} is held by two pages"));
             }
         }
-        if let Some((device, slot)) = st.ancestor_slot() {
-            if device as usize >= mm.ancestors().len() {
+        if let Some((device, slot)) = st.borrowed() {
+            if device as usize >= mm.lenders().len() {
                 errors.push(format!(
                     "page {} reads from ancestor device {device} of {}",
                     l.page(),
-                    mm.ancestors().len()
+                    mm.lenders().len()
                 ));
             }
             if !ancestor_slots.insert((device, slot)) {
@@ -201,11 +201,11 @@ fn check_locked(
             mm.shared_pages()
         ));
     }
-    if ancestor_slots.len() as u64 != mm.ancestor_pages() {
+    if ancestor_slots.len() as u64 != mm.borrowed_pages() {
         errors.push(format!(
             "{} pages read from ancestors' slots but the region counts {}",
             ancestor_slots.len(),
-            mm.ancestor_pages()
+            mm.borrowed_pages()
         ));
     }
     if slots.len() as u64 != mm.slots_held() {

@@ -158,8 +158,16 @@ fn child_gets_the_memory_as_it_was(mode: FaultMode) {
                 shared.vmstat.fork_shared, shared.shared_pages
             ));
         }
+        // What was not mapped is borrowed, not copied: the 64 pages paged out (their
+        // slots) and the 64 made cold (their staging frames) at least.
+        if shared.borrowed_pages < 128 {
+            return Err(format!("{} pages borrowed", shared.borrowed_pages));
+        }
         region.check_invariants()?;
         check_all(&region, &versions)?;
+        if region.stats().borrowed_pages != 0 {
+            return Err("pages still borrowed after every page was read".into());
+        }
         // The child's writes go to its own memory and swap: twice its limit.
         let pages = region.len() / PAGE_SIZE;
         for page in 0..pages {
@@ -186,6 +194,8 @@ fn child_gets_the_memory_as_it_was(mode: FaultMode) {
         Ok(())
     });
     assert!(exited_ok(status), "child status {status:#x}");
+    let copied = region.stats().vmstat.fork_copied - before.vmstat.fork_copied;
+    assert_eq!(copied, 0, "pages copied at the fork");
     // The parent's memory is as it was, whatever the child wrote.
     check_all(&region, &versions).unwrap();
     region.check_invariants().unwrap();
@@ -696,7 +706,7 @@ fn swapped_pages_are_lent_to_the_child_and_their_slots_come_back_when_it_is_done
         assert!(pid >= 0);
         if pid == 0 {
             let result = go.hear(60).and_then(|_| {
-                let inherited = region.stats().ancestor_slot_pages;
+                let inherited = region.stats().borrowed_pages;
                 if inherited == 0 {
                     return Err("no page reads from its parent's slot".into());
                 }
@@ -807,7 +817,7 @@ fn a_grandchild_reads_the_slots_its_grandparent_lent_after_its_parent_exits() {
         if pid == 0 {
             std::thread::sleep(std::time::Duration::from_millis(200));
             let result = (|| {
-                if unsafe { libc::getppid() } != 1 && region.stats().ancestor_slot_pages == 0 {
+                if unsafe { libc::getppid() } != 1 && region.stats().borrowed_pages == 0 {
                     return Err("the grandchild reads nothing from an ancestor".into());
                 }
                 (0..pages).try_for_each(|page| unsafe { check(region.as_ptr(), page, 1) })?;

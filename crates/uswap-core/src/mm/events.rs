@@ -117,9 +117,12 @@ impl Mm {
     /// its list (`workingset.rs`). Its slot goes as `slot` says.
     pub fn swapped_in(&self, lock: &mut PageLock<'_>, slot: SlotAfter, readahead: bool) {
         let page = lock.page();
-        let held = lock.state().slot();
-        let ancestor = lock.state().ancestor_slot().is_some();
-        debug_assert!(held.is_some() || (ancestor && matches!(slot, SlotAfter::FreedBefore)));
+        let before = lock.state();
+        let held = before.slot();
+        debug_assert!(
+            held.is_some()
+                || (before.borrowed().is_some() && matches!(slot, SlotAfter::FreedBefore))
+        );
         let refault = self.workingset().refault(page, self.lru());
         let arrival = if readahead {
             Arrival::Readahead
@@ -149,9 +152,7 @@ impl Mm {
             }
             SlotAfter::FreedBefore => lock.swap_in(None),
         }
-        if ancestor {
-            self.ancestor_pages.fetch_sub(1, Relaxed);
-        }
+        self.returned(before);
         self.debug_check(lock);
     }
 
@@ -159,9 +160,7 @@ impl Mm {
     /// [`SlotAfter::FreedBefore`]) could not be charged after all, and its data was
     /// written to `slot` instead: it holds that one now.
     pub fn rehomed(&self, lock: &mut PageLock<'_>, slot: u32) {
-        if lock.state().ancestor_slot().is_some() {
-            self.ancestor_pages.fetch_sub(1, Relaxed);
-        }
+        self.returned(lock.state());
         self.slots_taken(1);
         self.own_slot(slot, lock.page());
         lock.rehome(slot);
@@ -399,9 +398,9 @@ impl Mm {
 
     /// Page event, fork: a child's page starts out with the parent's data in `slot` of
     /// ancestor device `device`, shared at the fork (see `PageState::ancestor_slot`).
-    pub fn inherited_shared(&self, lock: &mut PageLock<'_>, device: u32, slot: u32) {
-        lock.inherit_shared(device, slot);
-        self.ancestor_pages.fetch_add(1, Relaxed);
+    pub fn inherited_borrowed(&self, lock: &mut PageLock<'_>, device: u32, slot: u32) {
+        lock.inherit_borrowed(device, slot);
+        self.borrowed_pages.fetch_add(1, Relaxed);
         self.debug_check(lock);
     }
 
@@ -413,9 +412,7 @@ impl Mm {
         if held.shared() {
             self.shared_pages.fetch_sub(1, Relaxed);
         }
-        if held.ancestor_slot().is_some() {
-            self.ancestor_pages.fetch_sub(1, Relaxed);
-        }
+        self.returned(held);
         if let Some(frame) = held.frame() {
             self.staging().release(frame);
         }

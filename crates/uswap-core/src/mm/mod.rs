@@ -5,6 +5,9 @@
 //! it, and it knows neither. Lock order: `lockdep.rs`.
 
 pub(crate) mod events;
+pub(crate) mod lender;
+
+use lender::Lender;
 
 use crate::breakdown::Breakdown;
 use crate::budget::Budget;
@@ -130,8 +133,8 @@ pub(crate) struct Parts {
     pub uffd: Uffd,
     pub staging_uffd: Uffd,
     pub swap: Arc<SwapDevice>,
-    /// A fork child's ancestors' swap devices, which hold slots shared at the fork.
-    pub ancestors: Vec<Arc<SwapDevice>>,
+    /// What a fork child's borrowed pages are read from.
+    pub lenders: Vec<Lender>,
     pub caps: Caps,
     pub limit: u64,
     pub mode: FaultMode,
@@ -168,12 +171,10 @@ pub(crate) struct Mm {
     /// budget counts them beside the resident pages.
     pool_charged: AtomicU64,
     swap: Arc<SwapDevice>,
-    /// Swap devices of the fork ancestors whose slots pages of this region read from
-    /// (`PageState::ancestor_slot`): the child's copies of their structures, as they were
-    /// at the fork, with their files left open.
-    ancestors: Vec<Arc<SwapDevice>>,
-    /// Pages whose data is in an ancestor's slot.
-    ancestor_pages: AtomicU64,
+    /// What this fork child's borrowed pages (`PageState::borrowed`) are read from.
+    lenders: Vec<Lender>,
+    /// Borrowed pages.
+    borrowed_pages: AtomicU64,
     caps: Caps,
     mode: FaultMode,
     vmstat: VmStat,
@@ -241,8 +242,8 @@ impl Mm {
             staging: p.staging,
             mmap_changing: p.mmap_changing,
             swap: p.swap,
-            ancestors: p.ancestors,
-            ancestor_pages: AtomicU64::new(0),
+            lenders: p.lenders,
+            borrowed_pages: AtomicU64::new(0),
             caps: p.caps,
             mode: p.mode,
             vmstat: VmStat::default(),
@@ -317,36 +318,45 @@ impl Mm {
         &self.swap
     }
 
-    /// [`Mm::read_swapped`] of a page in an ancestor's slot, for the SIGBUS handler:
-    /// allocates nothing; false when the full path must read it (and report what fails).
+    /// [`Mm::read_swapped`] of a borrowed page, for the SIGBUS handler: allocates
+    /// nothing; false when the full path must read it (and report what fails).
     ///
     /// # Safety
     /// As [`Mm::read_swapped`].
-    pub unsafe fn read_ancestor_in_signal(
+    pub unsafe fn read_borrowed_in_signal(
         &self,
         state: crate::page::PageState,
         dst: *mut u8,
         stack_room: bool,
     ) -> bool {
-        let Some((device, slot)) = state.ancestor_slot() else {
+        let Some((lender, at)) = state.borrowed() else {
             return false;
         };
-        let device = &self.ancestors[device as usize];
-        device.read_shared(slot, dst, Some(stack_room)).is_ok()
+        let lender = &self.lenders[lender as usize];
+        lender.read(at, dst, Some(stack_room)).is_ok()
     }
 
-    /// The ancestor devices whose slots pages of this region read from.
-    pub fn ancestors(&self) -> &[Arc<SwapDevice>] {
-        &self.ancestors
+    /// What this fork child's borrowed pages are read from.
+    pub fn lenders(&self) -> &[Lender] {
+        &self.lenders
     }
 
-    /// Pages whose data is in a slot of an ancestor's device.
-    pub fn ancestor_pages(&self) -> u64 {
-        self.ancestor_pages.load(Relaxed)
+    /// Pages whose data is borrowed from what a fork ancestor lent.
+    pub fn borrowed_pages(&self) -> u64 {
+        self.borrowed_pages.load(Relaxed)
+    }
+
+    /// A borrowed page (`held`, what its state was) is no longer: its lender may let go
+    /// of its copy, and the count goes down. Nothing for a page that was not borrowed.
+    pub(crate) fn returned(&self, held: crate::page::PageState) {
+        if let Some((lender, at)) = held.borrowed() {
+            self.lenders[lender as usize].let_go(at);
+            self.borrowed_pages.fetch_sub(1, Relaxed);
+        }
     }
 
     /// Reads the data of a swapped page (`state`, locked) into `dst` and checks it, from
-    /// its own slot or from the ancestor's slot it was shared at a fork.
+    /// its own slot or from what a fork ancestor lent.
     ///
     /// # Safety
     /// `dst` must be valid for writing 4096 bytes until this returns, and page-aligned.
@@ -355,11 +365,9 @@ impl Mm {
         state: crate::page::PageState,
         dst: *mut u8,
     ) -> std::result::Result<(), crate::swapfile::ReadError> {
-        match (state.slot(), state.ancestor_slot()) {
+        match (state.slot(), state.borrowed()) {
             (Some(slot), _) => self.swap.read_page(slot, dst),
-            (None, Some((device, slot))) => {
-                self.ancestors[device as usize].read_shared(slot, dst, None)
-            }
+            (None, Some((lender, at))) => self.lenders[lender as usize].read(at, dst, None),
             (None, None) => unreachable!("a swapped page has a slot: {state:?}"),
         }
     }
