@@ -305,9 +305,9 @@ impl Assembly {
         // What an ancestor lent this region stays only if the child borrows from it too.
         for lender in mm.lenders().iter().filter(|l| !lent(l)) {
             match lender {
-                Lender::Device(d) if !closed.contains(&Arc::as_ptr(&d)) => {
+                Lender::Device(d) if !closed.contains(&Arc::as_ptr(d)) => {
                     d.close_file_in_child();
-                    closed.push(Arc::as_ptr(&d));
+                    closed.push(Arc::as_ptr(d));
                 }
                 Lender::Device(_) => {}
                 Lender::Staging { .. } => lender.keep_only(&[]),

@@ -237,15 +237,14 @@ impl Lifeline {
 
 static mut HELD: Option<Held> = None;
 
-/// Before the fork system call, in the forking thread: copies every region for the
-/// child. Holds the region registry until [`parent`] or [`child`].
+/// Before the fork system call, in the forking thread: notes every region for the child.
+/// Holds the region registry until [`parent`] or [`child`].
 ///
-/// First, region by region and batch by batch, the pages that are not mapped are copied
-/// while the program and reclaim go on (a thread that holds a page lock may be waiting for
-/// reclaim, in any region when they share a budget). Then, under every region's fork
-/// fence at once, the pages mapped now are noted: they stay mapped until the child exists.
-/// Pages that left a region since the copy (aging moved them out) are copied in turn with
-/// every fence let go, and the notes taken again.
+/// Under every region's fork fence at once, the pages mapped now are noted (they stay
+/// mapped until the child exists), and those that are not are lent. A page that cannot be
+/// lent (its lock busy: a thread holding a page lock may be waiting for reclaim, which the
+/// fences hold up) is copied with every fence let go, while the program and reclaim go
+/// on, and the notes are taken again.
 pub fn prepare() {
     let _quiet = Quiet::new();
     let regions = registry();
@@ -260,9 +259,7 @@ pub fn prepare() {
             mm.swap().reap_forks();
             let device = devices.child_of(mm.swap())?;
             let child_device = devices.children[device].clone();
-            let mut copier = Copier::new(mm, device, child_device, &lifeline);
-            copier.copy_unmapped()?;
-            Ok(copier)
+            Ok(Copier::new(mm, device, child_device, &lifeline))
         })
         .collect();
     let copies = loop {
@@ -279,9 +276,10 @@ pub fn prepare() {
         }
         drop(fences);
         for (copier, note) in copiers.iter_mut().zip(notes) {
-            let (Ok(c), Some(Note { left, .. })) = (copier.as_mut(), note) else {
+            let (Ok(c), Some(note)) = (copier.as_mut(), note) else {
                 continue;
             };
+            let left = c.undo(note);
             if let Err(e) = left.chunks(BATCH).try_for_each(|batch| c.copy(batch)) {
                 *copier = Err(e);
             }
@@ -480,14 +478,20 @@ fn made(
     parts
         .map(|((copier, note), fence)| match (copier, note, fence) {
             (Ok(c), Some(Note { image, parked, .. }), Some(fence)) => {
-                let lent = c.lent();
+                let lent = c.lent(&image);
                 // SAFETY: the region stays registered, so alive, while the registry is
                 // held, which is until `parent` or `child`; `Held` lets the fence and the
                 // page locks go first.
-                let (fence, parked): (
-                    Ranked<RwLockWriteGuard<'static, ()>>,
-                    Vec<PageLock<'static>>,
-                ) = unsafe { (std::mem::transmute(fence), std::mem::transmute(parked)) };
+                let fence = unsafe {
+                    std::mem::transmute::<
+                        Ranked<RwLockWriteGuard<'_, ()>>,
+                        Ranked<RwLockWriteGuard<'static, ()>>,
+                    >(fence)
+                };
+                // SAFETY: as the fence.
+                let parked = unsafe {
+                    std::mem::transmute::<Vec<PageLock<'_>>, Vec<PageLock<'static>>>(parked)
+                };
                 c.mm.set_reclaim_paused(true);
                 let owned = owned_runs(c.mm);
                 c.mm.inherit_on_fork(&owned, true);
@@ -574,7 +578,9 @@ struct Note<'a> {
     image: RegionImage,
     /// Pages not mapped and not yet copied or lent, for a copy with the fences let go.
     left: Vec<usize>,
-    /// Inactive pages whose staging frames the image lends, locked (so their frames keep
+    /// What the note lent (slots, and what an ancestor lent), by page.
+    lent: Vec<(u32, Kept)>,
+    /// Inactive pages whose staging frames the note lent, locked (so their frames keep
     /// their data) until the child exists.
     parked: Vec<PageLock<'a>>,
 }
@@ -596,7 +602,7 @@ struct Copier<'a> {
     /// A batch's buffers, made by the first copy: most forks (a shell's, before `exec`)
     /// have nothing to copy.
     bufs: Vec<PageBuf>,
-    /// Pages that were not mapped, dealt with so far.
+    /// Pages that were not mapped, copied (or lent) with the fences let go.
     copied: HashMap<u32, Kept>,
 }
 
@@ -617,48 +623,46 @@ impl<'a> Copier<'a> {
         }
     }
 
-    /// The slots of the region's device held for the child.
-    fn lent(&self) -> Vec<SlotId> {
-        let lent = self.copied.values().filter_map(|kept| match *kept {
-            Kept::Lent(slot) => Some(slot),
-            _ => None,
-        });
-        lent.collect()
+    /// The slots of the region's device held for the child whose `image` this is.
+    fn lent(&self, image: &RegionImage) -> Vec<SlotId> {
+        let own = image
+            .lenders
+            .iter()
+            .position(|l| l.same(&Lender::Device(self.mm.swap().clone())));
+        let lent = image
+            .borrowed
+            .iter()
+            .filter(|&&(_, lender, _)| Some(lender as usize) == own);
+        lent.map(|&(_, _, slot)| slot).collect()
     }
 
-    /// Lends the child the slot of a locked swapped (or clean inactive) page, or passes on
-    /// what an ancestor lent; false when the page must be copied.
-    fn lend(&mut self, lock: &PageLock<'_>) -> bool {
+    /// What the child gets of a locked swapped (or clean inactive) page without a copy:
+    /// its slot lent, or what an ancestor lent this process passed on; `None` when the
+    /// page must be copied.
+    fn lend(&self, lock: &PageLock<'_>) -> Option<Kept> {
         let state = lock.state();
-        let kept = match (lock.kind(), state.slot(), state.borrowed()) {
-            (Kind::Swapped, _, Some((lender, at))) => Kept::Passed { lender, at },
+        match (lock.kind(), state.slot(), state.borrowed()) {
+            (Kind::Swapped, _, Some((lender, at))) => Some(Kept::Passed { lender, at }),
             // A parked page with a slot is clean: the slot holds its data too.
             (Kind::Swapped | Kind::Inactive, Some(slot), None)
                 if self.lifeline.ready() && self.mm.swap().share_with_fork(slot) =>
             {
                 self.mm.count(VmEvent::fork_lent, 1);
-                Kept::Lent(slot)
+                Some(Kept::Lent(slot))
             }
-            _ => return false,
-        };
-        self.copied.insert(lock.page() as u32, kept);
-        true
+            _ => None,
+        }
     }
 
-    /// The first pass: every page that is swapped out (or lost), batch by batch. Inactive
-    /// pages are left to the note, which lends their frames.
-    fn copy_unmapped(&mut self) -> Result<()> {
-        let pages = self.mm.pages();
-        let unmapped = |p: usize| matches!(pages.peek(p).0.kind(), Kind::Swapped | Kind::Poisoned);
-        let mut left: Vec<usize> = Vec::with_capacity(BATCH);
-        for run in pages.used_runs() {
-            for first in run.clone().step_by(BATCH) {
-                left.clear();
-                left.extend((first..(first + BATCH).min(run.end)).filter(|&p| unmapped(p)));
-                self.copy(&left)?;
+    /// Takes back what a note that is not used lent, and returns its pages left over.
+    fn undo(&mut self, note: Note<'_>) -> Vec<usize> {
+        for (_, kept) in note.lent {
+            if let Kept::Lent(slot) = kept {
+                self.mm.uncount(VmEvent::fork_lent, 1);
+                self.mm.swap().unshare_with_fork(slot);
             }
         }
-        Ok(())
+        note.left
     }
 
     /// Copies those of `pages` (at most a batch, in address order) that are not mapped and
@@ -672,7 +676,13 @@ impl<'a> Copier<'a> {
             .filter(|l| matches!(l.kind(), Kind::Inactive | Kind::Swapped | Kind::Poisoned))
             .collect();
         let mut locks = locks;
-        locks.retain(|l| !self.lend(l));
+        locks.retain(|l| match self.lend(l) {
+            Some(kept) => {
+                self.copied.insert(l.page() as u32, kept);
+                false
+            }
+            None => true,
+        });
         if locks.is_empty() {
             return Ok(());
         }
@@ -683,61 +693,44 @@ impl<'a> Copier<'a> {
         self.write(&locks, &sources)
     }
 
-    /// Under the fork fence: the image of the region as the child gets it, the pages that
-    /// are not mapped and were not copied or lent (the fence must be let go to copy them),
-    /// and the inactive pages whose frames are lent. A page copied or lent earlier that is
-    /// mapped now, or was discarded since, gives its slot back.
+    /// Under the fork fence: the image of the region as the child gets it, with what is
+    /// not mapped lent, and the pages that could be neither lent nor copied yet (the
+    /// fences must be let go to copy them). A page copied earlier that is mapped now, or
+    /// was discarded since, gives its copy back.
     fn note(&mut self) -> Note<'a> {
         let pages: &'a PageTable = self.mm.pages();
-        let mut image = RegionImage::default();
-        let mut left = Vec::new();
-        let mut parked = Vec::new();
+        let mut note = Note {
+            image: RegionImage::default(),
+            left: Vec::new(),
+            lent: Vec::new(),
+            parked: Vec::new(),
+        };
         // One look per page decides it: a page seen swapped may be swapped in a moment
         // later (swap-ins pass the fence), and must then keep its copy, which the child
         // drops for the mapped page the kernel gives it; looking twice could lose both.
-        // An inactive page is looked at under its lock.
+        // A page that is not mapped is looked at under its lock.
         for page in pages.used_runs().into_iter().flatten() {
-            let key = page as u32;
-            match pages.peek(page).0.kind() {
-                Kind::Inactive if !self.copied.contains_key(&key) => {
-                    let Some(lock) = pages.try_lock(page) else {
-                        left.push(page);
-                        continue;
-                    };
-                    match (lock.kind(), lock.state().frame(), lock.state().slot()) {
-                        (Kind::Inactive, Some(_), None) => parked.push(lock),
-                        (Kind::Inactive, _, Some(_)) if self.lend(&lock) => {}
-                        (Kind::Active, ..) => image.add_mapped(page),
-                        (Kind::Lazyfree, ..) => image.lazyfree.push(key),
-                        (Kind::None | Kind::Discarded | Kind::Unmapped, ..) => {}
-                        _ => left.push(page),
-                    }
+            let kind = pages.peek(page).0.kind();
+            let unmapped = matches!(kind, Kind::Inactive | Kind::Swapped | Kind::Poisoned);
+            if !self.copied.is_empty() && self.copied.contains_key(&(page as u32)) {
+                if unmapped {
                     continue;
                 }
-                Kind::Inactive | Kind::Swapped | Kind::Poisoned => {
-                    if !self.copied.contains_key(&key) {
-                        left.push(page);
-                    }
-                    continue;
-                }
-                Kind::Active => image.add_mapped(page),
-                Kind::Lazyfree => image.lazyfree.push(key),
-                Kind::None | Kind::Discarded | Kind::Unmapped => {}
+                self.drop_copy(page);
             }
-            if self.copied.is_empty() {
-                continue;
-            }
-            match self.copied.remove(&key) {
-                Some(Kept::Copied(slot)) => self.device.free_slot(slot),
-                Some(Kept::Lent(slot)) => {
-                    self.mm.uncount(VmEvent::fork_lent, 1);
-                    self.mm.swap().unshare_with_fork(slot);
+            if unmapped {
+                match pages.try_lock(page) {
+                    Some(lock) => self.note_unmapped(lock, &mut note),
+                    None => note.left.push(page),
                 }
-                _ => {}
+            } else {
+                note_mapped(page, kind, &mut note.image);
             }
         }
         let mut lenders = Lenders::default();
-        for (&page, &kept) in &self.copied {
+        let image = &mut note.image;
+        let copied = self.copied.iter().map(|(&page, &kept)| (page, kept));
+        for (page, kept) in note.lent.iter().copied().chain(copied) {
             match kept {
                 Kept::Copied(slot) => image.pages.push((page, slot)),
                 Kept::Lost => image.poisoned.push(page),
@@ -751,22 +744,46 @@ impl<'a> Copier<'a> {
                 }
             }
         }
-        if !parked.is_empty() {
+        if !note.parked.is_empty() {
             let staging = self.mm.staging().mapping();
             let lender = lenders.index(&Lender::Staging {
                 base: staging.addr(),
                 len: staging.len(),
             });
-            for lock in &parked {
+            for lock in &note.parked {
                 let frame = lock.state().frame().expect("a parked page has a frame");
                 image.borrowed.push((lock.page() as u32, lender, frame));
             }
         }
         image.lenders = lenders.0;
-        Note {
-            image,
-            left,
-            parked,
+        note
+    }
+
+    /// A page not mapped at the last look, locked: lent (its slot or frame, or what an
+    /// ancestor lent), lost, or left to be copied; or noted as what it has become since.
+    fn note_unmapped(&self, lock: PageLock<'a>, note: &mut Note<'a>) {
+        let page = lock.page();
+        let state = lock.state();
+        match (lock.kind(), state.frame(), state.slot()) {
+            (Kind::Inactive, Some(_), None) => note.parked.push(lock),
+            (Kind::Inactive | Kind::Swapped, ..) => match self.lend(&lock) {
+                Some(kept) => note.lent.push((page as u32, kept)),
+                None => note.left.push(page),
+            },
+            (Kind::Poisoned, ..) => note.image.poisoned.push(page as u32),
+            (kind, ..) => note_mapped(page, kind, &mut note.image),
+        }
+    }
+
+    /// A page copied with the fences let go is mapped now, or was discarded: the copy goes.
+    fn drop_copy(&mut self, page: usize) {
+        match self.copied.remove(&(page as u32)) {
+            Some(Kept::Copied(slot)) => self.device.free_slot(slot),
+            Some(Kept::Lent(slot)) => {
+                self.mm.uncount(VmEvent::fork_lent, 1);
+                self.mm.swap().unshare_with_fork(slot);
+            }
+            _ => {}
         }
     }
 
@@ -843,6 +860,15 @@ impl<'a> Copier<'a> {
                 .map(|(page, slot)| (page, Kept::Copied(slot))),
         );
         Ok(())
+    }
+}
+
+/// Notes a page that is mapped (or lazily freed, or has nothing) in the image.
+fn note_mapped(page: usize, kind: Kind, image: &mut RegionImage) {
+    match kind {
+        Kind::Active => image.add_mapped(page),
+        Kind::Lazyfree => image.lazyfree.push(page as u32),
+        _ => {}
     }
 }
 
