@@ -609,15 +609,19 @@ impl FaultPath {
         if let (false, Some(slot)) = (keep, own) {
             mm.release_slot(slot);
         }
-        // Backing out while events are handled is safe only with the data still in its
-        // slot; a page whose slot is already freed waits for memory as before.
-        match self.reclaim.charge(1, keep) {
+        // The data is still where it came from: its slot kept, or the lender's.
+        let still_there = keep || state.borrowed().is_some();
+        // Backing out while events are handled is safe only with the data still there; a
+        // page whose slot is already freed waits for memory as before.
+        match self.reclaim.charge(1, still_there) {
             Ok(_) => {}
             Err(ChargeFailure::EventsPending) => {
                 mm.uncount(VmEvent::pswpin, 1);
                 return Outcome::Retry;
             }
-            Err(ChargeFailure::OutOfMemory) if keep || self.write_back(&mut lock, buf.as_ptr()) => {
+            Err(ChargeFailure::OutOfMemory)
+                if still_there || self.write_back(&mut lock, buf.as_ptr()) =>
+            {
                 drop(buf);
                 return self.fail(lock, OOM, true);
             }
@@ -634,7 +638,7 @@ impl FaultPath {
         if let Err(p) = mapped {
             mm.uncount(VmEvent::pgmajfault, 1);
             mm.budget().uncharge(1);
-            let written = keep || self.write_back(&mut lock, buf.as_ptr());
+            let written = still_there || self.write_back(&mut lock, buf.as_ptr());
             drop(buf);
             if !written {
                 // Its slot was freed before the charge, which was given back: it holds

@@ -1,52 +1,59 @@
 //! `fork(2)` for regions: the child gets a region of its own at the same address, holding
 //! the memory as it was when the parent forked (resident, inactive and swapped pages
-//! alike), as the kernel gives a child its parent's anonymous memory, and at much of the
-//! kernel's cost: what is mapped is shared copy-on-write, not copied.
+//! alike), as the kernel gives a child its parent's anonymous memory, and at about the
+//! kernel's cost: what is mapped is shared copy-on-write, and what is not is lent.
 //!
 //! - **prepare** (the parent, in the forking thread, just before the fork system call):
-//!   for each region, its fork fence is taken (`Mm::fork_fence`: aging moves no mapped
-//!   page out of the region until the child exists) and a new swap device is made like
-//!   the region's (an unlinked file beside it). Then, batch by batch under page locks, a
-//!   mapped page (active or lazily freed) is only noted: the kernel will map it in the
-//!   child, shared with the parent. A page that is not mapped is lent, not copied
+//!   for each region, its fork fence is taken (`Mm::fork_fence`: aging moves no page in
+//!   or out of the region until the child exists) and a new swap device is made like the
+//!   region's (an unlinked file beside it). Then, in one pass, the **note**: a mapped page
+//!   (active or lazily freed) is only noted: the kernel will map it in the child, shared
+//!   with the parent. A page that is not mapped is try-locked and lent, not copied
 //!   (`mm/lender.rs`): a swapped page (in the file or the compressed pool) or a clean
 //!   inactive one keeps its slot, held for the child until the fork's lifeline hangs up
-//!   (`swapfile/swap_map.rs`); a dirty inactive page keeps its staging frame, locked until
-//!   the child exists, and the kernel shares the staging area with the child; what an
-//!   ancestor lent this process is passed on. A page that cannot be lent (its lock busy
-//!   at the note, a device made elsewhere) is written to a slot of the child's device,
-//!   verified on the way. The image says which page is where. Last, the region's runs are let be inherited
-//!   (`MADV_DOFORK`; they are `MADV_DONTFORK` at any other time, so a fork these handlers
-//!   do not see leaves the child no region memory rather than zeros where pages were
-//!   swapped).
+//!   (`swapfile/swap_map.rs`); a dirty inactive page keeps its staging frame, pinned until
+//!   the child exists (`Staging::pin`), and the kernel shares the staging area with the
+//!   child; what an ancestor lent this process is passed on. A page whose lock is busy,
+//!   or that cannot be lent, sends the fork back: the notes give back what they lent,
+//!   the fences go, those pages are copied to the child's device (verified on the way)
+//!   under their locks, and the notes are taken again. The image says which page is
+//!   where. Last, the region's runs are let be inherited (`MADV_DOFORK`; they are
+//!   `MADV_DONTFORK` at any other time, so a fork these handlers do not see leaves the
+//!   child no region memory rather than zeros where pages were swapped).
 //! - **child**: each region is built again on the mapping the kernel gave it, from its
 //!   image: a page the kernel mapped is *shared* (`PageState::shared`: write-protected,
 //!   charged to the parent, on no LRU list) until its first write here or until the parent
-//!   no longer maps it; every copied page is `Swapped` in the child's own device, and comes
-//!   back on access. The parent's structures, copied into the child's memory, are
-//!   abandoned and never dropped (their threads do not exist there); the descriptors they
-//!   hold are closed, so the child cannot act on the parent's memory through them.
-//! - **parent**: the runs are not inherited again, the fences are let go, and the child's
-//!   device is the child's alone. A page it still shares is copied by reclaim before it is
-//!   moved out (UFFDIO_MOVE moves only pages mapped once; `vmscan.rs`).
+//!   no longer maps it; a lent page is *borrowed* (`PageState::borrowed`), read from its
+//!   lender at its first access; a copied page is `Swapped` in the child's own device. The
+//!   parent's structures, copied into the child's memory, are abandoned and never dropped
+//!   (their threads do not exist there); the descriptors they hold are closed, but for the
+//!   swap files the child borrows from, so the child cannot act on the parent's memory
+//!   through them.
+//! - **parent**: the runs (and staging areas) are not inherited again, the fences go, the
+//!   pinned frames are unpinned, and each device watches the fork's lifeline. A page it
+//!   still shares is copied by reclaim before it is moved out (UFFDIO_MOVE moves only
+//!   pages mapped once; `vmscan.rs`).
 //!
-//! The fork costs the page tables (the kernel's share), a look at each swapped page, plus
-//! writing the pages that were neither mapped nor in the swap file. A child that cannot get its copy (no space for the device, a write error) is
-//! stopped with a message and exit status 125 before it runs any code of the program: it
-//! would read wrong memory otherwise.
+//! The fork costs the page tables (the kernel's share), a look at each page (a lock and a
+//! hold for each one not mapped), and a copy of what could not be lent. A child that
+//! cannot get its copy (no space for the device, a write error) is stopped with a message
+//! and exit status 125 before it runs any code of the program: it would read wrong memory
+//! otherwise.
 //!
 //! Regions of both fault modes are served. A SIGBUS-mode child gets a SIGBUS service of
 //! its own, and the parent's registration is forgotten there (`sigbus::Service::
 //! forget_in_child`), so the child's faults find the child's region. Syscall dispatch is
 //! not inherited (the kernel clears it in a child): a child that wants it turns it on.
 //!
-//! Pages are copied batch after batch while the program's other threads run. A page that
-//! another thread writes during the fork reaches the child with its old or its new
-//! contents, as with a write racing the kernel's fork; unlike the kernel's fork, a write
-//! to a page copied earlier is not held back until the fork ends.
+//! The program's other threads run during the fork. A page that another thread writes
+//! during the fork reaches the child with its old or its new contents, as with a write
+//! racing the kernel's fork; a page a discard or first touch has locked at the note is
+//! given to the child as lazily freed (mapped or not, its first access there tells).
 //!
-//! Lock order: the registry lock, then each region's fork fence, then page locks (a batch
-//! at a time, in address order), then what reclaim and the swap device take under them.
+//! Lock order: the registry lock, then each region's fork fence, then page locks (one at a
+//! time, try-locked, at the note; a batch at a time, in address order, to copy, with the
+//! fences let go), then what reclaim and the swap device take under them. No page lock is
+//! held past `prepare`.
 
 use crate::assembly::{Assembly, Contents};
 use crate::error::{Error, Result};
@@ -181,8 +188,8 @@ enum Copy {
         image: RegionImage,
         /// Slots of the region's device held for the child.
         lent: Vec<SlotId>,
-        /// Inactive pages whose staging frames are lent, locked until the child exists.
-        parked: Vec<PageLock<'static>>,
+        /// Staging frames lent, pinned until the child exists.
+        pinned: Vec<u32>,
         owned: Vec<Range<usize>>,
         /// Its device, in `Held::devices`.
         device: usize,
@@ -257,6 +264,7 @@ pub fn prepare() {
             let mm = unsafe { &*(*e.0).get() }.fault().mm();
             // Slots lent at earlier forks whose families are done are free again.
             mm.swap().reap_forks();
+            mm.swap().begin_fork();
             let device = devices.child_of(mm.swap())?;
             let child_device = devices.children[device].clone();
             Ok(Copier::new(mm, device, child_device, &lifeline))
@@ -267,7 +275,7 @@ pub fn prepare() {
             .iter()
             .map(|c| c.as_ref().ok().map(|c| c.mm.fork_fence().exclusive()))
             .collect();
-        let notes: Vec<Option<Note<'_>>> = copiers
+        let notes: Vec<Option<Note>> = copiers
             .iter_mut()
             .map(|c| c.as_mut().ok().map(Copier::note))
             .collect();
@@ -275,11 +283,19 @@ pub fn prepare() {
             break made(copiers, notes, fences);
         }
         drop(fences);
-        for (copier, note) in copiers.iter_mut().zip(notes) {
-            let (Ok(c), Some(note)) = (copier.as_mut(), note) else {
+        // Every note is taken back before any page lock is waited for.
+        let lefts: Vec<Vec<usize>> = copiers
+            .iter_mut()
+            .zip(notes)
+            .map(|(copier, note)| match (copier.as_mut(), note) {
+                (Ok(c), Some(note)) => c.undo(note),
+                _ => Vec::new(),
+            })
+            .collect();
+        for (copier, left) in copiers.iter_mut().zip(lefts) {
+            let Ok(c) = copier.as_mut() else {
                 continue;
             };
-            let left = c.undo(note);
             if let Err(e) = left.chunks(BATCH).try_for_each(|batch| c.copy(batch)) {
                 *copier = Err(e);
             }
@@ -303,18 +319,20 @@ pub fn parent() {
         return;
     };
     for (e, copy) in held.regions.iter().zip(&held.copies) {
+        // SAFETY: as in prepare.
+        let mm = unsafe { &*(*e.0).get() }.fault().mm();
+        mm.swap().end_fork();
         if let Copy::Made {
             owned,
             lent,
-            parked,
+            pinned,
             ..
         } = copy
         {
-            // SAFETY: as in prepare.
-            let mm = unsafe { &*(*e.0).get() }.fault().mm();
             mm.inherit_on_fork(owned, false);
-            if !parked.is_empty() {
+            if !pinned.is_empty() {
                 mm.staging().inherit_on_fork(false);
+                mm.staging().unpin(pinned);
             }
             mm.set_reclaim_paused(false);
             let watched = held.lifeline.as_ref().map(|l| l.read.try_clone());
@@ -471,38 +489,34 @@ impl Devices {
 /// are let be inherited for the fork, and its fence is held until the child exists.
 fn made(
     copiers: Vec<Result<Copier<'_>>>,
-    notes: Vec<Option<Note<'_>>>,
+    notes: Vec<Option<Note>>,
     fences: Vec<Option<Ranked<RwLockWriteGuard<'_, ()>>>>,
 ) -> Vec<Copy> {
     let parts = copiers.into_iter().zip(notes).zip(fences);
     parts
         .map(|((copier, note), fence)| match (copier, note, fence) {
-            (Ok(c), Some(Note { image, parked, .. }), Some(fence)) => {
+            (Ok(c), Some(Note { image, pinned, .. }), Some(fence)) => {
+                let pinned: Vec<u32> = pinned.into_iter().map(|(_, frame)| frame).collect();
                 let lent = c.lent(&image);
                 // SAFETY: the region stays registered, so alive, while the registry is
-                // held, which is until `parent` or `child`; `Held` lets the fence and the
-                // page locks go first.
+                // held, which is until `parent` or `child`; `Held` lets the fence go first.
                 let fence = unsafe {
                     std::mem::transmute::<
                         Ranked<RwLockWriteGuard<'_, ()>>,
                         Ranked<RwLockWriteGuard<'static, ()>>,
                     >(fence)
                 };
-                // SAFETY: as the fence.
-                let parked = unsafe {
-                    std::mem::transmute::<Vec<PageLock<'_>>, Vec<PageLock<'static>>>(parked)
-                };
                 c.mm.set_reclaim_paused(true);
                 let owned = owned_runs(c.mm);
                 c.mm.inherit_on_fork(&owned, true);
-                if !parked.is_empty() {
+                if !pinned.is_empty() {
                     c.mm.staging().inherit_on_fork(true);
                 }
                 Copy::Made {
                     owned,
                     image,
                     lent,
-                    parked,
+                    pinned,
                     device: c.device_index,
                     fence,
                 }
@@ -559,7 +573,7 @@ fn owned_runs(mm: &Mm) -> Vec<Range<usize>> {
 }
 
 /// What the child gets for a page that was not mapped at the fork (but for a staging
-/// frame lent: see [`Note::parked`]).
+/// frame lent: see [`Note::pinned`]).
 #[derive(Clone, Copy)]
 enum Kept {
     /// A copy, in this slot of the child's device.
@@ -574,15 +588,15 @@ enum Kept {
 }
 
 /// A region's note, taken under its fork fence.
-struct Note<'a> {
+struct Note {
     image: RegionImage,
     /// Pages not mapped and not yet copied or lent, for a copy with the fences let go.
     left: Vec<usize>,
     /// What the note lent (slots, and what an ancestor lent), by page.
     lent: Vec<(u32, Kept)>,
-    /// Inactive pages whose staging frames the note lent, locked (so their frames keep
-    /// their data) until the child exists.
-    parked: Vec<PageLock<'a>>,
+    /// Inactive pages whose staging frames the note lent, (page, frame); the frames are
+    /// pinned (their data kept) until the child exists.
+    pinned: Vec<(u32, u32)>,
 }
 
 /// Where a locked page that is not mapped has its data.
@@ -590,6 +604,8 @@ enum Source {
     /// In a staging frame, which only its lock holder changes.
     Parked(usize),
     Slot(SlotId),
+    /// Borrowed from what an ancestor lent: read at once.
+    Borrowed,
     Lost,
 }
 
@@ -655,18 +671,22 @@ impl<'a> Copier<'a> {
     }
 
     /// Takes back what a note that is not used lent, and returns its pages left over.
-    fn undo(&mut self, note: Note<'_>) -> Vec<usize> {
+    fn undo(&mut self, note: Note) -> Vec<usize> {
         for (_, kept) in note.lent {
             if let Kept::Lent(slot) = kept {
                 self.mm.uncount(VmEvent::fork_lent, 1);
                 self.mm.swap().unshare_with_fork(slot);
             }
         }
+        let frames: Vec<u32> = note.pinned.iter().map(|&(_, frame)| frame).collect();
+        self.mm.uncount(VmEvent::fork_lent, frames.len() as u64);
+        self.mm.staging().unpin(&frames);
         note.left
     }
 
     /// Copies those of `pages` (at most a batch, in address order) that are not mapped and
-    /// not copied yet to the child's device.
+    /// not copied yet to the child's device. (Nothing is lent here: between the fences a
+    /// lent page could leave what it was lent from, and the next note keeps a copy.)
     fn copy(&mut self, pages: &[usize]) -> Result<()> {
         let table = self.mm.pages();
         let locks: Vec<PageLock<'_>> = pages
@@ -675,14 +695,6 @@ impl<'a> Copier<'a> {
             .map(|&p| table.lock(p))
             .filter(|l| matches!(l.kind(), Kind::Inactive | Kind::Swapped | Kind::Poisoned))
             .collect();
-        let mut locks = locks;
-        locks.retain(|l| match self.lend(l) {
-            Some(kept) => {
-                self.copied.insert(l.page() as u32, kept);
-                false
-            }
-            None => true,
-        });
         if locks.is_empty() {
             return Ok(());
         }
@@ -697,20 +709,21 @@ impl<'a> Copier<'a> {
     /// not mapped lent, and the pages that could be neither lent nor copied yet (the
     /// fences must be let go to copy them). A page copied earlier that is mapped now, or
     /// was discarded since, gives its copy back.
-    fn note(&mut self) -> Note<'a> {
-        let pages: &'a PageTable = self.mm.pages();
+    fn note(&mut self) -> Note {
+        let pages: &PageTable = self.mm.pages();
         let mut note = Note {
             image: RegionImage::default(),
             left: Vec::new(),
             lent: Vec::new(),
-            parked: Vec::new(),
+            pinned: Vec::new(),
         };
         // One look per page decides it: a page seen swapped may be swapped in a moment
         // later (swap-ins pass the fence), and must then keep its copy, which the child
         // drops for the mapped page the kernel gives it; looking twice could lose both.
         // A page that is not mapped is looked at under its lock.
         for page in pages.used_runs().into_iter().flatten() {
-            let kind = pages.peek(page).0.kind();
+            let (state, locked) = pages.peek(page);
+            let kind = state.kind();
             let unmapped = matches!(kind, Kind::Inactive | Kind::Swapped | Kind::Poisoned);
             if !self.copied.is_empty() && self.copied.contains_key(&(page as u32)) {
                 if unmapped {
@@ -723,6 +736,10 @@ impl<'a> Copier<'a> {
                     Some(lock) => self.note_unmapped(lock, &mut note),
                     None => note.left.push(page),
                 }
+            } else if locked && matches!(kind, Kind::Lazyfree | Kind::Discarded | Kind::None) {
+                // A discard or a first touch under way may leave it mapped or not: the
+                // child finds out at its first access, as for a lazily freed page.
+                note.image.lazyfree.push(page as u32);
             } else {
                 note_mapped(page, kind, &mut note.image);
             }
@@ -744,15 +761,14 @@ impl<'a> Copier<'a> {
                 }
             }
         }
-        if !note.parked.is_empty() {
+        if !note.pinned.is_empty() {
             let staging = self.mm.staging().mapping();
             let lender = lenders.index(&Lender::Staging {
                 base: staging.addr(),
                 len: staging.len(),
             });
-            for lock in &note.parked {
-                let frame = lock.state().frame().expect("a parked page has a frame");
-                image.borrowed.push((lock.page() as u32, lender, frame));
+            for &(page, frame) in &note.pinned {
+                image.borrowed.push((page, lender, frame));
             }
         }
         image.lenders = lenders.0;
@@ -761,11 +777,16 @@ impl<'a> Copier<'a> {
 
     /// A page not mapped at the last look, locked: lent (its slot or frame, or what an
     /// ancestor lent), lost, or left to be copied; or noted as what it has become since.
-    fn note_unmapped(&self, lock: PageLock<'a>, note: &mut Note<'a>) {
+    /// A frame is pinned: the page may leave it before the fork, its data may not.
+    fn note_unmapped(&self, lock: PageLock<'_>, note: &mut Note) {
         let page = lock.page();
         let state = lock.state();
         match (lock.kind(), state.frame(), state.slot()) {
-            (Kind::Inactive, Some(_), None) => note.parked.push(lock),
+            (Kind::Inactive, Some(frame), None) => {
+                self.mm.staging().pin(&[frame]);
+                self.mm.count(VmEvent::fork_lent, 1);
+                note.pinned.push((page as u32, frame));
+            }
             (Kind::Inactive | Kind::Swapped, ..) => match self.lend(&lock) {
                 Some(kept) => note.lent.push((page as u32, kept)),
                 None => note.left.push(page),
@@ -795,15 +816,23 @@ impl<'a> Copier<'a> {
             .map(|l| match (l.kind(), l.state().frame(), l.state().slot()) {
                 (Kind::Inactive, Some(frame), _) => Source::Parked(mm.staging().addr(frame)),
                 (Kind::Swapped, _, Some(slot)) => Source::Slot(slot),
+                (Kind::Swapped, ..) if l.state().borrowed().is_some() => Source::Borrowed,
                 _ => Source::Lost,
             })
             .collect();
         let mut reads: Vec<(SlotId, *mut u8)> = Vec::new();
         let mut read_index = Vec::new();
-        for (i, source) in sources.iter().enumerate() {
-            match *source {
+        for i in 0..sources.len() {
+            match sources[i] {
                 // SAFETY: a staging frame of a locked inactive page.
                 Source::Parked(addr) => unsafe { copy_page(addr, &mut self.bufs[i]) },
+                Source::Borrowed => {
+                    let dst = self.bufs[i].as_mut_ptr();
+                    // SAFETY: the buffer is a page-aligned page, not otherwise used.
+                    if unsafe { mm.read_swapped(locks[i].state(), dst) }.is_err() {
+                        sources[i] = Source::Lost;
+                    }
+                }
                 Source::Slot(slot) => {
                     reads.push((slot, self.bufs[i].as_mut_ptr()));
                     read_index.push(i);

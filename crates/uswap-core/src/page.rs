@@ -11,9 +11,10 @@
 //! device (it is clean); a write after swap-in frees the slot. The frame is the staging
 //! frame holding an inactive page's data. `ref` is the referenced bit (second-chance
 //! aging of hot pages); `sh` marks an active page shared copy-on-write with another
-//! process since a fork (see [`PageState::shared`]), or a swapped page whose slot is on
-//! an ancestor's device (see [`PageState::ancestor_slot`]; the frame field then says
-//! which device). The lock bit serialises every transition.
+//! process since a fork (see [`PageState::shared`]), or a swapped page a fork child
+//! borrows (see [`PageState::borrowed`]: the frame field then names what it is borrowed
+//! from, and the slot field the slot or staging frame there). The lock bit serialises
+//! every transition.
 //!
 //! # Locking
 //!
@@ -65,7 +66,8 @@ const LOCKED: u64 = 1 << 3;
 /// chance), as the kernel's accessed bit would keep a hot page.
 const REFERENCED: u64 = 1 << 4;
 /// An active page a fork child inherited mapped: the kernel maps it copy-on-write here and
-/// in the process that made it, which pays for it (see [`PageState::shared`]).
+/// in the process that made it, which pays for it (see [`PageState::shared`]); on a
+/// swapped page, one the child borrows (see [`PageState::borrowed`]).
 const SHARED: u64 = 1 << 5;
 const FRAME_SHIFT: u32 = 6;
 const FRAME_BITS: u32 = 26;
@@ -82,6 +84,9 @@ pub struct PageState(u64);
 
 impl std::fmt::Debug for PageState {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if let Some((lender, at)) = self.borrowed() {
+            return write!(f, "{:?}(borrowed: lender {lender}, at {at})", self.kind());
+        }
         write!(
             f,
             "{:?}(frame {:?}, slot {:?})",
@@ -131,10 +136,10 @@ impl PageState {
         (s != SLOT_NONE && !self.is_borrowed()).then_some(s)
     }
 
-    /// A swapped page of a fork child whose data is in a slot its parent (or an earlier
-    /// ancestor) shared at the fork rather than copied: (which of the region's ancestor
-    /// devices, the slot there). The child reads it from there; it never frees it (the
-    /// ancestor does, once the fork's family is done: `swapfile/swap_map.rs`).
+    /// A swapped page of a fork child whose data its parent (or an earlier ancestor) lent
+    /// at the fork rather than copied: (which of the region's lenders, the slot or staging
+    /// frame there; `mm/lender.rs`). The child reads it from there, and never frees it
+    /// (the ancestor does, once the fork's family is done: `swapfile/swap_map.rs`).
     pub fn borrowed(self) -> Option<(u32, u32)> {
         self.is_borrowed()
             .then(|| (self.frame_field(), self.slot_field()))
@@ -500,8 +505,8 @@ impl PageLock<'_> {
         self.become_(Kind::Swapped, None, Some(slot));
     }
 
-    /// A fork child's page: its data, as the parent had it, is in `slot` of ancestor
-    /// device `device` (see [`PageState::ancestor_slot`]).
+    /// A fork child's page: its data, as the parent had it, is at `slot` (a slot or a
+    /// staging frame) of lender `device` (see [`PageState::borrowed`]).
     pub fn inherit_borrowed(&mut self, device: u32, slot: u32) {
         self.expect(&[Kind::None], "inherit_borrowed");
         debug_assert!(device < FRAME_NONE && slot != SLOT_NONE);

@@ -11,13 +11,21 @@
 //! drains the others directly instead of asking their owners (the kernel's lists were
 //! protected by disabling interrupts, which only the owner can do, and drained with IPIs).
 //! Lock order: a per-CPU list, then the shared list.
+//!
+//! A fork may lend frames to its child (`mm/lender.rs`): from its note until the child
+//! exists, such a frame is *pinned*, and a release that would free its memory is held
+//! back until the fork unpins it ([`FramePins`]), so the child's copy of the staging area
+//! has the frame's data even if its page left the frame meanwhile.
 
 use crate::error::Result;
 use crate::lockdep::Rank;
 use crate::lockstat::{Counted, LockClass, StatMutex};
 use crate::mapping::Mapping;
+use crate::sync::{zeroed_slice, AtomicU64};
 use crate::PAGE_SIZE;
 use crossbeam_utils::CachePadded;
+use std::sync::atomic::Ordering::SeqCst;
+use std::sync::OnceLock;
 
 /// Frames whose memory is freed together (see [`Staging::release_later`]).
 const DEFERRED_BATCH: usize = 64;
@@ -88,6 +96,58 @@ pub struct Staging {
     deferred: StatMutex<Vec<u32>>,
     /// Frames handed to the free list so far (the highest memory limit yet).
     frames: std::sync::atomic::AtomicU32,
+    /// Frames lent to a fork child, made by the first fork that lends one.
+    pins: OnceLock<FramePins>,
+}
+
+/// Frames pinned for a fork, and those released while pinned: one bit per frame in each.
+/// The two sides meet with one bit each way, so exactly one of them frees a frame released
+/// while pinned: the release, if the frame was unpinned first, else the unpin. Lock-free
+/// and allocation-free (the SIGBUS handler releases frames).
+pub(crate) struct FramePins {
+    pinned: Box<[AtomicU64]>,
+    released: Box<[AtomicU64]>,
+}
+
+impl FramePins {
+    pub(crate) fn new(frames: usize) -> FramePins {
+        let words = frames.div_ceil(64);
+        FramePins {
+            pinned: zeroed_slice(words, || AtomicU64::new(0)),
+            released: zeroed_slice(words, || AtomicU64::new(0)),
+        }
+    }
+
+    fn bit(frame: u32) -> (usize, u64) {
+        (frame as usize / 64, 1 << (frame % 64))
+    }
+
+    pub(crate) fn pin(&self, frame: u32) {
+        let (w, b) = Self::bit(frame);
+        self.pinned[w].fetch_or(b, SeqCst);
+    }
+
+    /// A release of `frame`: true when it is held back (the unpin frees it), false when
+    /// the caller frees it now.
+    pub(crate) fn hold_back(&self, frame: u32) -> bool {
+        let (w, b) = Self::bit(frame);
+        if self.pinned[w].load(SeqCst) & b == 0 {
+            return false;
+        }
+        self.released[w].fetch_or(b, SeqCst);
+        if self.pinned[w].load(SeqCst) & b != 0 {
+            return true;
+        }
+        // Unpinned meanwhile: whoever takes the released bit back frees the frame.
+        self.released[w].fetch_and(!b, SeqCst) & b == 0
+    }
+
+    /// Unpins `frame`: true when a release was held back and the caller frees it now.
+    pub(crate) fn unpin(&self, frame: u32) -> bool {
+        let (w, b) = Self::bit(frame);
+        self.pinned[w].fetch_and(!b, SeqCst);
+        self.released[w].fetch_and(!b, SeqCst) & b != 0
+    }
 }
 
 impl Staging {
@@ -109,6 +169,7 @@ impl Staging {
                 .collect(),
             deferred: StatMutex::new(Rank::Staging, Vec::with_capacity(DEFERRED_BATCH)),
             frames: (frames as u32).into(),
+            pins: OnceLock::new(),
         })
     }
 
@@ -216,11 +277,42 @@ impl Staging {
         self.free_frame(frame);
     }
 
-    /// Returns a frame after freeing its memory, so the next MOVE finds it empty.
-    /// Allocates nothing (the SIGBUS handler uses it).
+    /// Returns a frame after freeing its memory, so the next MOVE finds it empty (or,
+    /// pinned for a fork, when the fork unpins it). Allocates nothing (the SIGBUS handler
+    /// uses it).
     pub fn release(&self, frame: u32) {
+        if self.held_back(frame) {
+            return;
+        }
         self.map.discard(frame as usize, 1);
         self.free_frame(frame);
+    }
+
+    fn held_back(&self, frame: u32) -> bool {
+        self.pins.get().is_some_and(|p| p.hold_back(frame))
+    }
+
+    /// Pins frames a fork lends its child (see [`FramePins`]).
+    pub fn pin(&self, frames: &[u32]) {
+        let pins = self
+            .pins
+            .get_or_init(|| FramePins::new(self.map.len() / PAGE_SIZE));
+        for &frame in frames {
+            pins.pin(frame);
+        }
+    }
+
+    /// After the fork: unpins frames [`Staging::pin`] pinned, and frees those released
+    /// meanwhile.
+    pub fn unpin(&self, frames: &[u32]) {
+        let Some(pins) = self.pins.get() else {
+            return;
+        };
+        for &frame in frames {
+            if pins.unpin(frame) {
+                self.release(frame);
+            }
+        }
     }
 
     /// Returns a frame whose page was copied away, freeing its memory later, with
@@ -254,6 +346,7 @@ impl Staging {
     /// ([`Mapping::discard_runs`]: one TLB flush, an IPI to every CPU running the process,
     /// for the batch), then returns them to the free list.
     pub fn release_all(&self, mut frames: Vec<u32>) {
+        frames.retain(|&f| !self.held_back(f));
         frames.sort_unstable();
         let runs: Vec<(usize, usize)> = frames
             .chunk_by(|a, b| a + 1 == *b)
@@ -295,6 +388,38 @@ impl Staging {
 #[cfg(all(test, not(loom)))]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_frame_pinned_for_a_fork_keeps_its_data_until_it_is_unpinned() {
+        let s = Staging::new(8, 8, 0).unwrap();
+        let frames = s.alloc_many(3);
+        for &f in &frames {
+            // SAFETY: a frame of the staging mapping, handed out to this test.
+            unsafe { *(s.addr(f) as *mut u8) = 7 };
+        }
+        s.pin(&frames[..2]);
+        s.release(frames[0]);
+        s.release_all(vec![frames[1], frames[2]]);
+        let read = |f: u32| unsafe { *(s.addr(f) as *const u8) };
+        assert_eq!(
+            (read(frames[0]), read(frames[1])),
+            (7, 7),
+            "pinned: data kept"
+        );
+        assert_eq!(read(frames[2]), 0, "not pinned: freed at once");
+        assert_eq!(s.free_frames().len(), 6, "the pinned two are not free yet");
+        s.unpin(&frames[..2]);
+        assert_eq!(
+            (read(frames[0]), read(frames[1])),
+            (0, 0),
+            "freed by the unpin"
+        );
+        assert_eq!(s.free_frames().len(), 8);
+        // Unpinned and never released: nothing to do, and released at once later.
+        s.pin(&[frames[2]]);
+        s.unpin(&[frames[2]]);
+        assert_eq!(s.free_frames().len(), 8);
+    }
 
     #[test]
     fn frames_released_together_come_back_in_order() {
@@ -398,5 +523,29 @@ mod tests {
         // SAFETY: as above; MADV_DONTNEED made it read as zero.
         assert_eq!(unsafe { *(s.addr(f) as *const u8) }, 0);
         assert!(s.alloc_many(1).is_empty());
+    }
+}
+
+#[cfg(all(test, loom))]
+mod loom_tests {
+    //! RUSTFLAGS="--cfg loom" cargo test -p uswap-core --lib --release staging::loom_tests
+    use super::*;
+    use loom::sync::Arc;
+
+    /// A pinned frame released while the fork unpins it is freed exactly once.
+    #[test]
+    fn a_frame_released_while_it_is_unpinned_is_freed_once() {
+        loom::model(|| {
+            let pins = Arc::new(FramePins::new(64));
+            pins.pin(5);
+            let releaser = {
+                let pins = pins.clone();
+                loom::thread::spawn(move || !pins.hold_back(5))
+            };
+            let by_unpin = pins.unpin(5);
+            let by_release = releaser.join().unwrap();
+            assert_eq!(usize::from(by_unpin) + usize::from(by_release), 1);
+            assert!(!pins.hold_back(5), "unpinned: released at once from now on");
+        });
     }
 }

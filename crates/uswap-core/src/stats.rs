@@ -159,8 +159,9 @@ vmstat! {
     /// Pages a fork wrote to the child's swap device (in the parent): those that were not
     /// mapped (inactive or swapped out), which the kernel cannot share.
     fork_copied,
-    /// Swapped pages a fork left in their slot of this process's swap file (in the
-    /// parent), lent to the child, which reads them from there: not copied.
+    /// Pages that were not mapped at a fork and that it lent to the child instead of
+    /// copying them (in the parent): their slots of this process's swap device (file or
+    /// compressed pool), or their staging frames.
     fork_lent,
     /// Shared pages that became this process's own at their first write here (the
     /// kernel's copy-on-write break).

@@ -397,7 +397,7 @@ impl Mm {
     }
 
     /// Page event, fork: a child's page starts out with the parent's data in `slot` of
-    /// ancestor device `device`, shared at the fork (see `PageState::ancestor_slot`).
+    /// lender `device`, lent at the fork (see `PageState::borrowed`).
     pub fn inherited_borrowed(&self, lock: &mut PageLock<'_>, device: u32, slot: u32) {
         lock.inherit_borrowed(device, slot);
         self.borrowed_pages.fetch_add(1, Relaxed);

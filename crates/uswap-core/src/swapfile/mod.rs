@@ -165,6 +165,11 @@ pub struct SwapDevice {
     cache: SwapCache,
     /// Slots fork children hold, which are not reused until they let go.
     map: SwapMap,
+    /// Forks under way that lend this device's slots, from their notes until the child
+    /// exists: the compressed pool keeps the lent slots' entries where they are
+    /// meanwhile, so the child's copy of the pool, made by the kernel piece by piece while
+    /// other threads run, finds each of them whole.
+    forking: AtomicU32,
     /// For a growing file: bytes allocated to it so far and when growing last failed.
     /// `None` for a fixed size.
     grown: Option<StatMutex<Growth>>,
@@ -234,6 +239,7 @@ impl SwapDevice {
             owners: OwnerTable(SlotTable::new(capacity)),
             cache: SwapCache::new(cfg.swap_cache, capacity),
             map: SwapMap::new(capacity),
+            forking: AtomicU32::new(0),
             grown,
             growth_failed: AtomicBool::new(false),
             punch_unsupported: AtomicBool::new(false),
@@ -286,6 +292,7 @@ impl SwapDevice {
     /// `read_shared` may use the device after this, and it must never be dropped.
     pub(crate) fn close_in_child(&self, keep_file: bool) {
         self.io.close_in_child();
+        self.map.close_in_child();
         if !keep_file {
             // SAFETY: closing a descriptor of the leaked parent device, never used again.
             unsafe { libc::close(self.file.as_raw_fd()) };
@@ -381,8 +388,11 @@ impl SwapDevice {
     pub fn free_slot(&self, slot: SlotId) {
         self.check_slot(slot);
         if self.map.release(slot) == Freed::Later {
-            // A fork child reads a slot of the pool from its own copy of the pool.
-            self.zswap.invalidate(slot);
+            // Outside a fork, a child reads the slot's pool entry from its own copy of the
+            // pool, and the parent's goes now; during one, it goes with the slot.
+            if self.forking.load(Relaxed) == 0 {
+                self.zswap.invalidate(slot);
+            }
             return;
         }
         self.give_back(slot);
@@ -408,11 +418,22 @@ impl SwapDevice {
     pub(crate) fn share_with_fork(&self, slot: SlotId) -> bool {
         self.check_slot(slot);
         let written = self.guard.get(slot).is_some() || self.zswap.holds(slot);
-        if self.owned() && written {
+        // Held slots cannot be reused: a device close to full copies to the child's own.
+        if self.owned() && written && !self.nearly_full() {
             self.map.duplicate(slot);
             return true;
         }
         false
+    }
+
+    /// A fork that may lend this device's slots starts its note (see `forking`).
+    pub(crate) fn begin_fork(&self) {
+        self.forking.fetch_add(1, Relaxed);
+    }
+
+    /// The fork that [`SwapDevice::begin_fork`] announced is done, in the parent.
+    pub(crate) fn end_fork(&self) {
+        self.forking.fetch_sub(1, Relaxed);
     }
 
     /// Takes back a hold of [`SwapDevice::share_with_fork`] before the fork (the page was
@@ -604,6 +625,10 @@ impl SwapDevice {
         let Ok(file) = self.file() else {
             return 0;
         };
+        if self.forking.load(Relaxed) > 0 {
+            // Writeback frees pool cells, which a fork child's copy may still name.
+            return 0;
+        }
         let victims = self.zswap.victims(max);
         if victims.is_empty() {
             return 0;

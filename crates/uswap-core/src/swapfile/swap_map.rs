@@ -1,10 +1,11 @@
 //! Slots shared with fork children: how many children hold each slot of this device (the
 //! kernel's `swap_map` counts, `swap_duplicate` and `swap_free`), and how long they hold it.
 //!
-//! A fork shares a swapped page's slot with the child rather than copying the page: the
-//! child reads the slot from this device's file when it first needs the page. So the
-//! owner (the process that wrote the slot) must neither reuse nor discard the slot while a
-//! child may still read it, even after the owner itself no longer needs it.
+//! A fork lends a swapped page's slot to the child rather than copying the page: the child
+//! reads the slot from this device's file (or from its copy of the compressed pool) when
+//! it first needs the page. So the owner (the process that wrote the slot) must neither
+//! reuse nor discard the slot while a child may still read it, even after the owner
+//! itself no longer needs it.
 //!
 //! - **Counts.** One word per slot: the number of forks that shared it, and a `RELEASED`
 //!   bit set when the owner gave it up while it was held. A slot goes back to the
@@ -22,8 +23,9 @@
 //!   reads of them fail their checks, loudly; such a program also closes uswap's own
 //!   descriptors, which it cannot run without.
 //!
-//! The owner holds the slots a little longer than the kernel would: until the fork's
-//! whole family is done, not until each page is read back or written in the child.
+//! The owner holds the slots longer than the kernel would: until the fork's whole family
+//! is done (for a long-lived child, its whole life), not until each page is read back or
+//! written in the child.
 
 use super::cluster::SlotId;
 use super::slot_table::SlotTable;
@@ -133,6 +135,20 @@ impl SwapMap {
         let mut lifelines = self.lifelines.lock();
         lifelines.push(Lifeline { fd, slots });
         self.watched.store(lifelines.len() as u64, Relaxed);
+    }
+
+    /// In a fork child, for its copy of the parent's device: closes the read ends of the
+    /// parent's lifelines, which are the parent's to watch (the copy is never dropped).
+    pub(super) fn close_in_child(&self) {
+        // A lock some other thread of the parent held at the fork stays held here: its
+        // descriptors stay open then.
+        let Some(lifelines) = self.lifelines.try_lock() else {
+            return;
+        };
+        for lifeline in lifelines.iter() {
+            // SAFETY: a descriptor of the abandoned copy, never used here again.
+            unsafe { libc::close(lifeline.fd.as_raw_fd()) };
+        }
     }
 
     /// Whether any fork's lifeline is watched.
