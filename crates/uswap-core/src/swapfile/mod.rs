@@ -419,11 +419,7 @@ impl SwapDevice {
         self.check_slot(slot);
         let written = self.guard.get(slot).is_some() || self.zswap.holds(slot);
         // Held slots cannot be reused: a device close to full copies to the child's own.
-        if self.owned() && written && !self.nearly_full() {
-            self.map.duplicate(slot);
-            return true;
-        }
-        false
+        self.owned() && written && !self.nearly_full() && self.map.duplicate(slot)
     }
 
     /// A fork that may lend this device's slots starts its note (see `forking`).

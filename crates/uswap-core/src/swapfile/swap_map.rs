@@ -35,8 +35,15 @@ use crate::sync::AtomicU64;
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::atomic::Ordering::{AcqRel, Relaxed};
 
-/// Set in a slot's word when the owner gave the slot up while forks still held it.
-const RELEASED: u64 = 1 << 63;
+/// A slot's count: 16 bits, four to a word of the table (a fork touches a quarter of
+/// the memory a word per slot would: the first fork of a large program pays for it).
+const LANE_BITS: u32 = 16;
+const LANES: u32 = 64 / LANE_BITS;
+const LANE: u64 = (1 << LANE_BITS) - 1;
+/// Set in a slot's count when the owner gave the slot up while forks still held it.
+const RELEASED: u64 = 1 << (LANE_BITS - 1);
+/// The forks holding the slot: the count's other bits.
+const HOLDS: u64 = RELEASED - 1;
 
 /// What a slot's word says after a hold went, or after the owner gave the slot up.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -66,40 +73,59 @@ pub(super) struct SwapMap {
 impl SwapMap {
     pub(super) fn new(slots: u64) -> SwapMap {
         SwapMap {
-            counts: SlotTable::new(slots),
+            counts: SlotTable::new(slots.div_ceil(u64::from(LANES))),
             shared: AtomicU64::new(0),
             lifelines: StatMutex::new(Rank::SwapLifelines, Vec::new()),
             watched: AtomicU64::new(0),
         }
     }
 
+    /// The word holding `slot`'s count, and the count's shift in it.
+    fn lane(slot: SlotId) -> (SlotId, u32) {
+        (slot / LANES, (slot % LANES) * LANE_BITS)
+    }
+
     /// A fork holds `slot` (the owner's, written and not given up: the caller holds the
-    /// lock of the page that owns it).
-    pub(super) fn duplicate(&self, slot: SlotId) {
-        let before = self.counts.word(slot).fetch_add(1, AcqRel);
-        debug_assert_eq!(before & RELEASED, 0, "slot {slot} was given up");
-        if before == 0 {
-            self.shared.fetch_add(1, Relaxed);
+    /// lock of the page that owns it). False, and nothing held, when the slot's count is
+    /// full (32,767 forks).
+    pub(super) fn duplicate(&self, slot: SlotId) -> bool {
+        let (at, shift) = Self::lane(slot);
+        let added = self.counts.word(at).fetch_update(AcqRel, Relaxed, |w| {
+            let count = (w >> shift) & LANE;
+            debug_assert_eq!(count & RELEASED, 0, "slot {slot} was given up");
+            (count & HOLDS < HOLDS).then_some(w + (1 << shift))
+        });
+        match added {
+            Ok(before) if (before >> shift) & LANE == 0 => {
+                self.shared.fetch_add(1, Relaxed);
+                true
+            }
+            Ok(_) => true,
+            Err(_) => false,
         }
     }
 
     /// A fork's hold on `slot` goes.
     pub(super) fn put(&self, slot: SlotId) -> Freed {
-        let word = self.counts.entry(slot).expect("a held slot has a count");
+        let (at, shift) = Self::lane(slot);
+        let word = self.counts.entry(at).expect("a held slot has a count");
         let before = word
             .fetch_update(AcqRel, Relaxed, |w| {
-                debug_assert!(w & !RELEASED > 0, "slot {slot} is not held");
-                Some(match w - 1 {
+                let count = (w >> shift) & LANE;
+                debug_assert!(count & HOLDS > 0, "slot {slot} is not held");
+                let left = match count - 1 {
                     RELEASED => 0,
                     left => left,
-                })
+                };
+                Some(w & !(LANE << shift) | left << shift)
             })
             .expect("the update always applies");
-        if before & !RELEASED > 1 {
+        let count = (before >> shift) & LANE;
+        if count & HOLDS > 1 {
             return Freed::Later;
         }
         self.shared.fetch_sub(1, Relaxed);
-        match before & RELEASED {
+        match count & RELEASED {
             0 => Freed::Later,
             _ => Freed::Now,
         }
@@ -108,10 +134,13 @@ impl SwapMap {
     /// The owner gives `slot` up: free it now unless forks hold it. Allocates nothing
     /// (the SIGBUS handler frees slots).
     pub(super) fn release(&self, slot: SlotId) -> Freed {
-        let Some(word) = self.counts.entry(slot) else {
+        let (at, shift) = Self::lane(slot);
+        let Some(word) = self.counts.entry(at) else {
             return Freed::Now;
         };
-        let held = word.fetch_update(AcqRel, Relaxed, |w| (w != 0).then_some(w | RELEASED));
+        let held = word.fetch_update(AcqRel, Relaxed, |w| {
+            ((w >> shift) & HOLDS != 0).then_some(w | RELEASED << shift)
+        });
         match held {
             Ok(_) => Freed::Later,
             Err(_) => Freed::Now,
@@ -121,7 +150,8 @@ impl SwapMap {
     /// Whether `slot` is held by a fork.
     #[cfg(any(test, loom))]
     pub(super) fn held(&self, slot: SlotId) -> bool {
-        self.counts.get(slot) & !RELEASED != 0
+        let (at, shift) = Self::lane(slot);
+        (self.counts.get(at) >> shift) & HOLDS != 0
     }
 
     /// Slots held by one fork at least.
@@ -232,6 +262,37 @@ mod tests {
     }
 
     #[test]
+    fn counts_sharing_a_word_stay_apart_and_a_full_count_refuses_more() {
+        let map = SwapMap::new(64);
+        // Slots 8 to 11 share a word of the table.
+        assert!(map.duplicate(9));
+        assert!(map.duplicate(10));
+        assert!(map.duplicate(10));
+        assert_eq!(map.release(9), Freed::Later);
+        assert_eq!(
+            map.release(8),
+            Freed::Now,
+            "a neighbour's bit is not this slot's"
+        );
+        assert_eq!(map.release(11), Freed::Now);
+        assert_eq!(map.put(10), Freed::Later);
+        assert!(map.held(10) && map.held(9) && !map.held(8) && !map.held(11));
+        assert_eq!(map.put(9), Freed::Now);
+        assert_eq!(
+            map.put(10),
+            Freed::Later,
+            "never given up: the owner frees it"
+        );
+        assert_eq!(map.release(10), Freed::Now);
+        for _ in 0..HOLDS {
+            assert!(map.duplicate(12));
+        }
+        assert!(!map.duplicate(12), "a full count refuses another hold");
+        assert!(!map.held(13), "and does not spill into its neighbour");
+        assert_eq!(map.shared(), 1);
+    }
+
+    #[test]
     fn holds_go_when_the_lifeline_hangs_up_and_only_then() {
         let map = SwapMap::new(64);
         let (read_a, write_a) = pipe();
@@ -297,6 +358,25 @@ mod loom_tests {
             assert_eq!(frees, 1);
             assert!(!map.held(1));
             assert_eq!(map.shared(), 0);
+        });
+    }
+
+    /// Two slots whose counts share a word change at once: neither disturbs the other.
+    #[test]
+    fn neighbours_in_one_word_change_at_once_without_mixing() {
+        loom::model(|| {
+            let map = Arc::new(SwapMap::new(4));
+            map.duplicate(1);
+            map.duplicate(2);
+            let fork = {
+                let map = map.clone();
+                loom::thread::spawn(move || map.put(2))
+            };
+            assert_eq!(map.release(1), Freed::Later);
+            assert_eq!(fork.join().unwrap(), Freed::Later);
+            assert!(map.held(1) && !map.held(2));
+            assert_eq!(map.put(1), Freed::Now);
+            assert_eq!(map.release(2), Freed::Now);
         });
     }
 }
