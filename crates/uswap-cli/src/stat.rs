@@ -113,7 +113,7 @@ fn print_block(pid: u32, s: &Snapshot) {
     if v.fork_shared + v.fork_copied + v.fork_lent + c.fork_lent_slots + c.borrowed_pages > 0 {
         println!(
             "  fork       shared {} MiB (copy-on-write, counted by the process that made them); \
-             inherited shared {}, copied at forks {}, lent in the swap file {}; copy-on-write \
+             inherited shared {}, copied at forks {}, lent at forks {}; copy-on-write \
              breaks {}, left alone {}, copied for reclaim {} pages",
             mib(c.shared_pages),
             n(v.fork_shared),
@@ -124,8 +124,8 @@ fn print_block(pid: u32, s: &Snapshot) {
             n(v.cow_reclaim)
         );
         println!(
-            "  fork swap  {} MiB of this swap file lent to fork children; {} MiB still in \
-             slots a parent lent this process",
+            "  fork swap  {} MiB of swap slots held for fork children; {} MiB still borrowed \
+             from what a parent lent this process (its slots and staging frames)",
             mib(c.fork_lent_slots),
             mib(c.borrowed_pages)
         );
