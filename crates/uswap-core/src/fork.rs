@@ -745,6 +745,8 @@ impl<'a> Copier<'a> {
             }
         }
         let mut lenders = Lenders::default();
+        // The region's own device, named once (not a lookup per page lent).
+        let mut own = None;
         let image = &mut note.image;
         let copied = self.copied.iter().map(|(&page, &kept)| (page, kept));
         for (page, kept) in note.lent.iter().copied().chain(copied) {
@@ -752,7 +754,9 @@ impl<'a> Copier<'a> {
                 Kept::Copied(slot) => image.pages.push((page, slot)),
                 Kept::Lost => image.poisoned.push(page),
                 Kept::Lent(slot) => {
-                    let lender = lenders.index(&Lender::Device(self.mm.swap().clone()));
+                    let lender = *own.get_or_insert_with(|| {
+                        lenders.index(&Lender::Device(self.mm.swap().clone()))
+                    });
                     image.borrowed.push((page, lender, slot));
                 }
                 Kept::Passed { lender, at } => {
