@@ -10,6 +10,7 @@ use crossbeam_utils::CachePadded;
 use serde::Serialize;
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
+use std::time::Instant;
 
 /// One CPU's stock of pages charged ahead, and its counters (kept per CPU, so counting
 /// shares no line either).
@@ -46,7 +47,15 @@ pub struct Budget {
     /// Pages a stock is refilled with, and twice what it may keep.
     batch: u64,
     drains: AtomicU64,
+    /// When dead members may be looked for next ([`Budget::reap_dead_members`]), in
+    /// milliseconds since `born`.
+    next_reap_ms: AtomicU64,
+    born: Instant,
 }
+
+/// How often reclaim looks for members of the tree that died holding charges: each look
+/// is a system call per member.
+const REAP_EVERY_MS: u64 = 100;
 
 /// Pages a stock takes at a time (the kernel's memcg stock takes 64).
 const STOCK_BATCH: u64 = 32;
@@ -77,6 +86,8 @@ impl Budget {
                 .collect(),
             batch,
             drains: AtomicU64::new(0),
+            next_reap_ms: AtomicU64::new(0),
+            born: Instant::now(),
         })
     }
 
@@ -127,6 +138,26 @@ impl Budget {
             return got + self.charge_member(want - got);
         }
         got
+    }
+
+    /// Gives back the charges of tree members whose process is gone (killed, or ended
+    /// by `_exit`, which runs no exit hook), at most once per [`REAP_EVERY_MS`]: for
+    /// reclaim, before it frees this region's pages to make room. A charge that comes up
+    /// short reaps too, but a region that lives on what its own reclaim frees never does,
+    /// and would keep a dead member's share from the tree for ever. True when some came
+    /// back.
+    pub fn reap_dead_members(&self) -> bool {
+        if !self.cg.is_shared() {
+            return false;
+        }
+        let now = self.born.elapsed().as_millis() as u64;
+        let next = self.next_reap_ms.load(Relaxed);
+        let due = now >= next
+            && self
+                .next_reap_ms
+                .compare_exchange(next, now + REAP_EVERY_MS, Relaxed, Relaxed)
+                .is_ok();
+        due && self.cg.reap_dead()
     }
 
     fn charge_member(&self, want: u64) -> u64 {

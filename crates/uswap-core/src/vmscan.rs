@@ -200,7 +200,7 @@ impl Reclaim {
                 // Pages stocked on other CPUs count as used: take them back first.
                 budget.drain_stocks();
             }
-            if budget.free() < self.marks.min() {
+            if budget.free() < self.marks.min() && !budget.reap_dead_members() {
                 self.mm.count(VmEvent::direct_reclaim, 1);
                 if self.shrink() > 0 {
                     // Reclaim is making progress (a lowered limit being reached, say):
@@ -718,6 +718,9 @@ fn kswapd(r: &Reclaim, balanced: impl Fn()) {
         if r.mm.shutting_down() || budget.free() >= r.marks.low() {
             continue;
         }
+        if budget.reap_dead_members() && budget.free() >= r.marks.low() {
+            continue;
+        }
         r.mm.count(VmEvent::kswapd_wake, 1);
         if r.kswapd.inject_panic.swap(false, Relaxed) {
             panic!("injected kswapd panic (test hook)");
@@ -969,6 +972,35 @@ mod tests {
         reclaim.deactivate(&mut locks, LruList::Active);
         assert_eq!(locks[0].kind(), Kind::Inactive);
         drop(locks);
+        region.check_invariants().unwrap();
+    }
+
+    /// A process of the tree that died (or ended with `_exit`, past every exit hook) leaves
+    /// its charges in its member slot. A region that lives on what its own reclaim frees
+    /// never comes up short, so the dead member must be reaped when reclaim is needed
+    /// (a second redis-server thrashed with nothing resident, the first one's 1 GiB still
+    /// charged to the tree).
+    #[test]
+    fn a_dead_members_charges_come_back_to_a_region_that_reclaims() {
+        let dir = tempfile::tempdir().unwrap();
+        let (cg, _) = crate::memcg::MemCgroup::create_shared(256, dir.path()).unwrap();
+        let cg = std::sync::Arc::new(cg);
+        let region = testing::region(1024, 0, |cfg| cfg.memcg = Some(cg.clone()));
+        let value = |page: usize| (page as u8).wrapping_add(1);
+        for page in 0..1024 {
+            // SAFETY: inside the region.
+            unsafe { testing::byte_at(&region, page).write_volatile(value(page)) };
+        }
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let dead = child.id();
+        child.wait().unwrap();
+        // The dead process holds all the region left free: every swap-in from now on
+        // charges one page, which the region's own reclaim can always free.
+        let slot = cg.join_as(dead, 256 - cg.usage());
+        for page in 0..1024 {
+            assert_eq!(testing::read(&region, page), value(page));
+        }
+        assert!(cg.is_free(slot), "the dead member's charges were reaped");
         region.check_invariants().unwrap();
     }
 }
