@@ -31,6 +31,8 @@ redis-cli -p "$PORT" bgsave >/dev/null
 gets=$(redis-benchmark -p "$PORT" -t get -n 200000 -r "$KEYS" -c 8 -q 2>/dev/null | tr '\r' '\n' | awk '/GET/ {print $2}' | tail -1)
 while [ "$(redis-cli -p "$PORT" lastsave)" = "$before" ]; do sleep 0.1; done
 save_s=$(python3 -c "import time; print(round(time.time() - $start, 1))")
+# The dump's writes reach the disk, so what the disk wrote besides them is swap.
+sync -f "$DIR"
 swap_mib=$(( ($(sectors) - written) / 2048 - $(stat -c %s "$DIR/dump.rdb") / 1048576 ))
 fork=$(redis-cli -p "$PORT" info stats | tr -d '\r' | awk -F: '/latest_fork_usec/ {print $2}')
 status=$(redis-cli -p "$PORT" info persistence | tr -d '\r' | awk -F: '/rdb_last_bgsave_status/ {print $2}')

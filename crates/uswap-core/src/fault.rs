@@ -115,7 +115,8 @@ impl FaultPath {
     /// it had one.
     pub fn forget_slot(&self, page: usize) -> bool {
         let mut lock = self.mm().pages().lock(page);
-        if !lock.state().is_resident() {
+        // A borrowed page's copy is on its lender's device, not this one.
+        if !lock.state().is_resident() || lock.state().slot().is_none() {
             return false;
         }
         self.mm().forget_slot(&mut lock)
@@ -532,8 +533,9 @@ impl FaultPath {
     /// is read is never lost: a page that cannot be charged goes back to a slot (and the
     /// access fails loudly), or, with no slot either, is mapped over the limit.
     /// Pages read ahead are mapped as `readahead` says (clean for a fault, dirty for
-    /// swapoff). A page whose data is in an ancestor's slot (a fork's, shared) is read
-    /// alone, and mapped dirty: the slot is not this process's to keep.
+    /// swapoff). A page whose data is in an ancestor's slot (a fork's, borrowed) is read
+    /// alone, and mapped clean against that slot unless it is written or was read before
+    /// (`Mm::maps_borrowed_clean`).
     fn swap_in(
         &self,
         mut lock: PageLock<'_>,
@@ -605,7 +607,8 @@ impl FaultPath {
         // mapped: until then the fault may still back out.
         let keep =
             own.is_some_and(|slot| mm.caps().write_protect && mm.swap().keeps_slot(slot)) && !write;
-        let clean = keep && readahead != Destination::Writable;
+        let lent_clean = !write && mm.maps_borrowed_clean(state);
+        let clean = (keep && readahead != Destination::Writable) || lent_clean;
         if let (false, Some(slot)) = (keep, own) {
             mm.release_slot(slot);
         }
@@ -657,6 +660,7 @@ impl FaultPath {
         }
         drop(buf);
         let after = match (clean, keep) {
+            _ if lent_clean => SlotAfter::Lent,
             (true, _) => SlotAfter::Cached,
             (false, true) => SlotAfter::Freed,
             (false, false) => SlotAfter::FreedBefore,
@@ -688,7 +692,7 @@ impl FaultPath {
             let read =
                 unsafe { mm.read_borrowed_in_signal(lock.state(), buf.as_mut_ptr(), room()) };
             let outcome =
-                read.then(|| self.map_in_signal(&mut lock, None, buf.as_ptr(), true))??;
+                read.then(|| self.map_in_signal(&mut lock, None, buf.as_ptr(), false))??;
             if outcome == Outcome::Resolved {
                 drop(lock);
                 mm.record(FaultKind::Major, start);
@@ -733,9 +737,10 @@ impl FaultPath {
     }
 
     /// Charges (without reclaim) and maps the swapped-in copy of `lock`'s page (which
-    /// holds `slot`, or `None`: an ancestor's) at `data`, clean and cached while the slot
-    /// is kept, dirty when `writable` (a window the walk writes). `None` when it cannot be
-    /// charged or mapped for a reason the full path reports.
+    /// holds `slot`, or `None`: borrowed) at `data`, clean and cached while the slot is
+    /// kept (clean against the lender's slot, for a borrowed page that may be), dirty when
+    /// `writable` (a window the walk writes). `None` when it cannot be charged or mapped
+    /// for a reason the full path reports.
     fn map_in_signal(
         &self,
         lock: &mut PageLock<'_>,
@@ -745,8 +750,11 @@ impl FaultPath {
     ) -> Option<Outcome> {
         let mm = self.mm();
         self.reclaim.charge_without_reclaim(1)?;
-        let keep =
-            slot.is_some_and(|s| mm.caps().write_protect && mm.swap().keeps_slot(s)) && !writable;
+        let keep = !writable
+            && match slot {
+                Some(s) => mm.caps().write_protect && mm.swap().keeps_slot(s),
+                None => mm.maps_borrowed_clean(lock.state()),
+            };
         mm.count(VmEvent::pswpin, 1);
         mm.count(VmEvent::pgmajfault, 1);
         let mapped = mm
@@ -759,7 +767,8 @@ impl FaultPath {
             return (p.vanished() || p.busy()).then_some(Outcome::Retry);
         }
         let after = match (keep, slot) {
-            (true, _) => SlotAfter::Cached,
+            (true, Some(_)) => SlotAfter::Cached,
+            (true, None) => SlotAfter::Lent,
             (false, Some(_)) => SlotAfter::Freed,
             (false, None) => SlotAfter::FreedBefore,
         };

@@ -11,10 +11,10 @@
 //! device (it is clean); a write after swap-in frees the slot. The frame is the staging
 //! frame holding an inactive page's data. `ref` is the referenced bit (second-chance
 //! aging of hot pages); `sh` marks an active page shared copy-on-write with another
-//! process since a fork (see [`PageState::shared`]), or a swapped page a fork child
-//! borrows (see [`PageState::borrowed`]: the frame field then names what it is borrowed
-//! from, and the slot field the slot or staging frame there). The lock bit serialises
-//! every transition.
+//! process since a fork (see [`PageState::shared`]), or a page whose data a fork child
+//! borrows (see [`PageState::borrowed`]: swapped, or mapped and unchanged since it was
+//! read; the frame field then names what it is borrowed from, and the slot field the slot
+//! or staging frame there). The lock bit serialises every transition.
 //!
 //! # Locking
 //!
@@ -63,7 +63,9 @@ const KIND_MASK: u64 = 0b111;
 const LOCKED: u64 = 1 << 3;
 /// An active page that was referenced again after aging had taken it off the active list
 /// (it faulted back from the inactive list): aging passes over it once more (second
-/// chance), as the kernel's accessed bit would keep a hot page.
+/// chance), as the kernel's accessed bit would keep a hot page. On a borrowed swapped page:
+/// it was read once already, and aging dropped it unchanged (see
+/// [`PageState::read_before`]).
 const REFERENCED: u64 = 1 << 4;
 /// An active page a fork child inherited mapped: the kernel maps it copy-on-write here and
 /// in the process that made it, which pays for it (see [`PageState::shared`]); on a
@@ -136,17 +138,31 @@ impl PageState {
         (s != SLOT_NONE && !self.is_borrowed()).then_some(s)
     }
 
-    /// A swapped page of a fork child whose data its parent (or an earlier ancestor) lent
-    /// at the fork rather than copied: (which of the region's lenders, the slot or staging
-    /// frame there; `mm/lender.rs`). The child reads it from there, and never frees it
-    /// (the ancestor does, once the fork's family is done: `swapfile/swap_map.rs`).
+    /// A page of a fork child whose data its parent (or an earlier ancestor) lent at the
+    /// fork rather than copied: (which of the region's lenders, the slot or staging frame
+    /// there; `mm/lender.rs`). The child never frees it (the ancestor does, once the
+    /// fork's family is done: `swapfile/swap_map.rs`). Swapped, the child reads it from
+    /// there at its first access. Active, it was read from a lender's slot and is
+    /// unchanged since: mapped write-protected and charged like a clean page, it becomes
+    /// this process's own at its first write, and aging drops it back to swapped without a
+    /// write, as the kernel drops a clean swap cache page both processes' entries name.
     pub fn borrowed(self) -> Option<(u32, u32)> {
         self.is_borrowed()
             .then(|| (self.frame_field(), self.slot_field()))
     }
 
     fn is_borrowed(self) -> bool {
-        self.0 & (SHARED | KIND_MASK) == SHARED | Kind::Swapped as u64
+        let kind = self.0 & KIND_MASK;
+        self.0 & SHARED != 0
+            && (kind == Kind::Swapped as u64 || kind == Kind::Active as u64)
+            && self.frame_field() != FRAME_NONE
+    }
+
+    /// A borrowed swapped page that was read once already and that aging dropped
+    /// unchanged: read again, it becomes this process's own (a page read more than once
+    /// is worth keeping rather than reading from its lender each time aging comes round).
+    pub fn read_before(self) -> bool {
+        self.kind() == Kind::Swapped && self.is_borrowed() && self.0 & REFERENCED != 0
     }
 
     fn frame_field(self) -> u32 {
@@ -174,12 +190,14 @@ impl PageState {
     /// It becomes an ordinary active page at that write, or when found mapped here alone.
     pub fn shared(self) -> bool {
         self.0 & (SHARED | KIND_MASK) == SHARED | Kind::Active as u64
+            && self.frame_field() == FRAME_NONE
     }
 
     /// Whether a write to this active page faults to uswap first: it keeps a swap copy
-    /// (clean), or is shared with a fork relative; both are write-protected.
+    /// (clean, its own or borrowed), or is shared with a fork relative; all are
+    /// write-protected.
     pub fn write_faults(self) -> bool {
-        self.slot().is_some() || self.shared()
+        self.slot().is_some() || self.0 & SHARED != 0
     }
 
     /// Whether the page counts against the resident budget (and sits on an LRU list).
@@ -192,13 +210,14 @@ impl PageState {
         if self.0 & LOCKED != 0 {
             return false;
         }
+        if self.is_borrowed() {
+            return self.slot_field() != SLOT_NONE;
+        }
         if self.referenced() && self.kind() != Kind::Active {
             return false;
         }
         if self.0 & SHARED != 0 && !self.shared() {
-            return self.is_borrowed()
-                && self.frame_field() != FRAME_NONE
-                && self.slot_field() != SLOT_NONE;
+            return false;
         }
         if self.shared() && self.slot().is_some() {
             return false;
@@ -375,7 +394,10 @@ impl PageLock<'_> {
         let old = self.state;
         self.state = PageState::of(kind, frame, slot);
         if kind == Kind::Active && old.kind() == Kind::Active {
-            self.state.0 |= old.0 & (REFERENCED | SHARED);
+            self.state.0 |= old.0 & REFERENCED;
+            if old.shared() {
+                self.state.0 |= SHARED;
+            }
         }
         debug_assert!(self.state.is_well_formed(), "{:?}", self.state);
         old
@@ -457,8 +479,27 @@ impl PageLock<'_> {
         self.become_(Kind::Active, None, slot);
     }
 
-    /// Swapoff: a resident page gives up its slot (it is dirty from now on). Returns the
-    /// slot to free.
+    /// A borrowed swapped page was read from a lender's slot and mapped write-protected:
+    /// active, its data still the lender's too (see [`PageState::borrowed`]).
+    pub fn map_borrowed(&mut self) {
+        self.expect(&[Kind::Swapped], "map_borrowed");
+        let (lender, at) = self.state.borrowed().expect("a borrowed page");
+        self.state = PageState::of(Kind::Active, Some(lender), Some(at));
+        self.state.0 |= SHARED;
+    }
+
+    /// Aging moved out an active borrowed page, unchanged since it was read: borrowed
+    /// again, and read before (see [`PageState::read_before`]).
+    pub fn drop_borrowed(&mut self) {
+        self.expect(&[Kind::Active], "drop_borrowed");
+        let (lender, at) = self.state.borrowed().expect("a borrowed page");
+        self.state = PageState::of(Kind::Swapped, Some(lender), Some(at));
+        self.state.0 |= SHARED | REFERENCED;
+    }
+
+    /// Swapoff: a resident page gives up its slot (it is dirty from now on), or a mapped
+    /// borrowed page its lender's copy (it is this process's own). Returns the slot to
+    /// free.
     pub fn forget_slot(&mut self) -> Option<u32> {
         self.expect(
             &[Kind::Active, Kind::Inactive, Kind::Lazyfree],
@@ -475,7 +516,8 @@ impl PageLock<'_> {
         self.become_(Kind::Swapped, None, Some(slot));
     }
 
-    /// The first write to a clean page: its swap copy is stale. Returns the slot to free.
+    /// The first write to a clean page: its swap copy is stale (or its lender's, for a
+    /// borrowed page, which is this process's own from now on). Returns the slot to free.
     pub fn dirty(&mut self) -> Option<u32> {
         self.expect(&[Kind::Active], "dirty");
         debug_assert!(!self.state.shared(), "a shared page is unshared first");
@@ -665,6 +707,34 @@ mod tests {
         assert!(!t.try_claim_none(0));
         t.publish_active(0);
         assert_eq!(t.peek(0), (PageState::of(Kind::Active, None, None), false));
+    }
+
+    #[test]
+    fn a_borrowed_page_read_clean_is_dropped_back_then_owned_when_written() {
+        let t = PageTable::new(1);
+        let mut l = t.lock(0);
+        l.inherit_borrowed(2, 77);
+        assert_eq!(l.state().borrowed(), Some((2, 77)));
+        assert!(!l.state().read_before() && !l.state().is_charged());
+        l.map_borrowed();
+        let st = l.state();
+        assert_eq!((st.kind(), st.borrowed()), (Kind::Active, Some((2, 77))));
+        assert_eq!((st.frame(), st.slot()), (None, None), "not this region's");
+        assert!(st.is_charged() && st.write_faults() && !st.shared());
+        assert!(st.is_well_formed());
+        l.drop_borrowed();
+        let st = l.state();
+        assert_eq!((st.kind(), st.borrowed()), (Kind::Swapped, Some((2, 77))));
+        assert!(st.read_before() && !st.is_charged() && st.is_well_formed());
+        l.map_borrowed();
+        assert!(!l.state().read_before());
+        assert_eq!(l.dirty(), None, "a lender's slot is not freed here");
+        let st = l.state();
+        assert_eq!(
+            (st.kind(), st.borrowed(), st.slot()),
+            (Kind::Active, None, None)
+        );
+        assert!(!st.write_faults() && !st.shared() && st.is_well_formed());
     }
 
     #[test]

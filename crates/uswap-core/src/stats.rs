@@ -172,6 +172,9 @@ vmstat! {
     /// Pages reclaim copied to take them out of the region because a fork relative still
     /// mapped them (UFFDIO_MOVE moves only pages mapped once).
     cow_reclaim,
+    /// Pages a fork child read from a slot an ancestor lent and did not change, which
+    /// aging then dropped without a write (in the child): borrowed again.
+    borrowed_dropped,
 }
 
 /// What a handled fault was, for the service-time histograms.

@@ -123,7 +123,8 @@ fn check_locked(
                 let not = if e.present { "" } else { "not " };
                 errors.push(format!("page {} is {st:?} but {not}mapped", l.page()));
             }
-            if active && st.slot().is_some() && mm.caps().write_protect && !e.write_protected {
+            let clean = st.slot().is_some() || st.borrowed().is_some();
+            if active && clean && mm.caps().write_protect && !e.write_protected {
                 errors.push(format!("clean page {} is not write-protected", l.page()));
             }
             if st.shared() && !e.write_protected {

@@ -41,6 +41,9 @@ pub(crate) enum SlotAfter {
     Freed,
     /// Already freed, before the page was charged (swap nearly full, or a write).
     FreedBefore,
+    /// A borrowed page's: the lender keeps it, and the page, clean against it
+    /// (write-protected), stays borrowed (see `PageState::borrowed`).
+    Lent,
 }
 
 impl Mm {
@@ -121,7 +124,8 @@ impl Mm {
         let held = before.slot();
         debug_assert!(
             held.is_some()
-                || (before.borrowed().is_some() && matches!(slot, SlotAfter::FreedBefore))
+                || (before.borrowed().is_some()
+                    && matches!(slot, SlotAfter::FreedBefore | SlotAfter::Lent))
         );
         let refault = self.workingset().refault(page, self.lru());
         let arrival = if readahead {
@@ -151,8 +155,11 @@ impl Mm {
                 lock.swap_in(None);
             }
             SlotAfter::FreedBefore => lock.swap_in(None),
+            SlotAfter::Lent => lock.map_borrowed(),
         }
-        self.returned(before);
+        if slot != SlotAfter::Lent {
+            self.returned(before);
+        }
         self.debug_check(lock);
     }
 
@@ -168,10 +175,13 @@ impl Mm {
     }
 
     /// Page event: the first write to a clean page, whose swap copy is now stale: the slot
-    /// and its cache entry go. True when readahead had brought the page in and this is
-    /// its first use.
+    /// and its cache entry go (a borrowed page's lender's copy is given back). True when
+    /// readahead had brought the page in and this is its first use.
     pub fn dirtied(&self, lock: &mut PageLock<'_>) -> bool {
+        let before = lock.state();
         let Some(slot) = lock.dirty() else {
+            self.returned(before);
+            self.debug_check(lock);
             return false;
         };
         let first_use = self.swap().cache().mark_used(slot, self.region_id());
@@ -192,22 +202,34 @@ impl Mm {
 
     /// Page event, aging: isolated active pages were moved with their data, each
     /// `locks[i]` into `frames[i]` where that is `Some` (the others did not move). Inactive,
-    /// on the inactive list (in one add for the batch); a clean page keeps its slot.
+    /// on the inactive list (in one add for the batch); a clean page keeps its slot. A
+    /// borrowed page (unchanged since it was read from its lender) is dropped instead:
+    /// borrowed again, its frame and charge given back, as reclaim drops a clean page.
     pub fn parked(&self, locks: &mut [PageLock<'_>], frames: &[Option<u32>]) {
-        let mut parked = 0;
+        let mut parked = Vec::with_capacity(locks.len());
+        let mut dropped = Vec::new();
         for (lock, frame) in locks.iter_mut().zip(frames) {
-            if let Some(frame) = *frame {
+            let Some(frame) = *frame else {
+                continue;
+            };
+            if lock.state().borrowed().is_some() {
+                lock.drop_borrowed();
+                self.workingset().evicted(lock.page());
+                dropped.push(frame);
+            } else {
                 lock.deactivate(frame);
-                // Seen now, while aging still holds the fork fence (`Mm::fork_fence`).
-                lock.show();
-                self.debug_check(lock);
-                parked += 1;
+                parked.push(lock.page());
             }
+            // Seen now, while aging still holds the fork fence (`Mm::fork_fence`).
+            lock.show();
+            self.debug_check(lock);
         }
-        let pages = locks.iter().zip(frames).filter(|(_, f)| f.is_some());
-        self.lru()
-            .add(LruList::Inactive, pages.map(|(l, _)| l.page()));
-        self.count(VmEvent::pgdeactivate, parked);
+        self.count(VmEvent::pgdeactivate, parked.len() as u64);
+        self.lru().add(LruList::Inactive, parked);
+        if !dropped.is_empty() {
+            self.count(VmEvent::borrowed_dropped, dropped.len() as u64);
+            self.reclaimed(dropped);
+        }
     }
 
     /// Page event, aging: an isolated lazily freed page was found zapped by the kernel
@@ -421,15 +443,17 @@ impl Mm {
         }
     }
 
-    /// Page event: a locked resident page gives up its swap slot (swapoff, a discard).
-    /// True when it had one.
+    /// Page event: a locked resident page gives up its swap slot (swapoff, a discard), or
+    /// a mapped borrowed page its lender's copy. True when it had either.
     pub fn forget_slot(&self, lock: &mut PageLock<'_>) -> bool {
         let page = lock.page();
+        let before = lock.state();
         let active = lock.kind() == Kind::Active;
-        let Some(slot) = lock.forget_slot() else {
-            return false;
-        };
-        self.release_slot(slot);
+        match lock.forget_slot() {
+            Some(slot) => self.release_slot(slot),
+            None if before.borrowed().is_some() => self.returned(before),
+            None => return false,
+        }
         if active && self.caps().write_protect {
             // Dirty from now on: its writes must not fault (in SIGBUS mode without
             // pagemap, a write fault on a page with no slot could not be told).

@@ -346,6 +346,19 @@ impl Mm {
         self.borrowed_pages.load(Relaxed)
     }
 
+    /// Whether borrowed page `state` (swapped, locked) is mapped clean when it is read
+    /// (see `PageState::borrowed`): its lender is a swap device, which holds the slot for
+    /// as long as this process may need it, and the page was not read before. A staging
+    /// frame's copy is let go once read, and so cannot be read again.
+    pub fn maps_borrowed_clean(&self, state: crate::page::PageState) -> bool {
+        let Some((lender, _)) = state.borrowed() else {
+            return false;
+        };
+        self.caps.write_protect
+            && !state.read_before()
+            && matches!(self.lenders[lender as usize], Lender::Device(_))
+    }
+
     /// A borrowed page (`held`, what its state was) is no longer: its lender may let go
     /// of its copy, and the count goes down. Nothing for a page that was not borrowed.
     pub(crate) fn returned(&self, held: crate::page::PageState) {
