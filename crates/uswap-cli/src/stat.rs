@@ -125,9 +125,11 @@ fn print_block(pid: u32, s: &Snapshot) {
         );
         println!(
             "  fork swap  {} MiB of swap slots held for fork children; {} MiB still borrowed \
-             from what a parent lent this process (its slots and staging frames)",
+             from what a parent lent this process (its slots and staging frames, unread or \
+             read and unchanged); read, unchanged and dropped without a write {} pages",
             mib(c.fork_lent_slots),
-            mib(c.borrowed_pages)
+            mib(c.borrowed_pages),
+            n(v.borrowed_dropped)
         );
     }
     if c.ztier.enabled || c.ztier.stored_pages > 0 {

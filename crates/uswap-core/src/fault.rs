@@ -115,11 +115,13 @@ impl FaultPath {
     /// it had one.
     pub fn forget_slot(&self, page: usize) -> bool {
         let mut lock = self.mm().pages().lock(page);
-        // A borrowed page's copy is on its lender's device, not this one.
-        if !lock.state().is_resident() || lock.state().slot().is_none() {
+        if !lock.state().is_resident() {
             return false;
         }
-        self.mm().forget_slot(&mut lock)
+        // A mapped borrowed page becomes this process's own too, but its copy is on its
+        // lender's device: no slot of this one is freed.
+        let own = lock.state().slot().is_some();
+        self.mm().forget_slot(&mut lock) && own
     }
 
     /// Resolves a fault on `page`. `write_protect` is set for a write to a write-protected
@@ -607,7 +609,8 @@ impl FaultPath {
         // mapped: until then the fault may still back out.
         let keep =
             own.is_some_and(|slot| mm.caps().write_protect && mm.swap().keeps_slot(slot)) && !write;
-        let lent_clean = !write && mm.maps_borrowed_clean(state);
+        // Swapoff (`Destination::Dirty`) makes every page this process's own.
+        let lent_clean = !write && readahead != Destination::Dirty && mm.maps_borrowed_clean(state);
         let clean = (keep && readahead != Destination::Writable) || lent_clean;
         if let (false, Some(slot)) = (keep, own) {
             mm.release_slot(slot);

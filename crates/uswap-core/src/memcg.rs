@@ -24,6 +24,9 @@ pub const MEMBERS: usize = 256;
 #[cfg(loom)]
 pub const MEMBERS: usize = 2;
 
+/// A member slot's pid while a reaper clears it: neither free nor anyone's.
+const REAPING: u32 = u32::MAX;
+
 /// The group's state, laid out the same in every member's mapping.
 #[repr(C)]
 struct Group {
@@ -199,7 +202,7 @@ impl MemCgroup {
 
     /// Takes a member slot for process `pid` holding `pages`, as another process's region
     /// would (for tests of what reads the group).
-    #[cfg(all(test, not(loom)))]
+    #[cfg(test)]
     pub(crate) fn join_as(&self, pid: u32, pages: u64) -> usize {
         let slot = self.join().expect("a free member slot");
         self.group().members[slot].pid.store(pid, Relaxed);
@@ -213,14 +216,23 @@ impl MemCgroup {
         self.group().members[slot].pid.load(Relaxed) == 0
     }
 
-    /// Frees the slots of members whose process is gone; true if there were any.
+    /// Frees the slots of members whose process is gone; true if there were any. A slot
+    /// is claimed for reaping first, so that two reapers that found the same dead member
+    /// cannot clear the charges of a process that joined the slot in between.
     pub fn reap_dead(&self) -> bool {
         let mut reaped = false;
         for m in &self.group().members {
             let pid = m.pid.load(Acquire);
-            if pid != 0 && !process_alive(pid) {
+            if pid == 0 || pid == REAPING || process_alive(pid) {
+                continue;
+            }
+            if m.pid
+                .compare_exchange(pid, REAPING, AcqRel, Relaxed)
+                .is_ok()
+            {
                 m.charged.store(0, Relaxed);
-                reaped |= m.pid.compare_exchange(pid, 0, AcqRel, Relaxed).is_ok();
+                m.pid.store(0, Release);
+                reaped = true;
             }
         }
         reaped
@@ -229,14 +241,22 @@ impl MemCgroup {
 
 #[cfg(not(loom))]
 fn process_alive(pid: u32) -> bool {
+    // Not a process id (a free slot, or `REAPING`): kill would take it for a group.
+    if pid == 0 || pid > i32::MAX as u32 {
+        return false;
+    }
     // SAFETY: signal 0 only checks that the process exists.
     let alive = unsafe { libc::kill(pid as libc::pid_t, 0) } == 0;
     alive || std::io::Error::last_os_error().raw_os_error() != Some(libc::ESRCH)
 }
 
+/// The one process id the loom model takes for a process that is gone.
 #[cfg(loom)]
-fn process_alive(_pid: u32) -> bool {
-    true
+const LOOM_DEAD: u32 = 1 << 30;
+
+#[cfg(loom)]
+fn process_alive(pid: u32) -> bool {
+    pid != LOOM_DEAD
 }
 
 #[cfg(not(loom))]
@@ -564,5 +584,44 @@ mod tests {
             "{err}"
         );
         assert!(MemCgroup::open_shared(&dir.path().join("missing")).is_err());
+    }
+}
+
+/// Model check of reaping: `RUSTFLAGS="--cfg loom" cargo test -p uswap-core --lib --release memcg::loom`.
+#[cfg(all(test, loom))]
+mod loom_tests {
+    use super::*;
+    use loom::sync::Arc;
+
+    /// Two reapers find the same dead member, one of them a new process that then joins
+    /// its slot: its charges survive the other reaper, which looked before it joined.
+    #[test]
+    fn a_slot_reaped_twice_keeps_the_charges_of_whoever_joined_it_between() {
+        loom::model(|| {
+            let cg = Arc::new(MemCgroup::private(10));
+            let dead = cg.join_as(LOOM_DEAD, 5);
+            // The other slot is taken: the newcomer finds no free slot, reaps, and can
+            // only have the dead one's.
+            cg.join_as(std::process::id(), 0);
+            let reaper = {
+                let cg = cg.clone();
+                loom::thread::spawn(move || {
+                    cg.reap_dead();
+                })
+            };
+            let newcomer = {
+                let cg = cg.clone();
+                loom::thread::spawn(move || {
+                    let slot = cg.join()?;
+                    cg.charged(slot).fetch_add(3, Relaxed);
+                    Some(slot)
+                })
+            };
+            reaper.join().unwrap();
+            if let Some(slot) = newcomer.join().unwrap() {
+                assert_eq!(slot, dead);
+                assert_eq!(cg.usage(), 3, "the newcomer's charges are all there");
+            }
+        });
     }
 }

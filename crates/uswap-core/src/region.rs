@@ -255,6 +255,12 @@ impl Region {
         self.inner().fault.mm().resident()
     }
 
+    /// Pages mapped here copy-on-write with the fork relative that made them, charged
+    /// there (see [`Stats::shared_pages`]): cheap enough to poll.
+    pub fn shared_pages(&self) -> u64 {
+        self.inner().fault.mm().shared_pages()
+    }
+
     /// The swap-in readahead in force.
     pub fn readahead(&self) -> Readahead {
         self.inner().fault.readahead.get()

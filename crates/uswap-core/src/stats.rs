@@ -311,7 +311,8 @@ pub struct Stats {
     /// (the device's; shared by the regions on it).
     #[serde(default)]
     pub fork_lent_slots: u64,
-    /// Pages whose data is in a slot a fork ancestor lent this process.
+    /// Pages whose data is in a slot or frame a fork ancestor lent this process: not read
+    /// yet, or read and unchanged since (`PageState::borrowed`).
     #[serde(default)]
     pub borrowed_pages: u64,
     /// Memory uswap keeps for the region outside its limit (page table, LRU links,

@@ -200,7 +200,9 @@ impl Reclaim {
                 // Pages stocked on other CPUs count as used: take them back first.
                 budget.drain_stocks();
             }
-            if budget.free() < self.marks.min() && !budget.reap_dead_members() {
+            if budget.free() < self.marks.min()
+                && !(budget.reap_dead_members() && budget.free() >= self.marks.min())
+            {
                 self.mm.count(VmEvent::direct_reclaim, 1);
                 if self.shrink() > 0 {
                     // Reclaim is making progress (a lowered limit being reached, say):
@@ -259,6 +261,8 @@ impl Reclaim {
         mm.lru().drain_all();
         let target = self.marks.inactive_target.load(Relaxed) as usize;
         let mut isolated = Isolated::new(mm, batch);
+        // Aging frees pages itself too: a fork child's borrowed pages it drops.
+        let mut freed = 0;
         for _ in 0..REFILL_BATCHES {
             let short = (target + batch).saturating_sub(mm.lru().len(LruList::Inactive));
             if short == 0 {
@@ -283,12 +287,12 @@ impl Reclaim {
                     .isolate(mm.pages(), from, victims.min(short), &mut isolated);
             }
             self.look_around(&mut isolated, from, batch);
-            self.deactivate(&mut isolated, from);
+            freed += self.deactivate(&mut isolated, from);
             isolated.clear();
         }
         mm.lru()
             .isolate(mm.pages(), LruList::Inactive, batch, &mut isolated);
-        self.evict(&mut isolated)
+        freed + self.evict(&mut isolated)
     }
 
     /// Adds to pages isolated from mapped list `from` their neighbours in the same aligned
@@ -352,7 +356,7 @@ impl Reclaim {
     /// are adjacent, with adjacent frames, move together: one UFFDIO_MOVE, one TLB flush.
     /// A page that cannot be moved (mlocked or mprotected by the program, pinned by I/O in
     /// flight, or unmapped under us) stays active and is counted.
-    pub fn deactivate(&self, locks: &mut [PageLock<'_>], from: LruList) {
+    pub fn deactivate(&self, locks: &mut [PageLock<'_>], from: LruList) -> u64 {
         let mm = &self.mm;
         let mut laps = Laps::new(mm.breakdown(), Instant::now());
         // Pages a system call has pinned (SIGBUS mode) stay as they are; referenced pages
@@ -377,7 +381,7 @@ impl Reclaim {
         // A fork taking its snapshot counts on mapped pages staying mapped: none moves.
         let fence = mm.fork_fence().try_shared();
         let moving = if fence.is_some() { movable - spared } else { 0 };
-        self.move_to_staging(&mut locks[..moving]);
+        let freed = self.move_to_staging(&mut locks[..moving]);
         drop(fence);
         // The pages parked are on the inactive list now, and a lazily freed one found
         // zapped on none. Of those that stayed mapped, the ones that cannot move for a
@@ -395,12 +399,14 @@ impl Reclaim {
         let spared = spared.iter().filter(mapped).map(|l| l.page());
         mm.lru().add(from, spared);
         laps.lap(Phase::Deactivate);
+        freed
     }
 
     /// Moves active pages (sorted by page) into staging frames, runs of neighbours with
     /// adjacent frames in one UFFDIO_MOVE; a lazily freed page found zapped is freed instead,
     /// and a page a fork relative still maps is made this process's own copy first.
-    fn move_to_staging(&self, locks: &mut [PageLock<'_>]) {
+    /// Returns the pages freed: borrowed pages dropped ([`Mm::parked`]).
+    fn move_to_staging(&self, locks: &mut [PageLock<'_>]) -> u64 {
         let mm = &self.mm;
         let frames = mm.staging().alloc_many(locks.len());
         // The frame each page moved into, parked together at the end (one list add).
@@ -474,7 +480,7 @@ impl Reclaim {
                 start = end;
             }
         }
-        mm.parked(locks, &moved_to);
+        mm.parked(locks, &moved_to)
     }
 
     /// Makes a mapped page that a fork relative maps too (UFFDIO_MOVE refused it: EBUSY)
@@ -985,7 +991,11 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let (cg, _) = crate::memcg::MemCgroup::create_shared(256, dir.path()).unwrap();
         let cg = std::sync::Arc::new(cg);
-        let region = testing::region(1024, 0, |cfg| cfg.memcg = Some(cg.clone()));
+        let region = testing::region(1024, 0, |cfg| {
+            cfg.memcg = Some(cg.clone());
+            // No per-CPU stock: its refills ask for more than is free, and reap when short.
+            cfg.pcp = false;
+        });
         let value = |page: usize| (page as u8).wrapping_add(1);
         for page in 0..1024 {
             // SAFETY: inside the region.

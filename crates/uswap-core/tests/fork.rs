@@ -860,9 +860,24 @@ fn a_child_drops_lent_pages_it_read_without_writing_them() {
         }
         region.advise(0, region.len(), Advice::PageOut).unwrap();
         let status = in_child(|| {
+            let at_fork = region.stats().borrowed_pages;
+            if (at_fork as usize) < pages / 2 {
+                return Err(format!("{at_fork} pages borrowed of {pages}"));
+            }
+            // Read, then written at once: a write fault on a page mapped clean against
+            // the lender's slot; the write must survive aging.
+            for page in pages - 16..pages {
+                unsafe { check(region.as_ptr(), page, 1) }?;
+                unsafe { fill(region.as_ptr(), page, 5) };
+            }
+            region
+                .advise((pages - 16) * PAGE_SIZE, 16 * PAGE_SIZE, Advice::PageOut)
+                .map_err(|e| e.to_string())?;
+            (pages - 16..pages).try_for_each(|page| unsafe { check(region.as_ptr(), page, 5) })?;
+            let pages = pages - 16;
             let (before, borrowed) = (region.stats().vmstat, region.stats().borrowed_pages);
-            if (borrowed as usize) < pages / 2 {
-                return Err(format!("{borrowed} pages borrowed of {pages}"));
+            if borrowed != at_fork - 16 {
+                return Err(format!("{borrowed} of {at_fork} borrowed after 16 writes"));
             }
             // Four times the limit, read once: aging drops most of it again.
             (0..pages).try_for_each(|page| unsafe { check(region.as_ptr(), page, 1) })?;
@@ -894,6 +909,19 @@ fn a_child_drops_lent_pages_it_read_without_writing_them() {
                 ));
             }
             (0..8).try_for_each(|page| unsafe { check(region.as_ptr(), page, 2) })?;
+            region.check_invariants()?;
+            // Swapoff makes every page the child's own, read or not.
+            region
+                .set_memory_limit(8 * MIB as u64)
+                .map_err(|e| e.to_string())?;
+            region.swapoff(&mut |_, _| {}).map_err(|e| e.to_string())?;
+            if region.stats().borrowed_pages != 0 {
+                return Err(format!(
+                    "{} borrowed after swapoff",
+                    region.stats().borrowed_pages
+                ));
+            }
+            (8..pages).try_for_each(|page| unsafe { check(region.as_ptr(), page, 1) })?;
             region.check_invariants()
         });
         assert!(exited_ok(status), "{mode:?}: child status {status:#x}");

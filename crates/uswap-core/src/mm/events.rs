@@ -205,7 +205,8 @@ impl Mm {
     /// on the inactive list (in one add for the batch); a clean page keeps its slot. A
     /// borrowed page (unchanged since it was read from its lender) is dropped instead:
     /// borrowed again, its frame and charge given back, as reclaim drops a clean page.
-    pub fn parked(&self, locks: &mut [PageLock<'_>], frames: &[Option<u32>]) {
+    /// Returns the pages dropped.
+    pub fn parked(&self, locks: &mut [PageLock<'_>], frames: &[Option<u32>]) -> u64 {
         let mut parked = Vec::with_capacity(locks.len());
         let mut dropped = Vec::new();
         for (lock, frame) in locks.iter_mut().zip(frames) {
@@ -226,10 +227,11 @@ impl Mm {
         }
         self.count(VmEvent::pgdeactivate, parked.len() as u64);
         self.lru().add(LruList::Inactive, parked);
-        if !dropped.is_empty() {
-            self.count(VmEvent::borrowed_dropped, dropped.len() as u64);
-            self.reclaimed(dropped);
+        if dropped.is_empty() {
+            return 0;
         }
+        self.count(VmEvent::borrowed_dropped, dropped.len() as u64);
+        self.reclaimed(dropped)
     }
 
     /// Page event, aging: an isolated lazily freed page was found zapped by the kernel
