@@ -255,10 +255,12 @@ impl Region {
         self.inner().fault.mm().resident()
     }
 
-    /// Pages mapped here copy-on-write with the fork relative that made them, charged
-    /// there (see [`Stats::shared_pages`]): cheap enough to poll.
-    pub fn shared_pages(&self) -> u64 {
-        self.inner().fault.mm().shared_pages()
+    /// Pages of the region's data uswap keeps in memory: resident, in the compressed
+    /// pool (its size in pages), and, in a fork child, mapped copy-on-write with the
+    /// parent, which holds and is charged for them. Cheap enough to poll.
+    pub fn held_pages(&self) -> u64 {
+        let mm = self.inner().fault.mm();
+        mm.budget().resident() + mm.shared_pages()
     }
 
     /// The swap-in readahead in force.

@@ -31,9 +31,7 @@ pub fn watch(region: Arc<Region>, program: String) -> Watch {
 fn verdict(region: &Region, program: &str) -> Option<String> {
     let pid = std::process::id();
     let anon = uswap_core::stats::rss_anon_bytes(pid)?;
-    // A fork child's pages shared with its parent are in its RssAnon too, and held (and
-    // charged) by the parent's uswap.
-    let held = (region.resident_pages() + region.shared_pages()) * PAGE_SIZE as u64;
+    let held = region.held_pages() * PAGE_SIZE as u64;
     let outside = anon.saturating_sub(held);
     (outside >= FLOOR && outside * 2 > anon).then(|| {
         format!(
