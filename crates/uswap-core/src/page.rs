@@ -63,9 +63,7 @@ const KIND_MASK: u64 = 0b111;
 const LOCKED: u64 = 1 << 3;
 /// An active page that was referenced again after aging had taken it off the active list
 /// (it faulted back from the inactive list): aging passes over it once more (second
-/// chance), as the kernel's accessed bit would keep a hot page. On a borrowed swapped page:
-/// it was read once already, and aging dropped it unchanged (see
-/// [`PageState::read_before`]).
+/// chance), as the kernel's accessed bit would keep a hot page.
 const REFERENCED: u64 = 1 << 4;
 /// An active page a fork child inherited mapped: the kernel maps it copy-on-write here and
 /// in the process that made it, which pays for it (see [`PageState::shared`]); on a
@@ -156,13 +154,6 @@ impl PageState {
         self.0 & SHARED != 0
             && (kind == Kind::Swapped as u64 || kind == Kind::Active as u64)
             && self.frame_field() != FRAME_NONE
-    }
-
-    /// A borrowed swapped page that was read once already and that aging dropped
-    /// unchanged: read again, it becomes this process's own (a page read more than once
-    /// is worth keeping rather than reading from its lender each time aging comes round).
-    pub fn read_before(self) -> bool {
-        self.kind() == Kind::Swapped && self.is_borrowed() && self.0 & REFERENCED != 0
     }
 
     fn frame_field(self) -> u32 {
@@ -489,12 +480,12 @@ impl PageLock<'_> {
     }
 
     /// Aging moved out an active borrowed page, unchanged since it was read: borrowed
-    /// again, and read before (see [`PageState::read_before`]).
+    /// again, as the kernel drops a clean swap-cache page whose slot is still shared.
     pub fn drop_borrowed(&mut self) {
         self.expect(&[Kind::Active], "drop_borrowed");
         let (lender, at) = self.state.borrowed().expect("a borrowed page");
         self.state = PageState::of(Kind::Swapped, Some(lender), Some(at));
-        self.state.0 |= SHARED | REFERENCED;
+        self.state.0 |= SHARED;
     }
 
     /// Swapoff: a resident page gives up its slot (it is dirty from now on), or a mapped
@@ -710,12 +701,13 @@ mod tests {
     }
 
     #[test]
-    fn a_borrowed_page_read_clean_is_dropped_back_then_owned_when_written() {
+    fn a_borrowed_page_read_clean_is_dropped_back_each_time_and_owned_when_written() {
         let t = PageTable::new(1);
         let mut l = t.lock(0);
         l.inherit_borrowed(2, 77);
-        assert_eq!(l.state().borrowed(), Some((2, 77)));
-        assert!(!l.state().read_before() && !l.state().is_charged());
+        let lent = l.state();
+        assert_eq!(lent.borrowed(), Some((2, 77)));
+        assert!(!l.state().is_charged());
         l.map_borrowed();
         let st = l.state();
         assert_eq!((st.kind(), st.borrowed()), (Kind::Active, Some((2, 77))));
@@ -725,9 +717,14 @@ mod tests {
         l.drop_borrowed();
         let st = l.state();
         assert_eq!((st.kind(), st.borrowed()), (Kind::Swapped, Some((2, 77))));
-        assert!(st.read_before() && !st.is_charged() && st.is_well_formed());
+        assert!(!st.is_charged() && st.is_well_formed());
+        assert_eq!(st, lent, "dropped, as it was lent");
         l.map_borrowed();
-        assert!(!l.state().read_before());
+        assert_eq!(
+            l.state().borrowed(),
+            Some((2, 77)),
+            "read again, still borrowed"
+        );
         assert_eq!(l.dirty(), None, "a lender's slot is not freed here");
         let st = l.state();
         assert_eq!(

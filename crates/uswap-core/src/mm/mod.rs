@@ -348,15 +348,14 @@ impl Mm {
 
     /// Whether borrowed page `state` (swapped, locked) is mapped clean when it is read
     /// (see `PageState::borrowed`): its lender is a swap device, which holds the slot for
-    /// as long as this process may need it, and the page was not read before. A staging
-    /// frame's copy is let go once read, and so cannot be read again.
+    /// as long as this process may need it (as the kernel keeps a page whose slot is
+    /// shared in the swap cache, read-only, however often it is read). A staging frame's
+    /// copy is let go once read, and so cannot be read again.
     pub fn maps_borrowed_clean(&self, state: crate::page::PageState) -> bool {
         let Some((lender, _)) = state.borrowed() else {
             return false;
         };
-        self.caps.write_protect
-            && !state.read_before()
-            && matches!(self.lenders[lender as usize], Lender::Device(_))
+        self.caps.write_protect && matches!(self.lenders[lender as usize], Lender::Device(_))
     }
 
     /// A borrowed page (`held`, what its state was) is no longer: its lender may let go
