@@ -536,8 +536,7 @@ impl FaultPath {
     /// access fails loudly), or, with no slot either, is mapped over the limit.
     /// Pages read ahead are mapped as `readahead` says (clean for a fault, dirty for
     /// swapoff). A page whose data is in an ancestor's slot (a fork's, borrowed) is read
-    /// alone, and mapped clean against that slot unless it is written
-    /// (`Mm::maps_borrowed_clean`).
+    /// alone, and mapped clean against that slot unless it is written (`Mm::maps_borrowed_clean`).
     fn swap_in(
         &self,
         mut lock: PageLock<'_>,

@@ -707,7 +707,7 @@ mod tests {
         l.inherit_borrowed(2, 77);
         let lent = l.state();
         assert_eq!(lent.borrowed(), Some((2, 77)));
-        assert!(!l.state().is_charged());
+        assert!(!lent.is_charged());
         l.map_borrowed();
         let st = l.state();
         assert_eq!((st.kind(), st.borrowed()), (Kind::Active, Some((2, 77))));
