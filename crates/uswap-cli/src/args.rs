@@ -100,7 +100,7 @@ pub struct CoreArgs {
     pub fault_around: Option<usize>,
 
     /// Aging deactivates the active neighbours of each page it picks, within an aligned
-    /// block of this many pages (1 = the page alone), e.g. 32 [default: 1]
+    /// block of this many pages (1 = the page alone) [default: 32]
     #[arg(long, value_name = "PAGES")]
     pub aging_block: Option<usize>,
 

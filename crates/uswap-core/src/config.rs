@@ -642,8 +642,10 @@ fn default_handler_threads() -> usize {
     (cpus / 4).clamp(2.min(cpus), 8)
 }
 
-fn one_page() -> usize {
-    1
+/// The default aging block: a page table's worth would be 512; 32 already moves a random
+/// batch in runs (docs/benchmarks.md, "Runs of adjacent frames").
+fn default_aging_block() -> usize {
+    32
 }
 
 /// Everything that shapes a region. Build with [`Config::new`] and adjust the fields.
@@ -670,10 +672,11 @@ pub struct Config {
     /// Aging looks around the pages it takes from the active tail and deactivates their
     /// active neighbours in the same aligned block of this many pages with them (1 = each
     /// page alone), as MGLRU's look-around ages a page table's neighbours together: they
-    /// move in one UFFDIO_MOVE, one TLB flush where the kernel batches them. Off (1) by
-    /// default: faster in SIGBUS mode, slower in thread mode, and one soak run under load
-    /// ended with a page the table called mapped and was not (docs/benchmarks.md).
-    #[serde(default = "one_page")]
+    /// move in one UFFDIO_MOVE, one TLB flush where the kernel batches them. 32 by default:
+    /// faster than page by page on random access in both fault modes, most of all in
+    /// SIGBUS mode, where the faulting thread runs on the CPU aging would otherwise send
+    /// an IPI to for every page (docs/benchmarks.md).
+    #[serde(default = "default_aging_block")]
     pub aging_block: usize,
     /// Swap-in readahead at creation; changeable later with `Region::set_readahead`.
     pub readahead: Readahead,
@@ -717,7 +720,7 @@ impl Config {
             fault_around: 16,
             inactive_percent: 10,
             reclaim_batch: 32,
-            aging_block: 1,
+            aging_block: default_aging_block(),
             readahead: Readahead::default(),
             pcp: true,
             lru_lock: LruLockMode::Mutex,
