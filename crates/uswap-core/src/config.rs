@@ -643,7 +643,7 @@ fn default_handler_threads() -> usize {
 }
 
 /// The default aging block: a page table's worth would be 512; 32 already moves a random
-/// batch in runs (docs/benchmarks.md, "Runs of adjacent frames").
+/// batch in runs.
 fn default_aging_block() -> usize {
     32
 }
@@ -673,9 +673,10 @@ pub struct Config {
     /// active neighbours in the same aligned block of this many pages with them (1 = each
     /// page alone), as MGLRU's look-around ages a page table's neighbours together: they
     /// move in one UFFDIO_MOVE, one TLB flush where the kernel batches them. 32 by default:
-    /// faster than page by page on random access in both fault modes, most of all in
-    /// SIGBUS mode, where the faulting thread runs on the CPU aging would otherwise send
-    /// an IPI to for every page (docs/benchmarks.md).
+    /// faster than page by page on uniform random access in SIGBUS mode, where the
+    /// faulting thread runs on the CPU aging would otherwise send an IPI to for every
+    /// page, and level or faster in thread mode (docs/benchmarks.md, "Aging moves random
+    /// batches in runs").
     #[serde(default = "default_aging_block")]
     pub aging_block: usize,
     /// Swap-in readahead at creation; changeable later with `Region::set_readahead`.

@@ -99,27 +99,38 @@ impl FreeFrames {
         self.fresh.start += from_fresh;
     }
 
-    /// Takes `k` adjacent frames (`2 <= k <= 64`) into `to`, given back ones first, then
-    /// fresh ones; false, taking nothing, when there are none. Runs that cross a word of
-    /// the bitmap are not seen.
+    /// Takes `k` adjacent frames (`2 <= k <= 64`) into `to`, given back ones first (the
+    /// lowest run, within a word of the bitmap or across two), then fresh ones; false,
+    /// taking nothing, when there are none.
     fn take_run(&mut self, to: &mut Vec<u32>, k: usize) -> bool {
         debug_assert!((2..=64).contains(&k));
         if self.count >= k {
-            for w in self.lowest..self.given_back.len() {
-                let starts = run_starts(self.given_back[w], k);
-                if starts != 0 {
-                    let bit = starts.trailing_zeros() as usize;
-                    let run = if k == 64 {
-                        !0
-                    } else {
-                        ((1u64 << k) - 1) << bit
-                    };
-                    self.given_back[w] &= !run;
-                    self.count -= k;
-                    to.extend((w * 64 + bit) as u32..(w * 64 + bit + k) as u32);
-                    self.settle_lowest();
-                    return true;
+            // Every frame given back is below the fresh range's end.
+            let words = (self.fresh.end as usize).div_ceil(64);
+            for w in self.lowest..words {
+                let word = self.given_back[w];
+                let starts = run_starts(word, k);
+                let first = if starts != 0 {
+                    w * 64 + starts.trailing_zeros() as usize
+                } else {
+                    // A run across this word's top and the next word's bottom.
+                    let top = word.leading_ones() as usize;
+                    let next = self
+                        .given_back
+                        .get(w + 1)
+                        .map_or(0, |n| n.trailing_ones() as usize);
+                    if top == 0 || top + next < k {
+                        continue;
+                    }
+                    w * 64 + 64 - top
+                };
+                for frame in first..first + k {
+                    self.given_back[frame / 64] &= !(1u64 << (frame % 64));
                 }
+                self.count -= k;
+                to.extend(first as u32..(first + k) as u32);
+                self.settle_lowest();
+                return true;
             }
         }
         if self.fresh.len() >= k {
@@ -135,8 +146,10 @@ impl FreeFrames {
         for frame in frames {
             let (w, bit) = (frame as usize / 64, 1u64 << (frame % 64));
             debug_assert_eq!(self.given_back[w] & bit, 0, "frame {frame} freed twice");
+            // Counted once however often it is given back, so the count never runs ahead
+            // of the bits (the walker finds a frame both free and held by a page).
+            self.count += usize::from(self.given_back[w] & bit == 0);
             self.given_back[w] |= bit;
-            self.count += 1;
             self.lowest = self.lowest.min(w);
         }
     }
@@ -473,7 +486,6 @@ impl Staging {
             .map(|run| (run[0] as usize, run.len()))
             .collect();
         self.map.discard_runs(&runs);
-        frames.reverse();
         self.free_list().give_back(frames);
     }
 
@@ -656,6 +668,18 @@ mod tests {
         let rest = s.alloc_runs(&[64, 64]);
         assert_eq!(rest.len(), 86);
         assert!(s.alloc_runs(&[2]).is_empty());
+    }
+
+    #[test]
+    fn a_run_across_two_words_of_the_bitmap_is_found() {
+        let s = Staging::new(192, 192, 0).unwrap();
+        let _all = s.alloc_many(192);
+        s.release_all((50..80).chain(100..110).collect());
+        assert_eq!(s.alloc_runs(&[30]), (50..80).collect::<Vec<u32>>());
+        s.release_all((120..184).collect());
+        assert_eq!(s.alloc_runs(&[64]), (120..184).collect::<Vec<u32>>());
+        assert_eq!(s.alloc_runs(&[8]), (100..108).collect::<Vec<u32>>());
+        assert_eq!(s.free_frames(), vec![108, 109]);
     }
 
     #[test]

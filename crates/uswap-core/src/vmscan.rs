@@ -286,8 +286,8 @@ impl Reclaim {
                 mm.lru()
                     .isolate(mm.pages(), from, victims.min(short), &mut isolated);
             }
-            self.look_around(&mut isolated, batch);
-            freed += self.deactivate(&mut isolated, from);
+            let crossed = self.look_around(&mut isolated, from, batch);
+            freed += self.deactivate_from(&mut isolated, from, &crossed);
             isolated.clear();
         }
         mm.lru()
@@ -304,12 +304,19 @@ impl Reclaim {
     /// of 32, 14 µs alone, with the program's thread on the other CPU), where the kernel's
     /// own reclaim flushes once per batch. The accessed bit that would say which neighbours
     /// are in use is not visible to user space; a neighbour in use comes back with a minor
-    /// fault. (A neighbour that then cannot move while a fork holds its fence goes back to
-    /// the list the batch came from.)
-    fn look_around<'t>(&'t self, isolated: &mut Vec<PageLock<'t>>, max: usize) {
+    /// fault.
+    ///
+    /// Returns the neighbours taken from the other mapped list than `from`, sorted.
+    fn look_around<'t>(
+        &'t self,
+        isolated: &mut Vec<PageLock<'t>>,
+        from: LruList,
+        max: usize,
+    ) -> Vec<usize> {
+        let mut crossed = Vec::new();
         let block = self.aging_block;
         if block <= 1 {
-            return;
+            return crossed;
         }
         let (pages, lru) = (self.mm.pages(), self.mm.lru());
         // Around the pages aging will move: a referenced one goes round again, and so
@@ -324,24 +331,26 @@ impl Reclaim {
         for b in blocks {
             for page in b * block..((b + 1) * block).min(pages.len()) {
                 if isolated.len() >= max {
-                    return;
+                    return crossed;
                 }
                 // The pages already isolated are locked: their try-lock fails.
                 let Some(lock) = pages.try_lock(page) else {
                     continue;
                 };
+                let list = lru.list_of(page);
                 if lock.kind() == Kind::Active
                     && !lock.state().referenced()
-                    && matches!(
-                        lru.list_of(page),
-                        Some(LruList::Active | LruList::Probation)
-                    )
+                    && matches!(list, Some(LruList::Active | LruList::Probation))
                 {
+                    if list != Some(from) {
+                        crossed.push(page);
+                    }
                     lru.remove(page);
                     isolated.push(lock);
                 }
             }
         }
+        crossed
     }
 
     /// Locks the pages of `range` that are in state `kind` and takes them off their list
@@ -363,6 +372,12 @@ impl Reclaim {
     /// A page that cannot be moved (mlocked or mprotected by the program, pinned by I/O in
     /// flight, or unmapped under us) stays active and is counted.
     pub fn deactivate(&self, locks: &mut [PageLock<'_>], from: LruList) -> u64 {
+        self.deactivate_from(locks, from, &[])
+    }
+
+    /// [`Reclaim::deactivate`] of pages from list `from` but for `crossed` (sorted), which
+    /// came from the other mapped list and go back there if they stay.
+    fn deactivate_from(&self, locks: &mut [PageLock<'_>], from: LruList, crossed: &[usize]) -> u64 {
         let mm = &self.mm;
         let mut laps = Laps::new(mm.breakdown(), Instant::now());
         // Pages a system call has pinned (SIGBUS mode) stay as they are; referenced pages
@@ -396,14 +411,24 @@ impl Reclaim {
         // probation they would hold aging there, and a probation list of pinned pages
         // alone once left reclaim freeing nothing until the program was out of memory.
         // The rest (referenced, or all while a fork held its fence) go back to the list
-        // they came from.
+        // they came from: `from`, or the other mapped list for a neighbour look-around
+        // took from there.
         let mapped = |l: &&PageLock<'_>| LruList::Active.holds(l.kind());
         let (tried, untried) = locks.split_at(moving);
         let (spared, held) = untried.split_at(untried.len() - pinned.len());
         let stuck = tried.iter().chain(held).filter(mapped).map(|l| l.page());
         mm.lru().add(LruList::Active, stuck);
-        let spared = spared.iter().filter(mapped).map(|l| l.page());
-        mm.lru().add(from, spared);
+        let (crossed_back, back): (Vec<usize>, Vec<usize>) = spared
+            .iter()
+            .filter(mapped)
+            .map(|l| l.page())
+            .partition(|p| crossed.binary_search(p).is_ok());
+        mm.lru().add(from, back);
+        let other = match from {
+            LruList::Probation => LruList::Active,
+            _ => LruList::Probation,
+        };
+        mm.lru().add(other, crossed_back);
         laps.lap(Phase::Deactivate);
         freed
     }
