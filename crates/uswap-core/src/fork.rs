@@ -244,6 +244,9 @@ impl Lifeline {
 
 static mut HELD: Option<Held> = None;
 
+/// How long a fork waits for the vma events being handled when it comes to take its notes.
+const EVENTS_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
+
 /// Before the fork system call, in the forking thread: notes every region for the child.
 /// Holds the region registry until [`parent`] or [`child`].
 ///
@@ -270,11 +273,24 @@ pub fn prepare() {
             Ok(Copier::new(mm, device, child_device, &lifeline))
         })
         .collect();
+    let events_deadline = std::time::Instant::now() + EVENTS_WAIT;
     let copies = loop {
         let fences: Vec<_> = copiers
             .iter()
             .map(|c| c.as_ref().ok().map(|c| c.mm.fork_fence().exclusive()))
             .collect();
+        // Events read and still being handled (an munmap whose pages are not all marked
+        // unmapped yet) would give the child pages the program has unmapped, and so
+        // whatever was mapped there since: wait for them, fences let go.
+        let handling = copiers
+            .iter()
+            .flatten()
+            .any(|c| c.mm.fill_gate().events_held());
+        if handling && std::time::Instant::now() < events_deadline {
+            drop(fences);
+            std::thread::sleep(std::time::Duration::from_micros(100));
+            continue;
+        }
         let notes: Vec<Option<Note>> = copiers
             .iter_mut()
             .map(|c| c.as_mut().ok().map(Copier::note))

@@ -4,6 +4,7 @@
 mod common;
 
 use common::{check, fill};
+use std::io::Write;
 use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use std::sync::Arc;
 use uswap_core::{Advice, Config, FaultMode, Region, PAGE_SIZE};
@@ -27,7 +28,9 @@ fn in_child(child: impl FnOnce() -> Result<(), String>) -> i32 {
         let code = match std::panic::catch_unwind(std::panic::AssertUnwindSafe(child)) {
             Ok(Ok(())) => 0,
             Ok(Err(e)) => {
-                eprintln!("child: {e}");
+                // Straight to the descriptor: `eprintln!` would go to the harness's
+                // capture buffer, which the child's `_exit` throws away.
+                let _ = writeln!(std::io::stderr(), "child: {e}");
                 1
             }
             Err(_) => 2,
