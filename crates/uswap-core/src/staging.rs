@@ -39,13 +39,13 @@ const PCP_HIGH: usize = 6 * PCP_BATCH;
 /// first) and those never handed out (`fresh`, lowest first). Kept as a range, the fresh
 /// frames cost nothing until used: written out, the list was 4 bytes a frame of the memory
 /// limit (256 KiB at 256 MiB) written at every process's and fork child's start under
-/// `uswap run`; the bitmap's memory is zeroed by the kernel and touched only where frames
-/// come back. A bitmap, not a stack, so that adjacent free frames can be found: a run of
-/// adjacent pages moves into a run of adjacent frames with one UFFDIO_MOVE, one TLB flush
-/// ([`Staging::alloc_runs`]). It has a bit for every frame there can be, so giving one
-/// back never allocates.
+/// `uswap run`; the bitmap is one bit a frame (2 KiB at 64 MiB). A bitmap, not a stack,
+/// so that adjacent free frames can be found: a run of adjacent pages moves into a run of
+/// adjacent frames with one UFFDIO_MOVE, one TLB flush ([`Staging::alloc_runs`]). It has a
+/// bit for every frame there is (grown with the limit), so giving one back never
+/// allocates.
 struct FreeFrames {
-    given_back: Box<[u64]>,
+    given_back: Vec<u64>,
     /// Frames set in `given_back`.
     count: usize,
     /// No word below this one has a bit set.
@@ -54,9 +54,9 @@ struct FreeFrames {
 }
 
 impl FreeFrames {
-    fn new(frames: u32, max_frames: u32) -> FreeFrames {
+    fn new(frames: u32) -> FreeFrames {
         FreeFrames {
-            given_back: vec![0; (max_frames as usize).div_ceil(64)].into_boxed_slice(),
+            given_back: vec![0; (frames as usize).div_ceil(64)],
             count: 0,
             lowest: usize::MAX,
             fresh: 0..frames,
@@ -67,9 +67,10 @@ impl FreeFrames {
         self.count + self.fresh.len()
     }
 
-    /// Frames up to `frames` join the list (a raised limit). (The fresh range always ends
-    /// at the frame count so far.)
+    /// Frames up to `frames` join the list (a raised limit), with a bit each. (The fresh
+    /// range always ends at the frame count so far.)
     fn grow(&mut self, frames: u32) {
+        self.given_back.resize((frames as usize).div_ceil(64), 0);
         self.fresh.end = frames;
     }
 
@@ -262,10 +263,7 @@ impl Staging {
         let map = Mapping::new(max_frames as usize * PAGE_SIZE)?;
         Ok(Staging {
             map,
-            free: StatMutex::new(
-                Rank::Staging,
-                FreeFrames::new(frames as u32, max_frames as u32),
-            ),
+            free: StatMutex::new(Rank::Staging, FreeFrames::new(frames as u32)),
             pcp: (0..cpus)
                 .map(|_| {
                     CachePadded::new(StatMutex::new(
