@@ -323,10 +323,7 @@ impl Staging {
     /// Fewer than asked for when the lists are short.
     pub fn alloc_runs(&self, runs: &[usize]) -> Vec<u32> {
         let n: usize = runs.iter().sum();
-        if self.free_list().len() < n {
-            self.flush_deferred();
-            self.drain_pcp();
-        }
+        self.make_room(n);
         let mut frames = Vec::with_capacity(n);
         let mut free = self.free_list();
         for &run in runs {
@@ -358,16 +355,21 @@ impl Staging {
         local.split_off(at)
     }
 
-    /// From the shared list; when it is short, the deferred frames are freed and every
-    /// per-CPU list drained into it first.
+    /// From the shared list, made room in first ([`Staging::make_room`]).
     fn alloc_shared(&self, n: usize) -> Vec<u32> {
+        self.make_room(n);
+        let mut frames = Vec::with_capacity(n);
+        self.free_list().take_into(&mut frames, n);
+        frames
+    }
+
+    /// When the shared list holds fewer than `n` frames, frees the deferred frames and
+    /// drains every per-CPU list into it.
+    fn make_room(&self, n: usize) {
         if self.free_list().len() < n {
             self.flush_deferred();
             self.drain_pcp();
         }
-        let mut frames = Vec::with_capacity(n);
-        self.free_list().take_into(&mut frames, n);
-        frames
     }
 
     /// Moves every per-CPU list's frames to the shared list, locking each list in turn,
