@@ -471,10 +471,11 @@ impl FaultPath {
         let st = lock.state();
         let frame = st.frame().expect("an inactive page has a staging frame");
         let (dst, src) = (mm.page_addr(lock.page()), mm.staging().addr(frame));
-        // A clean page must come back write-protected, which only COPY does atomically; a
-        // dirty one moves back without copying, unless the program changed the protection
-        // of its range (MOVE needs both sides alike, EINVAL) or a fork child shares its
-        // frame (MOVE takes only pages mapped once, EBUSY), where it is copied too.
+        // The page comes back by COPY, write-protected if clean, and its frame's memory is
+        // freed with a batch of others: MOVE would save the copy of 4 KiB but flushes the
+        // TLB for the frame's old address, an IPI to every CPU running the program (about
+        // 14 µs on this VM with another thread of it running), and would fail where the
+        // program changed the protection of its range or a fork child shares the frame.
         if let Some(slot) = st.slot() {
             let hit = self.cache_lookup(slot);
             debug_assert!(
@@ -489,19 +490,8 @@ impl FaultPath {
         }
         let st = lock.state();
         let clean = st.slot().is_some() && mm.caps().write_protect;
-        let mut copied = clean;
         mm.count(VmEvent::pgactivate, 1);
-        let mut back = if clean {
-            mm.uffd().copy(dst, src as *const u8, PAGE_SIZE, true)
-        } else {
-            mm.uffd().move_pages(dst, src, PAGE_SIZE, true)
-        };
-        let refused = |e: Option<i32>| matches!(e, Some(libc::EINVAL | libc::EBUSY));
-        if matches!(&back, Err(p) if refused(p.error.raw_os_error())) && !clean {
-            copied = true;
-            back = mm.uffd().copy(dst, src as *const u8, PAGE_SIZE, false);
-        }
-        if let Err(p) = back {
+        if let Err(p) = mm.uffd().copy(dst, src as *const u8, PAGE_SIZE, clean) {
             mm.uncount(VmEvent::pgactivate, 1);
             if p.vanished() || p.busy() {
                 return Some(Outcome::Retry);
@@ -516,11 +506,11 @@ impl FaultPath {
             });
         }
         laps.lap(Phase::Map);
-        let how = match (copied, report) {
-            (false, _) => MappedBack::Moved,
-            (true, true) => MappedBack::Copied,
+        let how = if report {
+            MappedBack::Copied
+        } else {
             // In a signal handler, which must not allocate (a flush does).
-            (true, false) => MappedBack::CopiedInSignal,
+            MappedBack::CopiedInSignal
         };
         mm.mapped_back(&mut lock, how);
         drop(lock);

@@ -464,12 +464,27 @@ impl Staging {
         }
     }
 
+    /// [`Staging::release_later`] that never allocates, for the SIGBUS handler: the frame
+    /// waits for the next batch while the batch has room (kswapd frees it within its
+    /// periodic look), else its memory is freed now.
+    pub fn release_later_in_signal(&self, frame: u32) {
+        {
+            let mut deferred = self.deferred.lock();
+            if deferred.len() < deferred.capacity() {
+                deferred.push(frame);
+                return;
+            }
+        }
+        self.release(frame);
+    }
+
     /// Frees the memory of the frames [`Staging::release_later`] holds back.
     pub fn flush_deferred(&self) {
-        let frames = std::mem::replace(
-            &mut *self.deferred.lock(),
-            Vec::with_capacity(DEFERRED_BATCH),
-        );
+        if self.deferred.lock().is_empty() {
+            return;
+        }
+        let fresh = Vec::with_capacity(DEFERRED_BATCH);
+        let frames = std::mem::replace(&mut *self.deferred.lock(), fresh);
         if !frames.is_empty() {
             self.release_all(frames);
         }
@@ -725,6 +740,45 @@ mod tests {
             // SAFETY: as above; their memory was freed.
             assert_eq!(unsafe { *(s.addr(f) as *const u8) }, 0);
         }
+    }
+
+    #[test]
+    fn frames_released_in_a_signal_wait_for_a_batch_with_room_else_are_freed_at_once() {
+        let s = Staging::new(DEFERRED_BATCH as u64 * 2, DEFERRED_BATCH as u64 * 2, 0).unwrap();
+        let frames = s.alloc_many(DEFERRED_BATCH * 2);
+        for &f in &frames {
+            // SAFETY: the frame is ours and mapped.
+            unsafe { *(s.addr(f) as *mut u8) = 7 };
+        }
+        let room = s.deferred.lock().capacity();
+        let (waiting, beyond) = frames.split_at(room);
+        for &f in waiting {
+            s.release_later_in_signal(f);
+        }
+        assert_eq!(s.deferred.lock().len(), room, "all wait for the batch");
+        for &f in waiting {
+            // SAFETY: as above; not freed yet.
+            assert_eq!(unsafe { *(s.addr(f) as *const u8) }, 7);
+        }
+        s.release_later_in_signal(beyond[0]);
+        let (len, capacity) = {
+            let deferred = s.deferred.lock();
+            (deferred.len(), deferred.capacity())
+        };
+        assert_eq!(
+            (len, capacity),
+            (room, room),
+            "a full batch neither grows nor takes the frame"
+        );
+        // SAFETY: as above; freed at once.
+        assert_eq!(unsafe { *(s.addr(beyond[0]) as *const u8) }, 0);
+        s.flush_deferred();
+        assert!(s.deferred.lock().is_empty());
+        for &f in waiting {
+            // SAFETY: as above; freed by the flush.
+            assert_eq!(unsafe { *(s.addr(f) as *const u8) }, 0);
+        }
+        assert_eq!(s.free_frames().len(), room + 1);
     }
 
     #[test]

@@ -24,11 +24,10 @@ use std::sync::atomic::Ordering::Relaxed;
 /// How an inactive page went back into place, which says what its frame holds now.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum MappedBack {
-    /// UFFDIO_MOVE: the frame is empty.
-    Moved,
     /// UFFDIO_COPY on a thread that may allocate: the frame is zapped with the next batch.
     Copied,
-    /// UFFDIO_COPY in a signal handler, which must not allocate: the frame is zapped now.
+    /// UFFDIO_COPY in a signal handler, which must not allocate: the frame is zapped with
+    /// the next batch if the batch has room, else now.
     CopiedInSignal,
 }
 
@@ -107,9 +106,8 @@ impl Mm {
         self.workingset().activated();
         let frame = lock.activate();
         match how {
-            MappedBack::Moved => self.staging().release_empty(frame),
             MappedBack::Copied => self.staging().release_later(frame),
-            MappedBack::CopiedInSignal => self.staging().release(frame),
+            MappedBack::CopiedInSignal => self.staging().release_later_in_signal(frame),
         }
         self.debug_check(lock);
     }
@@ -630,7 +628,8 @@ mod tests {
         let mut lock = mm.pages().lock(1);
         assert_eq!(lock.kind(), Kind::Inactive);
         let slot = lock.state().slot().expect("clean");
-        // The frame still holds the data (this test maps nothing): given back zapped.
+        // The frame still holds the data (this test maps nothing): given back, its
+        // memory freed with the next batch.
         mm.mapped_back(&mut lock, MappedBack::CopiedInSignal);
         assert_eq!(
             (lock.kind(), lock.state().slot()),
