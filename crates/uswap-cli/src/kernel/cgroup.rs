@@ -157,6 +157,40 @@ impl Cgroup {
         fs::write(&path, value).with_context(|| format!("writing {value} to {}", path.display()))
     }
 
+    /// Kills every process still in the group (a daemon the command left behind, or a
+    /// process still exiting) and waits, up to `within`, until none is left. Returns how
+    /// many it killed.
+    pub fn kill_all(&self, within: Duration) -> io::Result<usize> {
+        let deadline = std::time::Instant::now() + within;
+        let mut killed = std::collections::BTreeSet::new();
+        loop {
+            let procs = match fs::read_to_string(self.path.join("cgroup.procs")) {
+                Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(killed.len()),
+                other => other?,
+            };
+            let pids: Vec<i32> = procs
+                .lines()
+                .filter_map(|l| l.trim().parse().ok())
+                .collect();
+            if pids.is_empty() {
+                return Ok(killed.len());
+            }
+            if std::time::Instant::now() >= deadline {
+                return Err(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    format!("processes {pids:?} are still in the group"),
+                ));
+            }
+            for pid in pids {
+                // SAFETY: a plain system call; a pid that exited meanwhile gets ESRCH.
+                if unsafe { libc::kill(pid, libc::SIGKILL) } == 0 {
+                    killed.insert(pid);
+                }
+            }
+            thread::sleep(Duration::from_millis(20));
+        }
+    }
+
     /// Removes the group. Its processes must have exited; the kernel may still be finishing
     /// that for a moment (EBUSY), so this retries briefly.
     pub fn remove(&self) -> io::Result<()> {
@@ -266,5 +300,41 @@ mod tests {
             Cgroup::create(&h, "uswap-kernel-1", None).is_err(),
             "an existing group is not reused"
         );
+    }
+
+    #[test]
+    fn kill_all_kills_what_the_command_left_in_the_group_and_waits_for_it() {
+        use std::os::unix::process::ExitStatusExt;
+        let root = tree(&[("memory/memory.limit_in_bytes", "0")]);
+        let h = Hierarchy::detect(root.path()).unwrap();
+        let g = Cgroup::create(&h, "uswap-kernel-2", None).unwrap();
+        fs::write(g.path().join("cgroup.procs"), "").unwrap();
+        assert_eq!(g.kill_all(Duration::from_secs(1)).unwrap(), 0);
+        let mut left = std::process::Command::new("sleep")
+            .arg("60")
+            .spawn()
+            .unwrap();
+        g.add_process(left.id()).unwrap();
+        // This stand-in group forgets a process once it has exited, as the kernel's does.
+        let procs = g.path().join("cgroup.procs");
+        let reaper = thread::spawn(move || {
+            let status = left.wait().unwrap();
+            fs::write(procs, "").unwrap();
+            status
+        });
+        assert_eq!(g.kill_all(Duration::from_secs(10)).unwrap(), 1);
+        assert_eq!(reaper.join().unwrap().signal(), Some(libc::SIGKILL));
+    }
+
+    #[test]
+    fn kill_all_says_which_processes_stay_past_its_time() {
+        let root = tree(&[("memory/memory.limit_in_bytes", "0")]);
+        let h = Hierarchy::detect(root.path()).unwrap();
+        let g = Cgroup::create(&h, "uswap-kernel-3", None).unwrap();
+        // A pid above the kernel's largest: kill finds no such process, the group keeps it.
+        fs::write(g.path().join("cgroup.procs"), "99999999\n").unwrap();
+        let e = g.kill_all(Duration::from_millis(100)).unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::TimedOut);
+        assert!(e.to_string().contains("99999999"), "{e}");
     }
 }

@@ -17,6 +17,7 @@ use signal_hook::iterator::SignalsInfo;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, MutexGuard};
 use std::thread;
+use std::time::Duration;
 
 /// The running child, and what a signal to this process does to it.
 #[derive(Clone, Copy, Debug)]
@@ -75,9 +76,9 @@ pub fn with<T>(f: impl FnOnce(&mut Teardown) -> T) -> T {
 }
 
 impl Teardown {
-    /// Kills the child, then removes the swap and the cgroup (the child must be gone first:
-    /// swapoff and rmdir wait for or fail on its memory and membership), then puts the
-    /// settings back.
+    /// Kills the child and whatever it left in the cgroup, then removes the swap and the
+    /// cgroup (its processes must be gone first: swapoff and rmdir wait for or fail on
+    /// their memory and membership), then puts the settings back.
     fn run(&mut self) {
         if let Some(child) = self.child.take() {
             let pid = child.pid as libc::pid_t;
@@ -85,6 +86,19 @@ impl Teardown {
             unsafe {
                 libc::kill(pid, libc::SIGKILL);
                 libc::waitpid(pid, std::ptr::null_mut(), 0);
+            }
+        }
+        if let Some(group) = &self.cgroup {
+            match group.kill_all(Duration::from_secs(5)) {
+                Ok(0) => {}
+                Ok(n) => eprintln!(
+                    "note: killed {n} process(es) the command left running in cgroup {}",
+                    group.path().display()
+                ),
+                Err(e) => eprintln!(
+                    "warning: cannot empty cgroup {}: {e}",
+                    group.path().display()
+                ),
             }
         }
         if let Some(swap) = self.swap.take() {
