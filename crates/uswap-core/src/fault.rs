@@ -16,6 +16,7 @@ use crate::mm::Mm;
 use crate::page::{Kind, PageLock};
 use crate::readahead::{read_around, read_around_in_signal, Destination, ReadaheadState, Window};
 use crate::stats::{FaultKind, VmEvent};
+use crate::uffd::Partial;
 use crate::vma::{Vma, VmaState};
 use crate::vmscan::{ChargeFailure, Reclaim};
 use crate::workingset::Arrival;
@@ -474,8 +475,10 @@ impl FaultPath {
         // The page comes back by COPY, write-protected if clean, and its frame's memory is
         // freed with a batch of others: MOVE would save the copy of 4 KiB but flushes the
         // TLB for the frame's old address, an IPI to every CPU running the program (about
-        // 14 µs on this VM with another thread of it running), and would fail where the
-        // program changed the protection of its range or a fork child shares the frame.
+        // 14 µs on this VM with another thread of it running), and fails where the program
+        // changed the protection of its range or a fork child shares the frame. MOVE is
+        // kept for when the kernel has no page for a copy (ENOMEM: a cgroup around the
+        // program is full), since it allocates nothing.
         if let Some(slot) = st.slot() {
             let hit = self.cache_lookup(slot);
             debug_assert!(
@@ -491,7 +494,16 @@ impl FaultPath {
         let st = lock.state();
         let clean = st.slot().is_some() && mm.caps().write_protect;
         mm.count(VmEvent::pgactivate, 1);
-        if let Err(p) = mm.uffd().copy(dst, src as *const u8, PAGE_SIZE, clean) {
+        let mut moved = false;
+        let mut back = mm.uffd().copy(dst, src as *const u8, PAGE_SIZE, clean);
+        let no_memory = |b: &Result<(), Partial>| matches!(b, Err(p) if p.error.raw_os_error() == Some(libc::ENOMEM));
+        if no_memory(&back) && report {
+            // Moved, it comes back dirty: its swap copy, if any, goes.
+            mm.forget_slot(&mut lock);
+            moved = true;
+            back = mm.uffd().move_pages(dst, src, PAGE_SIZE, true);
+        }
+        if let Err(p) = back {
             mm.uncount(VmEvent::pgactivate, 1);
             if p.vanished() || p.busy() {
                 return Some(Outcome::Retry);
@@ -506,11 +518,11 @@ impl FaultPath {
             });
         }
         laps.lap(Phase::Map);
-        let how = if report {
-            MappedBack::Copied
-        } else {
+        let how = match (moved, report) {
+            (true, _) => MappedBack::Moved,
+            (false, true) => MappedBack::Copied,
             // In a signal handler, which must not allocate (a flush does).
-            MappedBack::CopiedInSignal
+            (false, false) => MappedBack::CopiedInSignal,
         };
         mm.mapped_back(&mut lock, how);
         drop(lock);

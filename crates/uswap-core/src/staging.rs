@@ -452,7 +452,7 @@ impl Staging {
     /// [`DEFERRED_BATCH`] others: one MADV_DONTNEED (one TLB flush, an IPI to every CPU
     /// running the process) per run of adjacent frames instead of one per frame. Until then
     /// the frame is on neither list and its stale copy costs memory outside the budget,
-    /// at most 256 KiB.
+    /// about 256 KiB (a little more while threads add frames at once).
     pub fn release_later(&self, frame: u32) {
         let full = {
             let mut deferred = self.deferred.lock();
@@ -465,8 +465,9 @@ impl Staging {
     }
 
     /// [`Staging::release_later`] that never allocates, for the SIGBUS handler: the frame
-    /// waits for the next batch while the batch has room (kswapd frees it within its
-    /// periodic look), else its memory is freed now.
+    /// waits for the next batch while the batch has room (reclaim frees the waiting frames
+    /// with each batch it evicts, [`Staging::release_all_and_deferred`]), else its memory
+    /// is freed now.
     pub fn release_later_in_signal(&self, frame: u32) {
         {
             let mut deferred = self.deferred.lock();
@@ -488,6 +489,16 @@ impl Staging {
         if !frames.is_empty() {
             self.release_all(frames);
         }
+    }
+
+    /// [`Staging::release_all`] of `frames` and of the frames waiting to be freed, in the
+    /// same call (one flush for both). Called with the page locks of `frames` held, so a
+    /// walker, which holds every page lock, never sees the waiting frames in between.
+    pub fn release_all_and_deferred(&self, mut frames: Vec<u32>) {
+        if !frames.is_empty() {
+            frames.append(&mut self.deferred.lock());
+        }
+        self.release_all(frames);
     }
 
     /// Frees the memory of many frames, runs of adjacent frames together, in one call

@@ -750,8 +750,6 @@ fn kswapd(r: &Reclaim, balanced: impl Fn()) {
     let mut shared_looked = Instant::now();
     while !r.mm.shutting_down() {
         r.kswapd.sleep();
-        // Frames the SIGBUS handler copied pages from wait at most one look.
-        r.mm.staging().flush_deferred();
         // Slots held for fork children whose families are done become free.
         r.mm.swap().reap_forks();
         if r.mm.shared_pages() > 0 && shared_looked.elapsed() >= SHARED_LOOK_EVERY {

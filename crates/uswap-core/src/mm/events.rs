@@ -24,6 +24,8 @@ use std::sync::atomic::Ordering::Relaxed;
 /// How an inactive page went back into place, which says what its frame holds now.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum MappedBack {
+    /// UFFDIO_MOVE (no page for a copy): the frame is empty.
+    Moved,
     /// UFFDIO_COPY on a thread that may allocate: the frame is zapped with the next batch.
     Copied,
     /// UFFDIO_COPY in a signal handler, which must not allocate: the frame is zapped with
@@ -106,6 +108,7 @@ impl Mm {
         self.workingset().activated();
         let frame = lock.activate();
         match how {
+            MappedBack::Moved => self.staging().release_empty(frame),
             MappedBack::Copied => self.staging().release_later(frame),
             MappedBack::CopiedInSignal => self.staging().release_later_in_signal(frame),
         }
@@ -282,7 +285,8 @@ impl Mm {
     /// so does their charge. Returns the pages freed.
     pub fn reclaimed(&self, frames: Vec<u32>) -> u64 {
         let freed = frames.len() as u64;
-        self.staging().release_all(frames);
+        // The frames minor faults copied pages from go with them: one flush for all.
+        self.staging().release_all_and_deferred(frames);
         self.budget().uncharge(freed);
         self.count(VmEvent::pgsteal, freed);
         freed
