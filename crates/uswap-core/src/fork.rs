@@ -247,6 +247,10 @@ static mut HELD: Option<Held> = None;
 /// How long a fork waits for the vma events being handled when it comes to take its notes.
 const EVENTS_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
 
+/// How many times a fork looks again, 200 µs apart, when pages it must lend are locked,
+/// before it copies them instead.
+const LOCKED_LOOKS: u32 = 10;
+
 /// Before the fork system call, in the forking thread: notes every region for the child.
 /// Holds the region registry until [`parent`] or [`child`].
 ///
@@ -274,6 +278,7 @@ pub fn prepare() {
         })
         .collect();
     let events_deadline = std::time::Instant::now() + EVENTS_WAIT;
+    let mut locked_looks = 0;
     let copies = loop {
         let fences: Vec<_> = copiers
             .iter()
@@ -281,11 +286,13 @@ pub fn prepare() {
             .collect();
         // Events read and still being handled (an munmap whose pages are not all marked
         // unmapped yet) would give the child pages the program has unmapped, and so
-        // whatever was mapped there since: wait for them, fences let go.
+        // whatever was mapped there since: wait for them, fences let go. A read in
+        // progress counts too: the program's munmap returns as soon as the kernel hands
+        // its event to the read, before the reader has said it holds events.
         let handling = copiers
             .iter()
             .flatten()
-            .any(|c| c.mm.fill_gate().events_held());
+            .any(|c| c.mm.fill_gate().changing());
         if handling && std::time::Instant::now() < events_deadline {
             drop(fences);
             std::thread::sleep(std::time::Duration::from_micros(100));
@@ -308,6 +315,13 @@ pub fn prepare() {
                 _ => Vec::new(),
             })
             .collect();
+        // Pages locked at the look are most often a reclaim batch being written: looked
+        // at again a moment later they can be lent, where a copy costs a write each.
+        if locked_looks < LOCKED_LOOKS {
+            locked_looks += 1;
+            std::thread::sleep(std::time::Duration::from_micros(200));
+            continue;
+        }
         for (copier, left) in copiers.iter_mut().zip(lefts) {
             let Ok(c) = copier.as_mut() else {
                 continue;
