@@ -5,6 +5,7 @@ use anyhow::{bail, Context, Result};
 use std::collections::BTreeMap;
 use std::fs;
 use std::io;
+use std::os::fd::{FromRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::thread;
 use std::time::Duration;
@@ -157,37 +158,61 @@ impl Cgroup {
         fs::write(&path, value).with_context(|| format!("writing {value} to {}", path.display()))
     }
 
-    /// Kills every process still in the group (a daemon the command left behind, or a
-    /// process still exiting) and waits, up to `within`, until none is left. Returns how
-    /// many it killed.
-    pub fn kill_all(&self, within: Duration) -> io::Result<usize> {
-        let deadline = std::time::Instant::now() + within;
-        let mut killed = std::collections::BTreeSet::new();
+    /// Ends every process still in the group (a daemon the command left behind, or one
+    /// still exiting): SIGTERM first, SIGKILL to what is left after `grace` (on cgroup v2
+    /// also through `cgroup.kill`, which reaches nested groups), and waits until the group
+    /// is empty, `within` at most. A process is signalled through a pidfd, and only if its
+    /// pid is still listed once the pidfd is open, so a pid reused meanwhile by a process
+    /// outside the group is never signalled. Returns how many processes it signalled.
+    pub fn kill_all(&self, grace: Duration, within: Duration) -> io::Result<usize> {
+        let start = std::time::Instant::now();
+        let mut signalled = std::collections::BTreeSet::new();
         loop {
-            let procs = match fs::read_to_string(self.path.join("cgroup.procs")) {
-                Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(killed.len()),
-                other => other?,
+            let Some(listed) = self.members()? else {
+                return Ok(signalled.len());
             };
-            let pids: Vec<i32> = procs
-                .lines()
-                .filter_map(|l| l.trim().parse().ok())
-                .collect();
-            if pids.is_empty() {
-                return Ok(killed.len());
+            if listed.is_empty() {
+                return Ok(signalled.len());
             }
-            if std::time::Instant::now() >= deadline {
+            if start.elapsed() >= within {
                 return Err(io::Error::new(
                     io::ErrorKind::TimedOut,
-                    format!("processes {pids:?} are still in the group"),
+                    format!("processes {listed:?} are still in the group"),
                 ));
             }
-            for pid in pids {
-                // SAFETY: a plain system call; a pid that exited meanwhile gets ESRCH.
-                if unsafe { libc::kill(pid, libc::SIGKILL) } == 0 {
-                    killed.insert(pid);
+            let hard = start.elapsed() >= grace;
+            if hard {
+                // Best effort: v1 has no such file.
+                let _ = fs::write(self.path.join("cgroup.kill"), "1");
+            }
+            let opened: Vec<(i32, OwnedFd)> = listed
+                .iter()
+                .filter(|pid| hard || !signalled.contains(*pid))
+                .filter_map(|&pid| Some((pid, pidfd_open(pid)?)))
+                .collect();
+            let still = self.members()?.unwrap_or_default();
+            let signal = if hard { libc::SIGKILL } else { libc::SIGTERM };
+            for (pid, fd) in opened {
+                if still.contains(&pid) && pidfd_send_signal(&fd, signal) {
+                    signalled.insert(pid);
                 }
             }
             thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// The processes in the group (`None`: the group is gone).
+    fn members(&self) -> io::Result<Option<Vec<i32>>> {
+        match fs::read_to_string(self.path.join("cgroup.procs")) {
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
+            Err(e) => Err(e),
+            // A process outside this pid namespace is listed as 0.
+            Ok(text) => Ok(Some(
+                text.lines()
+                    .filter_map(|l| l.trim().parse().ok())
+                    .filter(|&pid: &i32| pid > 0)
+                    .collect(),
+            )),
         }
     }
 
@@ -206,6 +231,30 @@ impl Cgroup {
             }
         }
     }
+}
+
+/// A pidfd for process `pid`, if it exists.
+fn pidfd_open(pid: i32) -> Option<OwnedFd> {
+    // SAFETY: a plain system call; a descriptor it returns is ours alone.
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
+    // SAFETY: as above.
+    (fd >= 0).then(|| unsafe { OwnedFd::from_raw_fd(fd as i32) })
+}
+
+/// Sends `signal` to the process of `pidfd`: false if it has exited.
+fn pidfd_send_signal(pidfd: &OwnedFd, signal: i32) -> bool {
+    use std::os::fd::AsRawFd;
+    // SAFETY: a plain system call on a descriptor we own, with no siginfo.
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_pidfd_send_signal,
+            pidfd.as_raw_fd(),
+            signal,
+            std::ptr::null::<libc::siginfo_t>(),
+            0,
+        )
+    };
+    rc == 0
 }
 
 #[cfg(test)]
@@ -302,28 +351,47 @@ mod tests {
         );
     }
 
+    /// A shell running `cmd`, put in a stand-in group (`tree`) that forgets it once it has
+    /// exited, as the kernel's does, once it has printed a line; joins with how it ended.
+    fn member(g: &Cgroup, cmd: &str) -> thread::JoinHandle<std::process::ExitStatus> {
+        use std::io::BufRead;
+        let mut child = std::process::Command::new("sh")
+            .args(["-c", cmd])
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut ready = String::new();
+        io::BufReader::new(child.stdout.take().unwrap())
+            .read_line(&mut ready)
+            .unwrap();
+        g.add_process(child.id()).unwrap();
+        let procs = g.path().join("cgroup.procs");
+        thread::spawn(move || {
+            let status = child.wait().unwrap();
+            fs::write(procs, "").unwrap();
+            status
+        })
+    }
+
     #[test]
-    fn kill_all_kills_what_the_command_left_in_the_group_and_waits_for_it() {
+    fn kill_all_ends_what_the_command_left_in_the_group_and_waits_for_it() {
         use std::os::unix::process::ExitStatusExt;
         let root = tree(&[("memory/memory.limit_in_bytes", "0")]);
         let h = Hierarchy::detect(root.path()).unwrap();
         let g = Cgroup::create(&h, "uswap-kernel-2", None).unwrap();
         fs::write(g.path().join("cgroup.procs"), "").unwrap();
-        assert_eq!(g.kill_all(Duration::from_secs(1)).unwrap(), 0);
-        let mut left = std::process::Command::new("sleep")
-            .arg("60")
-            .spawn()
-            .unwrap();
-        g.add_process(left.id()).unwrap();
-        // This stand-in group forgets a process once it has exited, as the kernel's does.
-        let procs = g.path().join("cgroup.procs");
-        let reaper = thread::spawn(move || {
-            let status = left.wait().unwrap();
-            fs::write(procs, "").unwrap();
-            status
-        });
-        assert_eq!(g.kill_all(Duration::from_secs(10)).unwrap(), 1);
-        assert_eq!(reaper.join().unwrap().signal(), Some(libc::SIGKILL));
+        let (grace, within) = (Duration::from_millis(300), Duration::from_secs(10));
+        assert_eq!(g.kill_all(grace, within).unwrap(), 0);
+        // SIGTERM is enough for a process that does not ignore it.
+        let left = member(&g, "echo ready; exec sleep 60");
+        assert_eq!(g.kill_all(grace, within).unwrap(), 1);
+        assert_eq!(left.join().unwrap().signal(), Some(libc::SIGTERM));
+        // One that ignores it gets SIGKILL after the grace period.
+        let stubborn = member(&g, "trap '' TERM; echo ready; exec sleep 60");
+        let begun = std::time::Instant::now();
+        assert_eq!(g.kill_all(grace, within).unwrap(), 1);
+        assert_eq!(stubborn.join().unwrap().signal(), Some(libc::SIGKILL));
+        assert!(begun.elapsed() >= grace);
     }
 
     #[test]
@@ -331,10 +399,14 @@ mod tests {
         let root = tree(&[("memory/memory.limit_in_bytes", "0")]);
         let h = Hierarchy::detect(root.path()).unwrap();
         let g = Cgroup::create(&h, "uswap-kernel-3", None).unwrap();
-        // A pid above the kernel's largest: kill finds no such process, the group keeps it.
-        fs::write(g.path().join("cgroup.procs"), "99999999\n").unwrap();
-        let e = g.kill_all(Duration::from_millis(100)).unwrap_err();
+        // A pid above the kernel's largest (no process: never signalled) and the 0 of a
+        // process outside this pid namespace (never signalled: kill(0) is the caller's
+        // own process group).
+        fs::write(g.path().join("cgroup.procs"), "0\n99999999\n").unwrap();
+        let e = g
+            .kill_all(Duration::ZERO, Duration::from_millis(100))
+            .unwrap_err();
         assert_eq!(e.kind(), io::ErrorKind::TimedOut);
-        assert!(e.to_string().contains("99999999"), "{e}");
+        assert!(e.to_string().contains("[99999999]"), "{e}");
     }
 }

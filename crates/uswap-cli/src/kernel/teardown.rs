@@ -89,10 +89,10 @@ impl Teardown {
             }
         }
         if let Some(group) = &self.cgroup {
-            match group.kill_all(Duration::from_secs(5)) {
+            match group.kill_all(Duration::from_secs(1), Duration::from_secs(5)) {
                 Ok(0) => {}
                 Ok(n) => eprintln!(
-                    "note: killed {n} process(es) the command left running in cgroup {}",
+                    "note: ended {n} process(es) the command left running in cgroup {}",
                     group.path().display()
                 ),
                 Err(e) => eprintln!(
