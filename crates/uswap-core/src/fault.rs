@@ -16,7 +16,6 @@ use crate::mm::Mm;
 use crate::page::{Kind, PageLock};
 use crate::readahead::{read_around, read_around_in_signal, Destination, ReadaheadState, Window};
 use crate::stats::{FaultKind, VmEvent};
-use crate::uffd::Partial;
 use crate::vma::{Vma, VmaState};
 use crate::vmscan::{ChargeFailure, Reclaim};
 use crate::workingset::Arrival;
@@ -496,8 +495,8 @@ impl FaultPath {
         mm.count(VmEvent::pgactivate, 1);
         let mut moved = false;
         let mut back = mm.uffd().copy(dst, src as *const u8, PAGE_SIZE, clean);
-        let no_memory = |b: &Result<(), Partial>| matches!(b, Err(p) if p.error.raw_os_error() == Some(libc::ENOMEM));
-        if no_memory(&back) && report {
+        let no_memory = matches!(&back, Err(p) if p.error.raw_os_error() == Some(libc::ENOMEM));
+        if no_memory && report {
             // Moved, it comes back dirty: its swap copy, if any, goes.
             mm.forget_slot(&mut lock);
             moved = true;

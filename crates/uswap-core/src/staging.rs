@@ -481,14 +481,14 @@ impl Staging {
 
     /// Frees the memory of the frames [`Staging::release_later`] holds back.
     pub fn flush_deferred(&self) {
-        if self.deferred.lock().is_empty() {
-            return;
-        }
-        let fresh = Vec::with_capacity(DEFERRED_BATCH);
-        let frames = std::mem::replace(&mut *self.deferred.lock(), fresh);
-        if !frames.is_empty() {
-            self.release_all(frames);
-        }
+        let frames = {
+            let mut deferred = self.deferred.lock();
+            if deferred.is_empty() {
+                return;
+            }
+            std::mem::replace(&mut *deferred, Vec::with_capacity(DEFERRED_BATCH))
+        };
+        self.release_all(frames);
     }
 
     /// [`Staging::release_all`] of `frames` and of the frames waiting to be freed, in the
