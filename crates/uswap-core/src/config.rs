@@ -387,8 +387,22 @@ named_modes! {
         /// growing while readahead pages are used and shrinking when they are not.
         Scaling = "scaling",
         /// A window of virtual addresses around the fault, reading the slots those pages
-        /// hold (the kernel's default since 4.14), sized like `scaling`.
+        /// hold (the kernel's default since 4.14 on solid-state swap), sized like `scaling`.
         Vma = "vma",
+        /// The kernel's choice for the swap device: `vma` on solid-state or RAM-backed
+        /// swap, `scaling` on a rotating disk, where neighbouring slots are the cheap ones.
+        Auto = "auto",
+    }
+}
+
+impl ReadaheadPolicy {
+    /// The policy in effect on a swap device that is `rotational` or not.
+    pub fn on_device(self, rotational: bool) -> ReadaheadPolicy {
+        match self {
+            ReadaheadPolicy::Auto if rotational => ReadaheadPolicy::Scaling,
+            ReadaheadPolicy::Auto => ReadaheadPolicy::Vma,
+            policy => policy,
+        }
     }
 }
 
@@ -426,10 +440,11 @@ impl Readahead {
 }
 
 impl Default for Readahead {
-    /// The kernel's defaults: vma readahead, `vm.page-cluster` 3 (8 pages).
+    /// The kernel's defaults: its choice of readahead for the device, `vm.page-cluster` 3
+    /// (8 pages).
     fn default() -> Self {
         Readahead {
-            policy: ReadaheadPolicy::Vma,
+            policy: ReadaheadPolicy::Auto,
             page_cluster: 3,
         }
     }
@@ -937,7 +952,7 @@ mod tests {
     fn named_modes_parse_print_and_list_the_names_on_error() {
         assert_eq!("percpu".parse::<SlotAlloc>().unwrap(), SlotAlloc::Percpu);
         assert_eq!(SwapCacheMode::Single.to_string(), "single");
-        assert_eq!(ReadaheadPolicy::ALL.len(), 4);
+        assert_eq!(ReadaheadPolicy::ALL.len(), 5);
         for p in ReadaheadPolicy::ALL {
             assert_eq!(p.name().parse::<ReadaheadPolicy>().unwrap(), *p);
         }

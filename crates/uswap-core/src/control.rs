@@ -54,7 +54,7 @@
 //!   Like a write to `memory.max`, lowering it reclaims before the reply comes (for at most
 //!   [`RECLAIM_WAIT`]; kswapd goes on after that).
 //! - `swap_ra_policy`: the readahead policy (seed 002's sysfs knob): `none`, `fixed`,
-//!   `scaling` or `vma`.
+//!   `scaling`, `vma`, or `auto` (read back as the policy it chose for the device).
 //! - `page-cluster`: log2 of the largest readahead window, 0 to 8 (`vm.page-cluster`).
 //!
 //! Everything else a region is configured with is fixed when it is made.

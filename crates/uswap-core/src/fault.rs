@@ -50,7 +50,7 @@ pub(crate) struct FaultPath {
 impl FaultPath {
     pub fn new(reclaim: Reclaim, fault_around: usize, readahead: Readahead) -> FaultPath {
         FaultPath {
-            readahead: ReadaheadState::new(readahead),
+            readahead: ReadaheadState::new(readahead, reclaim.mm().swap().rotational()),
             reclaim,
             fault_around,
             vma: VmaState::default(),

@@ -12,6 +12,9 @@
 //!   from the previous fault address and capped at 32 pages (the kernel's
 //!   `SWAP_RA_ORDER_CEILING`); placed ahead of a forward walk, behind a backward one,
 //!   centred otherwise. It reads the slots those pages hold, wherever they are.
+//! - `auto` (the default): the kernel's choice by device (`swap_use_vma_readahead`): `vma`
+//!   on solid-state or RAM-backed swap, `scaling` on a rotating disk, where neighbouring
+//!   slots cost one seek and a random program's neighbouring pages rarely sit in them.
 //!
 //! Pages read ahead are charged to the budget, mapped around the fault (clean, write-
 //! protected) and added to the swap cache with the readahead marker (see
@@ -62,7 +65,9 @@ impl Window {
 
 /// The readahead setting and what it learned, for one region.
 pub(crate) struct ReadaheadState {
-    /// Policy (low byte) and page-cluster (second byte).
+    /// Whether the region's swap device is a rotating disk (what `auto` chooses by).
+    rotational: bool,
+    /// Policy in effect (low byte) and page-cluster (second byte).
     setting: AtomicU32,
     /// Readahead pages used since the last window was sized.
     hits: AtomicU32,
@@ -82,8 +87,11 @@ pub(crate) struct ReadaheadState {
 }
 
 impl ReadaheadState {
-    pub fn new(setting: Readahead) -> ReadaheadState {
+    /// The state for a region whose swap device is `rotational` or not (which `auto`
+    /// chooses by).
+    pub fn new(setting: Readahead, rotational: bool) -> ReadaheadState {
         let s = ReadaheadState {
+            rotational,
             setting: AtomicU32::new(0),
             hits: AtomicU32::new(0),
             written: AtomicU32::new(0),
@@ -103,11 +111,13 @@ impl ReadaheadState {
         LockClass::sum("readahead_window", [&self.last])
     }
 
-    /// Switches policy and page-cluster; what was learned starts over.
+    /// Switches policy and page-cluster; what was learned starts over. `auto` is stored as
+    /// the policy it chooses for the device.
     pub fn set(&self, setting: Readahead) {
+        let in_effect = setting.policy.on_device(self.rotational);
         let policy = ReadaheadPolicy::ALL
             .iter()
-            .position(|p| *p == setting.policy)
+            .position(|p| *p == in_effect)
             .expect("a listed policy") as u32;
         self.hits.store(0, Relaxed);
         self.written.store(0, Relaxed);
@@ -119,6 +129,7 @@ impl ReadaheadState {
             .store(policy | (u32::from(setting.page_cluster) << 8), Relaxed);
     }
 
+    /// The setting in effect (never `auto`).
     pub fn get(&self) -> Readahead {
         let v = self.setting.load(Relaxed);
         Readahead {
@@ -196,6 +207,7 @@ impl ReadaheadState {
         let setting = self.get();
         let (follows, max) = match setting.policy {
             ReadaheadPolicy::None => return false,
+            ReadaheadPolicy::Auto => unreachable!("stored as the policy it chooses"),
             ReadaheadPolicy::Fixed => return setting.max_pages() > 1,
             ReadaheadPolicy::Scaling => {
                 let prev = self.prev_slot.load(Relaxed);
@@ -237,6 +249,7 @@ impl ReadaheadState {
         let setting = self.get();
         match setting.policy {
             ReadaheadPolicy::None => 1,
+            ReadaheadPolicy::Auto => unreachable!("stored as the policy it chooses"),
             ReadaheadPolicy::Fixed | ReadaheadPolicy::Scaling => setting.max_pages(),
             ReadaheadPolicy::Vma => 1 << setting.page_cluster.min(VMA_MAX_ORDER),
         }
@@ -247,6 +260,7 @@ impl ReadaheadState {
         let setting = self.get();
         match setting.policy {
             ReadaheadPolicy::None => Window::None,
+            ReadaheadPolicy::Auto => unreachable!("stored as the policy it chooses"),
             ReadaheadPolicy::Fixed => slot_block(slot, setting.max_pages() as u32),
             ReadaheadPolicy::Scaling => {
                 let prev = self.prev_slot.load(Relaxed);
@@ -586,10 +600,42 @@ mod tests {
     use super::*;
 
     fn state(policy: ReadaheadPolicy, page_cluster: u8) -> ReadaheadState {
-        ReadaheadState::new(Readahead {
+        let setting = Readahead {
             policy,
             page_cluster,
-        })
+        };
+        ReadaheadState::new(setting, false)
+    }
+
+    #[test]
+    fn auto_is_stored_as_what_the_kernel_would_choose_for_the_device() {
+        let auto = Readahead {
+            policy: ReadaheadPolicy::Auto,
+            page_cluster: 3,
+        };
+        for (rotational, in_effect) in [
+            (true, ReadaheadPolicy::Scaling),
+            (false, ReadaheadPolicy::Vma),
+        ] {
+            let s = ReadaheadState::new(auto, rotational);
+            assert_eq!(s.get().policy, in_effect);
+            // A fault next to the previous one opens a window of that policy's kind.
+            s.size_window(100, 10, 1000);
+            let window = s.size_window(101, 11, 1000);
+            let slots = matches!(window, Window::Slots { .. });
+            assert_eq!(
+                slots, rotational,
+                "{window:?} on a rotational device: {rotational}"
+            );
+            // Switched at run time, an explicit policy stays as given.
+            s.set(Readahead {
+                policy: ReadaheadPolicy::None,
+                ..auto
+            });
+            assert_eq!(s.get().policy, ReadaheadPolicy::None);
+            s.set(auto);
+            assert_eq!(s.get().policy, in_effect);
+        }
     }
 
     #[test]

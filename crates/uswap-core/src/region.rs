@@ -263,7 +263,7 @@ impl Region {
         mm.budget().resident() + mm.shared_pages()
     }
 
-    /// The swap-in readahead in force.
+    /// The swap-in readahead in force (`auto` as the policy it chose for the device).
     pub fn readahead(&self) -> Readahead {
         self.inner().fault.readahead.get()
     }

@@ -72,6 +72,10 @@ pub struct Environment {
     /// The swap settings during the run, with the old values of those it changed.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub tunables: Vec<TunableState>,
+    /// Whether the swap in use lies on a rotating disk (the kernel then reads ahead by
+    /// slot whatever `vma_ra_enabled` says); absent when that cannot be told.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub swap_rotational: Option<bool>,
 }
 
 impl Environment {
@@ -86,6 +90,9 @@ impl Environment {
             let states: Vec<String> = self.tunables.iter().map(|t| t.to_string()).collect();
             println!("  {}", states.join(", "));
         }
+        if let Some(readahead) = self.readahead() {
+            println!("  readahead in effect: {readahead}");
+        }
     }
 
     /// The swap readahead in effect, named as `--readahead` names it.
@@ -97,6 +104,7 @@ impl Environment {
         Some(tunables::describe(
             value(Tunable::PageCluster.name())?,
             value(Tunable::VmaReadahead.name())?,
+            self.swap_rotational,
         ))
     }
 }
@@ -191,9 +199,12 @@ fn with_environment<T>(
         Some(plan) => prepare_swap(plan)?,
         None => "not used".to_string(),
     };
-    let tunables = match setup.swap {
-        Some(_) => apply_tunables(&setup.tunables)?,
-        None => Vec::new(),
+    let (tunables, swap_rotational) = match setup.swap {
+        Some(_) => (
+            apply_tunables(&setup.tunables)?,
+            swap::first_is_rotational(),
+        ),
+        None => (Vec::new(), None),
     };
     let name = format!("uswap-kernel-{}", process::id());
     let cgroup = teardown::with(|t| -> Result<String> {
@@ -214,6 +225,7 @@ fn with_environment<T>(
         swap,
         zram,
         tunables,
+        swap_rotational,
     };
     Ok((outcome, env))
 }

@@ -41,6 +41,14 @@ pub fn active() -> Result<Vec<ActiveSwap>> {
     Ok(parse_proc_swaps(&text))
 }
 
+/// Whether the swap the kernel fills first (the highest priority one on) lies on a rotating
+/// disk, where the kernel reads ahead by slot whatever `vma_ra_enabled` says; `None` when
+/// that cannot be told.
+pub fn first_is_rotational() -> Option<bool> {
+    let first = active().ok()?.into_iter().max_by_key(|s| s.priority)?;
+    uswap_core::Backing::rotational(&fs::File::open(first.name).ok()?)
+}
+
 fn is_active(path: &Path) -> Result<bool> {
     Ok(active()?.iter().any(|s| Path::new(&s.name) == path))
 }

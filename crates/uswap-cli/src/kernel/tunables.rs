@@ -86,7 +86,8 @@ pub fn for_readahead(
 ) -> Result<Vec<(Tunable, String)>> {
     let mut settings = Vec::new();
     match policy {
-        None => {}
+        // The kernel's own choice by device, under its default vma_ra_enabled (as found).
+        None | Some(ReadaheadPolicy::Auto) => {}
         Some(ReadaheadPolicy::Fixed) => bail!(
             "--readahead fixed does not exist in the kernel (the seed's fixed-window policy \
              was never merged): use --backend uswap for it, or vma, scaling or none"
@@ -161,11 +162,14 @@ fn pool_percent(pool_bytes: u64, total: u64) -> u64 {
     ((pool_bytes * 100 + total / 2) / total.max(1)).max(1)
 }
 
-/// The readahead in effect from the two settings' values, as `--readahead` names it.
-pub fn describe(page_cluster: &str, vma_ra_enabled: &str) -> String {
-    let policy = match (page_cluster, vma_ra_enabled) {
-        ("0", _) => "none",
-        (_, "true" | "1") => "vma",
+/// The readahead in effect from the two settings' values and whether the swap device is
+/// rotational (the kernel uses vma readahead on solid-state swap only), as `--readahead`
+/// names it.
+pub fn describe(page_cluster: &str, vma_ra_enabled: &str, rotational: Option<bool>) -> String {
+    let policy = match (page_cluster, vma_ra_enabled, rotational) {
+        ("0", _, _) => "none",
+        (_, "true" | "1", Some(true)) => "scaling (vma_ra_enabled, but the swap is rotational)",
+        (_, "true" | "1", _) => "vma",
         _ => "scaling",
     };
     format!("{policy}, page-cluster {page_cluster}")
@@ -229,9 +233,14 @@ mod tests {
 
     #[test]
     fn the_policy_in_effect_is_named() {
-        assert_eq!(describe("3", "true"), "vma, page-cluster 3");
-        assert_eq!(describe("3", "false"), "scaling, page-cluster 3");
-        assert_eq!(describe("0", "true"), "none, page-cluster 0");
+        assert_eq!(describe("3", "true", Some(false)), "vma, page-cluster 3");
+        assert_eq!(describe("3", "true", None), "vma, page-cluster 3");
+        assert!(describe("3", "true", Some(true)).starts_with("scaling (vma_ra_enabled, but"));
+        assert_eq!(
+            describe("3", "false", Some(false)),
+            "scaling, page-cluster 3"
+        );
+        assert_eq!(describe("0", "true", Some(true)), "none, page-cluster 0");
     }
 
     #[test]

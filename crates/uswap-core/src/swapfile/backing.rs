@@ -1,9 +1,10 @@
 //! What a swap file is stored on. Swap on tmpfs or ramfs is swap in RAM: every page swapped
 //! out still takes memory, from the same machine or cgroup the region was limiting.
 
-use std::fs::File;
+use std::fs::{self, File};
 use std::io;
 use std::os::fd::AsRawFd;
+use std::os::unix::fs::{FileTypeExt, MetadataExt};
 use std::path::Path;
 
 const TMPFS_MAGIC: i64 = 0x0102_1994;
@@ -42,6 +43,28 @@ impl Backing {
             RAMFS_MAGIC => Backing::Ramfs,
             fs_type => Backing::Other { fs_type },
         })
+    }
+
+    /// Whether `file` (a file, or a block device itself) lies on a rotating disk, by its
+    /// device's `queue/rotational` (its disk's, for a partition): what the kernel reads at
+    /// swapon to choose between its two readaheads. `None` where the file system has no
+    /// block device of its own to ask (tmpfs, overlayfs, btrfs's anonymous devices, NFS)
+    /// or sysfs is not mounted.
+    pub fn rotational(file: &File) -> Option<bool> {
+        let meta = file.metadata().ok()?;
+        let dev = match meta.file_type().is_block_device() {
+            true => meta.rdev(),
+            false => meta.dev(),
+        };
+        let (major, minor) = (libc::major(dev), libc::minor(dev));
+        if major == 0 {
+            return None;
+        }
+        let device = Path::new("/sys/dev/block").join(format!("{major}:{minor}"));
+        ["queue/rotational", "../queue/rotational"]
+            .iter()
+            .find_map(|flag| fs::read_to_string(device.join(flag)).ok())
+            .map(|flag| flag.trim() == "1")
     }
 
     /// Whether the swap file would live in RAM, so swapping to it saves no memory.

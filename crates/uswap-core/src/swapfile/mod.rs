@@ -154,6 +154,9 @@ pub struct SwapDevice {
     io: IoEngine,
     direct: bool,
     backing: Backing,
+    /// Whether the file lies on a rotating disk ([`Backing::rotational`]; where that cannot
+    /// be told, no: most swap today is solid-state).
+    rotational: bool,
     counters: Counters,
     slots: ClusterAllocator,
     /// Slots the device may ever have (a growing file is not that long yet).
@@ -196,6 +199,7 @@ impl SwapDevice {
         let dir = location_dir(&cfg.location);
         let file = open_file(&cfg.location)?;
         let backing = Backing::of_file(&file).unwrap_or(Backing::Other { fs_type: 0 });
+        let rotational = !backing.in_memory() && Backing::rotational(&file).unwrap_or(false);
         let create_error = |source: io::Error| Error::SwapCreate {
             dir: dir.to_path_buf(),
             source: match backing.in_memory() {
@@ -231,6 +235,7 @@ impl SwapDevice {
             ),
             direct,
             backing,
+            rotational,
             counters: Counters::default(),
             slots: ClusterAllocator::new(SWAPFILE_CLUSTER, initial, cfg.slot_alloc),
             capacity,
@@ -918,6 +923,12 @@ impl SwapDevice {
     /// memory.
     pub fn backing(&self) -> Backing {
         self.backing
+    }
+
+    /// Whether the swap file lies on a rotating disk, where reading neighbouring slots is
+    /// cheaper than reading scattered ones (the kernel's swap without `SWP_SOLIDSTATE`).
+    pub fn rotational(&self) -> bool {
+        self.rotational
     }
 
     /// The I/O mode in effect (pread when io_uring was asked for but refused).
@@ -2042,6 +2053,7 @@ mod tests {
                         .unwrap_or_else(|e| panic!("{fs} {location:?}: {e}"));
                     assert_eq!(dev.backing(), expected);
                     assert!(dev.backing().in_memory());
+                    assert!(!dev.rotational(), "swap in RAM seeks nothing");
                     let text = dev.backing().to_string();
                     assert!(
                         text.starts_with(fs) && text.contains("swap in RAM counts against"),
@@ -2064,6 +2076,36 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn a_block_device_is_rotational_as_sysfs_says_and_a_file_system_without_one_is_unknown() {
+        let mut asked = 0;
+        for entry in std::fs::read_dir("/sys/block")
+            .into_iter()
+            .flatten()
+            .flatten()
+        {
+            let name = entry.file_name();
+            let flag = std::fs::read_to_string(entry.path().join("queue/rotational"));
+            let Ok(node) = std::fs::File::open(Path::new("/dev").join(&name)) else {
+                continue; // no node, or not root
+            };
+            let expected = flag.ok().map(|f| f.trim() == "1");
+            assert_eq!(Backing::rotational(&node), expected, "{name:?}");
+            asked += 1;
+        }
+        let Some(mounted) = Mounted::new("tmpfs") else {
+            eprintln!("skipped the tmpfs half: cannot mount it (not root)");
+            return;
+        };
+        let file = std::fs::File::create(mounted.0.path().join("f")).unwrap();
+        assert_eq!(
+            Backing::rotational(&file),
+            None,
+            "tmpfs has no block device"
+        );
+        assert!(asked > 0, "root opened no block device under /dev");
     }
 
     #[test]
