@@ -139,9 +139,10 @@ pub struct CoreArgs {
     #[arg(long, value_name = "MODE", value_parser = |s: &str| s.parse::<SwapCacheMode>())]
     pub swap_cache: Option<SwapCacheMode>,
 
-    /// Swap-in readahead: `none`, `fixed`, `scaling`, `vma` or `auto` (the kernel's choice:
+    /// Swap-in readahead: `none`, `fixed`, `scaling`, `vma` or `auto` (the kernel's rule:
     /// `vma` on solid-state or RAM-backed swap, `scaling` on a rotating disk) [default:
-    /// auto]; the kernel backend sets vma_ra_enabled for the run (and has no `fixed`)
+    /// auto]; the kernel backend sets vma_ra_enabled for the run (`auto`: true, its
+    /// default, which it follows only while no rotational swap is on; it has no `fixed`)
     /// [default there: as found]
     #[arg(long, value_name = "POLICY", value_parser = |s: &str| s.parse::<ReadaheadPolicy>())]
     pub readahead: Option<ReadaheadPolicy>,

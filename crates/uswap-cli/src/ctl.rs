@@ -12,7 +12,7 @@ pub struct CtlArgs {
     pub pid: u32,
 
     /// Knobs to set, in order: memory=SIZE (the memory limit; lowering it reclaims),
-    /// swap_ra_policy=none|fixed|scaling|vma, page-cluster=0..8. Without any, the knobs and
+    /// swap_ra_policy=none|fixed|scaling|vma|auto, page-cluster=0..8. Without any, the knobs and
     /// their values are printed
     #[arg(value_name = "KEY=VALUE")]
     pub settings: Vec<String>,

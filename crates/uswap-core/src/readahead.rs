@@ -12,9 +12,12 @@
 //!   from the previous fault address and capped at 32 pages (the kernel's
 //!   `SWAP_RA_ORDER_CEILING`); placed ahead of a forward walk, behind a backward one,
 //!   centred otherwise. It reads the slots those pages hold, wherever they are.
-//! - `auto` (the default): the kernel's choice by device (`swap_use_vma_readahead`): `vma`
-//!   on solid-state or RAM-backed swap, `scaling` on a rotating disk, where neighbouring
-//!   slots cost one seek and a random program's neighbouring pages rarely sit in them.
+//! - `auto` (the default): the kernel's rule (`swap_use_vma_readahead`), by the region's
+//!   one device: `vma` on solid-state or RAM-backed swap, `scaling` on a rotating disk,
+//!   where neighbouring slots cost one seek. (The kernel turns vma readahead off for all
+//!   swap while any rotational swap is on; a region has one device.) A device that cannot
+//!   be told counts as solid-state, where the kernel counts a swap without a block device
+//!   as rotational: most swap today is on SSDs, and overlayfs or btrfs hide theirs.
 //!
 //! Pages read ahead are charged to the budget, mapped around the fault (clean, write-
 //! protected) and added to the swap cache with the readahead marker (see

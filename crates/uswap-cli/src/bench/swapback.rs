@@ -119,10 +119,6 @@ pub fn run(a: &SwapbackArgs) -> Result<()> {
 
 fn run_uswap(a: &SwapbackArgs, params: &SwapbackParams) -> Result<Report> {
     let cfg = a.core.config(a.memory)?;
-    let readahead = format!(
-        "{}, page-cluster {}",
-        cfg.readahead.policy, cfg.readahead.page_cluster
-    );
     let region = Region::new(a.size, cfg).with_context(|| {
         format!(
             "creating a {} region with a {} memory limit",
@@ -130,6 +126,9 @@ fn run_uswap(a: &SwapbackArgs, params: &SwapbackParams) -> Result<Report> {
             report::size(a.memory)
         )
     })?;
+    // As the region chose it (`auto` names the policy it picked for the device).
+    let chosen = region.readahead();
+    let readahead = format!("{}, page-cluster {}", chosen.policy, chosen.page_cluster);
     let mut swapoff = None;
     let (outcome, before, after) = swapback::run(
         region.mem(),

@@ -72,7 +72,7 @@ pub struct Environment {
     /// The swap settings during the run, with the old values of those it changed.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub tunables: Vec<TunableState>,
-    /// Whether the swap in use lies on a rotating disk (the kernel then reads ahead by
+    /// Whether a swap that is on lies on a rotating disk (the kernel then reads ahead by
     /// slot whatever `vma_ra_enabled` says); absent when that cannot be told.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub swap_rotational: Option<bool>,
@@ -200,10 +200,7 @@ fn with_environment<T>(
         None => "not used".to_string(),
     };
     let (tunables, swap_rotational) = match setup.swap {
-        Some(_) => (
-            apply_tunables(&setup.tunables)?,
-            swap::first_is_rotational(),
-        ),
+        Some(_) => (apply_tunables(&setup.tunables)?, swap::any_is_rotational()),
         None => (Vec::new(), None),
     };
     let name = format!("uswap-kernel-{}", process::id());

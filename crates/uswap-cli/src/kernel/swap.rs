@@ -41,12 +41,20 @@ pub fn active() -> Result<Vec<ActiveSwap>> {
     Ok(parse_proc_swaps(&text))
 }
 
-/// Whether the swap the kernel fills first (the highest priority one on) lies on a rotating
-/// disk, where the kernel reads ahead by slot whatever `vma_ra_enabled` says; `None` when
-/// that cannot be told.
-pub fn first_is_rotational() -> Option<bool> {
-    let first = active().ok()?.into_iter().max_by_key(|s| s.priority)?;
-    uswap_core::Backing::rotational(&fs::File::open(first.name).ok()?)
+/// Whether a swap that is on lies on a rotating disk: while one does, the kernel reads
+/// ahead by slot for all swap whatever `vma_ra_enabled` says (`nr_rotate_swap`). `None`
+/// when that cannot be told for some swap and none is known to be rotational.
+pub fn any_is_rotational() -> Option<bool> {
+    let mut unknown = false;
+    for swap in active().ok()? {
+        let file = fs::File::open(&swap.name).ok();
+        match file.and_then(|f| uswap_core::Backing::rotational(&f)) {
+            Some(true) => return Some(true),
+            Some(false) => {}
+            None => unknown = true,
+        }
+    }
+    (!unknown).then_some(false)
 }
 
 fn is_active(path: &Path) -> Result<bool> {

@@ -86,8 +86,7 @@ pub fn for_readahead(
 ) -> Result<Vec<(Tunable, String)>> {
     let mut settings = Vec::new();
     match policy {
-        // The kernel's own choice by device, under its default vma_ra_enabled (as found).
-        None | Some(ReadaheadPolicy::Auto) => {}
+        None => {}
         Some(ReadaheadPolicy::Fixed) => bail!(
             "--readahead fixed does not exist in the kernel (the seed's fixed-window policy \
              was never merged): use --backend uswap for it, or vma, scaling or none"
@@ -101,7 +100,11 @@ pub fn for_readahead(
             }
             return Ok(vec![(Tunable::PageCluster, "0".to_string())]);
         }
-        Some(ReadaheadPolicy::Vma) => settings.push((Tunable::VmaReadahead, "true".to_string())),
+        // The kernel's default, which it follows only while no rotational swap is on:
+        // `auto` there is `vma` set.
+        Some(ReadaheadPolicy::Vma | ReadaheadPolicy::Auto) => {
+            settings.push((Tunable::VmaReadahead, "true".to_string()))
+        }
         Some(ReadaheadPolicy::Scaling) => {
             settings.push((Tunable::VmaReadahead, "false".to_string()))
         }
@@ -162,17 +165,18 @@ fn pool_percent(pool_bytes: u64, total: u64) -> u64 {
     ((pool_bytes * 100 + total / 2) / total.max(1)).max(1)
 }
 
-/// The readahead in effect from the two settings' values and whether the swap device is
-/// rotational (the kernel uses vma readahead on solid-state swap only), as `--readahead`
-/// names it.
+/// The readahead in effect from the two settings' values and whether a rotational swap is
+/// on (the kernel's vma readahead is off for all swap while one is: `nr_rotate_swap`), as
+/// `--readahead` names it.
 pub fn describe(page_cluster: &str, vma_ra_enabled: &str, rotational: Option<bool>) -> String {
-    let policy = match (page_cluster, vma_ra_enabled, rotational) {
-        ("0", _, _) => "none",
-        (_, "true" | "1", Some(true)) => "scaling (vma_ra_enabled, but the swap is rotational)",
-        (_, "true" | "1", _) => "vma",
-        _ => "scaling",
-    };
-    format!("{policy}, page-cluster {page_cluster}")
+    match (page_cluster, vma_ra_enabled, rotational) {
+        ("0", _, _) => "none, page-cluster 0".to_string(),
+        (_, "true" | "1", Some(true)) => format!(
+            "scaling, page-cluster {page_cluster} (vma_ra_enabled, but a rotational swap is on)"
+        ),
+        (_, "true" | "1", _) => format!("vma, page-cluster {page_cluster}"),
+        _ => format!("scaling, page-cluster {page_cluster}"),
+    }
 }
 
 #[cfg(test)]
@@ -218,6 +222,11 @@ mod tests {
             vec![(Tunable::VmaReadahead, "false".into())]
         );
         assert_eq!(
+            set(Some(ReadaheadPolicy::Auto), None).unwrap(),
+            vec![(Tunable::VmaReadahead, "true".into())],
+            "the kernel's default, which it applies by device itself"
+        );
+        assert_eq!(
             set(Some(ReadaheadPolicy::None), Some(0)).unwrap(),
             vec![(Tunable::PageCluster, "0".into())]
         );
@@ -235,7 +244,7 @@ mod tests {
     fn the_policy_in_effect_is_named() {
         assert_eq!(describe("3", "true", Some(false)), "vma, page-cluster 3");
         assert_eq!(describe("3", "true", None), "vma, page-cluster 3");
-        assert!(describe("3", "true", Some(true)).starts_with("scaling (vma_ra_enabled, but"));
+        assert!(describe("3", "true", Some(true)).starts_with("scaling, page-cluster 3 (vma_ra"));
         assert_eq!(
             describe("3", "false", Some(false)),
             "scaling, page-cluster 3"

@@ -52,19 +52,10 @@ impl Backing {
     /// or sysfs is not mounted.
     pub fn rotational(file: &File) -> Option<bool> {
         let meta = file.metadata().ok()?;
-        let dev = match meta.file_type().is_block_device() {
+        rotational_device(match meta.file_type().is_block_device() {
             true => meta.rdev(),
             false => meta.dev(),
-        };
-        let (major, minor) = (libc::major(dev), libc::minor(dev));
-        if major == 0 {
-            return None;
-        }
-        let device = Path::new("/sys/dev/block").join(format!("{major}:{minor}"));
-        ["queue/rotational", "../queue/rotational"]
-            .iter()
-            .find_map(|flag| fs::read_to_string(device.join(flag)).ok())
-            .map(|flag| flag.trim() == "1")
+        })
     }
 
     /// Whether the swap file would live in RAM, so swapping to it saves no memory.
@@ -92,6 +83,19 @@ impl Backing {
     }
 }
 
+/// [`Backing::rotational`] of block device `dev`.
+fn rotational_device(dev: libc::dev_t) -> Option<bool> {
+    let (major, minor) = (libc::major(dev), libc::minor(dev));
+    if major == 0 {
+        return None; // an anonymous device: no block device behind it
+    }
+    let device = Path::new("/sys/dev/block").join(format!("{major}:{minor}"));
+    ["queue/rotational", "../queue/rotational"]
+        .iter()
+        .find_map(|flag| fs::read_to_string(device.join(flag)).ok())
+        .map(|flag| flag.trim() == "1")
+}
+
 impl std::fmt::Display for Backing {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
@@ -102,5 +106,61 @@ impl std::fmt::Display for Backing {
             ),
             Backing::Other { fs_type } => write!(f, "{} (type {fs_type:#x})", self.name()),
         }
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+
+    /// Every disk and partition sysfs lists, with its `dev` number and the flag of its
+    /// disk's queue: (name, device, rotational).
+    fn listed_devices() -> Vec<(String, libc::dev_t, bool)> {
+        let number = |dir: &Path| -> Option<libc::dev_t> {
+            let text = fs::read_to_string(dir.join("dev")).ok()?;
+            let (major, minor) = text.trim().split_once(':')?;
+            Some(libc::makedev(major.parse().ok()?, minor.parse().ok()?))
+        };
+        let mut found = Vec::new();
+        for disk in fs::read_dir("/sys/block").into_iter().flatten().flatten() {
+            let Ok(flag) = fs::read_to_string(disk.path().join("queue/rotational")) else {
+                continue;
+            };
+            let rotational = flag.trim() == "1";
+            let parts = fs::read_dir(disk.path()).into_iter().flatten().flatten();
+            let parts = parts.filter(|p| p.path().join("partition").exists());
+            for dir in std::iter::once(disk.path()).chain(parts.map(|p| p.path())) {
+                if let Some(dev) = number(&dir) {
+                    let name = dir.file_name().unwrap().to_string_lossy().into_owned();
+                    found.push((name, dev, rotational));
+                }
+            }
+        }
+        found
+    }
+
+    #[test]
+    fn disks_and_their_partitions_are_rotational_as_their_queue_says() {
+        let devices = listed_devices();
+        if devices.is_empty() {
+            eprintln!("skipped: sysfs lists no block devices here");
+            return;
+        }
+        for (name, dev, rotational) in devices {
+            assert_eq!(rotational_device(dev), Some(rotational), "{name}");
+        }
+        assert_eq!(rotational_device(libc::makedev(0, 42)), None, "anonymous");
+        assert_eq!(
+            rotational_device(libc::makedev(4095, 4095)),
+            None,
+            "unlisted"
+        );
+    }
+
+    #[test]
+    fn a_file_on_a_file_system_without_a_block_device_is_unknown() {
+        // procfs, like tmpfs and overlayfs, sits on an anonymous device.
+        let file = File::open("/proc/self/status").unwrap();
+        assert_eq!(Backing::rotational(&file), None);
     }
 }
