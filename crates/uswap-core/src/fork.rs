@@ -483,9 +483,10 @@ fn rebuild(
 ) -> Result<Assembly> {
     let mm = old.fault().mm();
     let mut cfg = old.config().clone();
-    // The LRU policy in force, which the program may have switched since the region was
-    // made.
+    // The LRU policy and readahead in force, which the program may have switched since
+    // the region was made.
     cfg.lru_policy = mm.workingset().policy();
+    cfg.readahead = old.fault().readahead.get();
     // A private group was the parent's alone; a tree's group is joined anew.
     cfg.memcg = cfg.memcg.filter(|cg| cg.is_shared());
     // The parent's own runs, where the child has them: a run the program unmapped just

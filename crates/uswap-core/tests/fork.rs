@@ -7,7 +7,9 @@ use common::{check, fill};
 use std::io::Write;
 use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use std::sync::Arc;
-use uswap_core::{Advice, Config, FaultMode, Region, PAGE_SIZE};
+use uswap_core::{
+    Advice, Config, FaultMode, LruPolicy, Readahead, ReadaheadPolicy, Region, PAGE_SIZE,
+};
 
 const MIB: usize = 1 << 20;
 
@@ -433,6 +435,30 @@ fn a_grandchild_gets_the_memory_of_its_parent() {
     });
     assert!(exited_ok(status), "child status {status:#x}");
     check_all(&region, &versions).unwrap();
+}
+
+#[test]
+fn a_child_keeps_the_policies_its_parent_switched_to() {
+    let _serial = serial();
+    let (region, _pages) = filled_region();
+    let switched = Readahead {
+        policy: ReadaheadPolicy::Fixed,
+        page_cluster: 2,
+    };
+    region.set_readahead(switched).unwrap();
+    let lru = match region.lru_policy() {
+        LruPolicy::S3fifo => LruPolicy::TwoList,
+        LruPolicy::TwoList => LruPolicy::S3fifo,
+    };
+    region.set_lru_policy(lru);
+    let status = in_child(|| {
+        let (readahead, policy) = (region.readahead(), region.lru_policy());
+        if readahead != switched || policy != lru {
+            return Err(format!("the child has {readahead:?} and {policy:?}"));
+        }
+        Ok(())
+    });
+    assert!(exited_ok(status), "child status {status:#x}");
 }
 
 #[test]
