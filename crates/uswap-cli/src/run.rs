@@ -55,6 +55,13 @@ pub struct RunArgs {
     #[arg(long, value_name = "SIZE", value_parser = size)]
     pub start_allowance: Option<u64>,
 
+    /// A directory (made if missing) where each program of the tree, when it exits,
+    /// leaves its counters as PID.json (what `uswap stat PID --json` shows): swap-ins,
+    /// swap-outs and faults of the whole run once it has ended. A program that execs
+    /// another or dies of a signal leaves none
+    #[arg(long, value_name = "DIR")]
+    pub stats_dir: Option<PathBuf>,
+
     /// Whose swap: `uswap`, or `kernel` (root): the program as a child in a memory cgroup
     /// limited to --memory, with the kernel's swap (--kernel-swap) of --swap-size [default:
     /// as for --vm-size] in --swap-dir, all removed after it; its exit status is passed on
@@ -110,6 +117,7 @@ pub fn run(args: &RunArgs) -> Result<ExitCode> {
             .unwrap_or(vm_size.saturating_add(RESERVATIONS)),
         memcg: Some(memcg),
         start_allowance: args.start_allowance,
+        stats_dir: stats_dir(args.stats_dir.as_deref())?,
     };
     let mut preloads = preload.into_os_string();
     if let Some(old) = std::env::var_os("LD_PRELOAD").filter(|v| !v.is_empty()) {
@@ -129,6 +137,17 @@ pub fn run(args: &RunArgs) -> Result<ExitCode> {
     Err(err).with_context(|| format!("cannot run {}", program.display()))
 }
 
+/// `--stats-dir`, made if missing, as an absolute path (the program may change directory).
+fn stats_dir(dir: Option<&Path>) -> Result<Option<PathBuf>> {
+    let Some(dir) = dir else {
+        return Ok(None);
+    };
+    std::fs::create_dir_all(dir)
+        .and_then(|()| dir.canonicalize())
+        .map(Some)
+        .with_context(|| format!("--stats-dir {}: cannot make the directory", dir.display()))
+}
+
 /// `--backend kernel`: the program as a child in a memory cgroup under the kernel's swap;
 /// returns its exit status once everything made for it is gone.
 fn run_under_kernel(args: &RunArgs, memory: u64) -> Result<ExitCode> {
@@ -141,6 +160,9 @@ fn run_under_kernel(args: &RunArgs, memory: u64) -> Result<ExitCode> {
     }
     if args.start_allowance.is_some() {
         uswap_only.insert(0, "--start-allowance");
+    }
+    if args.stats_dir.is_some() {
+        uswap_only.insert(0, "--stats-dir");
     }
     if !uswap_only.is_empty() {
         bail!(

@@ -646,6 +646,47 @@ print(rss)
     );
 }
 
+/// `--stats-dir`: each program of the tree leaves its counters when it exits, so a run's
+/// swapping can be totalled after it ends (`uswap bench run` does): two children that
+/// together hold more than the limit leave files named by their pids, and between them
+/// they swapped out.
+#[test]
+fn each_program_of_a_tree_leaves_its_counters_at_exit() {
+    let _heavy = heavy();
+    let Some(python) = python3() else {
+        return;
+    };
+    let tmp = TempDir::new().unwrap();
+    let stats = tmp.path().join("stats");
+    let child = r#"
+a = [bytes([i % 251]) * 4096 for i in range(56 * 256)]
+assert all(x[0] == i % 251 for i, x in enumerate(a))
+"#;
+    let parent = format!(
+        "import subprocess, sys\n\
+         ps = [subprocess.Popen([sys.executable, '-c', {child:?}]) for _ in range(2)]\n\
+         assert all(p.wait() == 0 for p in ps)\n\
+         print('ok', *[p.pid for p in ps])\n"
+    );
+    let options = ["--stats-dir", stats.to_str().unwrap()];
+    let mut cmd = uswap_run_with("auto", &options, tmp.path(), Some(MEMORY), &python);
+    cmd.args(["-c", &parent]);
+    let line = expect_ok(&run(cmd, b"", "uswap run python --stats-dir"), "children");
+    let mut swapped_out = 0;
+    for pid in line.split_whitespace().skip(1) {
+        let path = stats.join(format!("{pid}.json"));
+        let text = fs::read_to_string(&path)
+            .unwrap_or_else(|e| panic!("child {pid} left no counters at {path:?}: {e}"));
+        let snapshot: serde_json::Value = serde_json::from_str(&text).unwrap();
+        assert_eq!(snapshot["pid"].to_string(), pid, "{text}");
+        swapped_out += snapshot["stats"]["vmstat"]["pswpout"].as_u64().unwrap();
+    }
+    assert!(
+        swapped_out > 0,
+        "two children over one limit swapped nothing out"
+    );
+}
+
 /// Memory the limit does not hold is shown and said: a program whose memory is in uswap
 /// hears nothing; one that then holds 160 MiB in a private executable mapping (the
 /// kernel's, as a JIT's code is) sees it as `outside` in `uswap stat` and is told once.

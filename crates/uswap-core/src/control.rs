@@ -509,7 +509,7 @@ fn error(message: impl Into<String>) -> Value {
 /// Answers one request.
 fn handle(region: &Region, request: &Value) -> Value {
     match request.get("cmd").and_then(Value::as_str) {
-        Some("stat") => stat(region),
+        Some("stat") => snapshot(region),
         Some("get") => json!({ "knobs": knobs(region) }),
         Some("set") => match set(region, request) {
             Ok(()) => json!({ "ok": true }),
@@ -520,7 +520,8 @@ fn handle(region: &Region, request: &Value) -> Value {
     }
 }
 
-fn stat(region: &Region) -> Value {
+/// The `stat` reply: pid, size, knobs, [`Region::stats`] and the phase times.
+pub fn snapshot(region: &Region) -> Value {
     let stats = match serde_json::to_value(region.stats()) {
         Ok(stats) => stats,
         Err(e) => return error(format!("the statistics could not be encoded: {e}")),

@@ -28,6 +28,11 @@ pub struct Settings {
     /// has no room for the allowance. `None`: [`default_start_allowance`].
     #[serde(default)]
     pub start_allowance: Option<u64>,
+    /// Where each program of the tree leaves, when it exits, its region's counters as
+    /// `PID.json` (the `stat` reply of its control socket): totals for the tree once it
+    /// has ended, when no control socket answers any more.
+    #[serde(default)]
+    pub stats_dir: Option<std::path::PathBuf>,
 }
 
 /// The start-up allowance of a program whose memory limit is `limit` bytes: 8 MiB (a

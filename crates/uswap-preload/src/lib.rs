@@ -181,6 +181,11 @@ static MEMCG: OnceLock<Arc<MemCgroup>> = OnceLock::new();
 /// On the way out: the control socket goes, and the tree's memory cgroup file if this was
 /// the last process of the tree.
 extern "C" fn at_exit() {
+    if let Some(region) = space::get().and_then(|s| s.region()) {
+        if let Some(dir) = STATS_DIR.get() {
+            leave_stats(dir, region);
+        }
+    }
     allowance::give_back();
     if let Some(path) = CONTROL_SOCKET
         .lock()
@@ -191,6 +196,23 @@ extern "C" fn at_exit() {
     }
     if let Some(cg) = MEMCG.get() {
         cg.last_one_out();
+    }
+}
+
+/// Where the program leaves its counters at exit (`Settings::stats_dir`).
+static STATS_DIR: OnceLock<PathBuf> = OnceLock::new();
+
+/// Leaves the region's counters in `dir` as `PID.json` for `uswap run --stats-dir`; a
+/// failure is told and the exit goes on.
+fn leave_stats(dir: &std::path::Path, region: &Region) {
+    let _inside = internal::Inside::enter();
+    let path = dir.join(format!("{}.json", std::process::id()));
+    let text = uswap_core::control::snapshot(region).to_string();
+    if let Err(e) = std::fs::write(&path, text) {
+        sys::warn(&format!(
+            "uswap run: cannot leave this program's counters in {}: {e}\n",
+            path.display()
+        ));
     }
 }
 
@@ -286,6 +308,9 @@ fn start(text: &str) -> uswap_core::Result<Plan> {
         });
     }
     let mut settings = Settings::parse(text)?;
+    if let Some(dir) = settings.stats_dir.take() {
+        let _ = STATS_DIR.set(dir);
+    }
     settings.config.fault_mode = fault_mode(settings.config.fault_mode)?;
     settings.config.memcg =
         settings

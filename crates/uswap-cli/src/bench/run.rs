@@ -4,12 +4,13 @@
 
 use super::run_report::{self, Mode, Record, Report};
 use crate::args::{existing_dir, nonzero_size, KernelArgs};
-use crate::kernel::{self, program, Environment};
+use crate::kernel::{self, program, Environment, ProgramSwap};
 use anyhow::{bail, ensure, Context, Result};
 use clap::{value_parser, Args};
 use indicatif::{ProgressBar, ProgressStyle};
 use std::ffi::OsString;
 use std::fs::{self, File};
+use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode, Stdio};
 use uswap_core::{Ztier, ZtierSize};
@@ -248,8 +249,41 @@ fn run_uswap(
     if let Some(size) = a.swap_size {
         command.args(["--swap-size", &size.to_string()]);
     }
+    let stats = tempfile::tempdir().context("making a directory for the run's counters")?;
+    // Writable by every user, as /tmp is: the tree may start programs as other users (a
+    // database's server, started by its script as its own user).
+    fs::set_permissions(stats.path(), fs::Permissions::from_mode(0o1777))
+        .context("opening the run's counters directory to the tree's users")?;
+    command.arg("--stats-dir").arg(stats.path());
     command.arg("--").args(&a.command);
     output.apply(&mut command)?;
     let done = program::run(command, false)?;
-    Ok(Record::new(round, mode, &done))
+    let mut record = Record::new(round, mode, &done);
+    record.swap = left_counters(stats.path())?;
+    Ok(record)
+}
+
+/// The pages the tree swapped in and out, summed over the counters its programs left in
+/// `dir` at exit (`uswap run --stats-dir`); `None` when none left any.
+fn left_counters(dir: &Path) -> Result<Option<ProgramSwap>> {
+    let mut total: Option<ProgramSwap> = None;
+    for entry in fs::read_dir(dir).context("reading the run's counters")? {
+        let path = entry.context("reading the run's counters")?.path();
+        let text = fs::read_to_string(&path)
+            .with_context(|| format!("reading the counters in {}", path.display()))?;
+        let snapshot: serde_json::Value = serde_json::from_str(&text)
+            .with_context(|| format!("the counters in {} are not JSON", path.display()))?;
+        let count = |name: &str| snapshot["stats"]["vmstat"][name].as_u64();
+        let (Some(pswpin), Some(pswpout)) = (count("pswpin"), count("pswpout")) else {
+            bail!("{} holds no swap counters", path.display());
+        };
+        let sum = total.get_or_insert(ProgramSwap {
+            pswpin: 0,
+            pswpout: 0,
+            source: "uswap",
+        });
+        sum.pswpin += pswpin;
+        sum.pswpout += pswpout;
+    }
+    Ok(total)
 }

@@ -16,9 +16,10 @@ it waited for (uswap's fault handler threads included); max RSS, the largest res
 any one process of the tree (ru_maxrss, every mode); cg peak, the kernel cgroup's peak \
 (memory.peak, v1 memory.max_usage_in_bytes: the whole tree, page cache included; kernel only); \
 major faults (ru_majflt); swap in/out in pages: for the kernel the cgroup's pswpin/pswpout \
-(cgroup v2) or else /proc/vmstat over the run (machine-wide); for uswap \"-\": its counters \
-(`uswap stat`) end with the program. Runs that exit non-zero are marked failed and left out \
-of the medians.";
+(cgroup v2) or else /proc/vmstat over the run (machine-wide); for uswap the counters each \
+program of the tree left when it exited (`uswap run --stats-dir`; one that execs another or \
+dies of a signal leaves none). Runs that exit non-zero are marked failed and left out of the \
+medians.";
 
 /// What a run's program runs under.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Serialize)]
@@ -64,7 +65,7 @@ pub struct Record {
     pub usage: Usage,
     /// The kernel cgroup's peak memory (kernel mode only).
     pub cgroup_peak_bytes: Option<u64>,
-    /// Pages swapped (kernel mode only; uswap's counters end with the program).
+    /// Pages swapped: the kernel's counters, or what uswap's programs left at exit.
     pub swap: Option<ProgramSwap>,
     /// The program's stdout and stderr (none with --show-output).
     pub log: Option<PathBuf>,
@@ -231,12 +232,16 @@ pub fn print(r: &Report) {
             log.map_or("-".into(), |name| name.to_string_lossy())
         );
     }
-    if let Some(source) = r.runs.iter().find_map(|run| run.swap.map(|s| s.source)) {
+    let kernel = r.runs.iter().filter(|run| run.mode == Mode::Kernel);
+    if let Some(source) = kernel.filter_map(|run| run.swap).map(|s| s.source).next() {
         let source = match source {
             "cgroup" => "the cgroup's own counters",
             _ => "/proc/vmstat over the run, machine-wide (cgroup v1 has no per-group ones)",
         };
-        println!("kernel swap in/out: {source}; uswap: - (its counters end with the program)");
+        println!(
+            "swap in/out: the kernel's from {source}; uswap's from the counters its programs \
+             left at exit"
+        );
     }
     println!("summary: median wall time of the runs that succeeded; speed against the kernel in each round (its wall time over the mode's: above 1 is faster) and their median");
     println!(

@@ -125,7 +125,8 @@ pub struct ProgramSwap {
     pub pswpin: u64,
     pub pswpout: u64,
     /// `cgroup`: the cgroup's own counters (v2 memory.stat); `machine`: /proc/vmstat over the
-    /// run, everything the machine swapped meanwhile (cgroup v1 has no per-group counters).
+    /// run, everything the machine swapped meanwhile (cgroup v1 has no per-group counters);
+    /// `uswap`: what a uswap run's programs left at exit (`uswap run --stats-dir`).
     pub source: &'static str,
 }
 
