@@ -57,8 +57,10 @@ pub struct RunArgs {
 
     /// A directory (made if missing) where each program of the tree, when it exits,
     /// leaves its counters as PID.json (what `uswap stat PID --json` shows): swap-ins,
-    /// swap-outs and faults of the whole run once it has ended. A program that execs
-    /// another or dies of a signal leaves none
+    /// swap-outs and faults of the whole run once it has ended. None is left by a program
+    /// that execs another, dies of a signal or ends with `_exit` (Go's `os.Exit`, Python's
+    /// `os._exit`), nor by one that never built its region (it swapped nothing). Programs
+    /// running as other users need the directory writable to them
     #[arg(long, value_name = "DIR")]
     pub stats_dir: Option<PathBuf>,
 
@@ -142,10 +144,17 @@ fn stats_dir(dir: Option<&Path>) -> Result<Option<PathBuf>> {
     let Some(dir) = dir else {
         return Ok(None);
     };
-    std::fs::create_dir_all(dir)
+    let made = std::fs::create_dir_all(dir)
         .and_then(|()| dir.canonicalize())
-        .map(Some)
-        .with_context(|| format!("--stats-dir {}: cannot make the directory", dir.display()))
+        .with_context(|| format!("--stats-dir {}: cannot make the directory", dir.display()))?;
+    if made.to_str().is_none() {
+        bail!(
+            "--stats-dir {}: the path is not UTF-8, which the programs' settings must be: \
+             use another directory",
+            made.display()
+        );
+    }
+    Ok(Some(made))
 }
 
 /// `--backend kernel`: the program as a child in a memory cgroup under the kernel's swap;

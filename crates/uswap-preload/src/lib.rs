@@ -181,9 +181,15 @@ static MEMCG: OnceLock<Arc<MemCgroup>> = OnceLock::new();
 /// On the way out: the control socket goes, and the tree's memory cgroup file if this was
 /// the last process of the tree.
 extern "C" fn at_exit() {
-    if let Some(region) = space::get().and_then(|s| s.region()) {
-        if let Some(dir) = STATS_DIR.get() {
-            leave_stats(dir, region);
+    // Not from a child that shares the space without a region of its own (vfork, a raw
+    // clone), whose counters would be the parent's; not from inside uswap's own code (an
+    // exit from a signal handler that interrupted it), where the internal heap's lock
+    // may be held by the same thread.
+    let space = space::get().filter(|s| s.ours());
+    if let (Some(dir), Some(region)) = (STATS_DIR.get(), space.and_then(|s| s.region())) {
+        match internal::inside() {
+            false => leave_stats(dir, region),
+            true => sys::warn("uswap run: exit from inside uswap: no counters left\n"),
         }
     }
     allowance::give_back();
@@ -202,16 +208,42 @@ extern "C" fn at_exit() {
 /// Where the program leaves its counters at exit (`Settings::stats_dir`).
 static STATS_DIR: OnceLock<PathBuf> = OnceLock::new();
 
-/// Leaves the region's counters in `dir` as `PID.json` for `uswap run --stats-dir`; a
-/// failure is told and the exit goes on.
+/// Leaves the region's counters in `dir` as `PID.json` (`PID.N.json` when a program of an
+/// earlier pid left one) for `uswap run --stats-dir`; a failure is told and the exit goes
+/// on. The file is written under a name of its own, never through a link someone left
+/// there, and appears whole: a reader never sees half of it.
 fn leave_stats(dir: &std::path::Path, region: &Region) {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
     let _inside = internal::Inside::enter();
-    let path = dir.join(format!("{}.json", std::process::id()));
+    let pid = std::process::id();
     let text = uswap_core::control::snapshot(region).to_string();
-    if let Err(e) = std::fs::write(&path, text) {
+    let partial = dir.join(format!(".{pid}.partial"));
+    let written = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o644)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+        .open(&partial)
+        .and_then(|mut file| file.write_all(text.as_bytes()))
+        .and_then(|()| {
+            let names = std::iter::once(format!("{pid}.json"))
+                .chain((1..8).map(|n| format!("{pid}.{n}.json")));
+            let mut linked = Err(std::io::ErrorKind::AlreadyExists.into());
+            for name in names {
+                // A link fails on any name that exists: nothing is replaced or followed.
+                linked = std::fs::hard_link(&partial, dir.join(name));
+                if !matches!(&linked, Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists) {
+                    break;
+                }
+            }
+            linked
+        });
+    let _ = std::fs::remove_file(&partial);
+    if let Err(e) = written {
         sys::warn(&format!(
             "uswap run: cannot leave this program's counters in {}: {e}\n",
-            path.display()
+            dir.display()
         ));
     }
 }

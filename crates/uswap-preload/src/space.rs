@@ -147,7 +147,7 @@ impl Space {
     }
 
     /// Whether this process is the one the space was set up for (see `pid`).
-    fn ours(&self) -> bool {
+    pub fn ours(&self) -> bool {
         self.pid.load(Relaxed) == std::process::id()
     }
 

@@ -249,9 +249,14 @@ fn run_uswap(
     if let Some(size) = a.swap_size {
         command.args(["--swap-size", &size.to_string()]);
     }
-    let stats = tempfile::tempdir().context("making a directory for the run's counters")?;
     // Writable by every user, as /tmp is: the tree may start programs as other users (a
-    // database's server, started by its script as its own user).
+    // database's server, started by its script as its own user). Its random name sits in
+    // a directory others may pass through but not list.
+    let hidden = tempfile::tempdir().context("making a directory for the run's counters")?;
+    fs::set_permissions(hidden.path(), fs::Permissions::from_mode(0o711))
+        .context("making the run's counters directory")?;
+    let stats =
+        tempfile::tempdir_in(hidden.path()).context("making a directory for the run's counters")?;
     fs::set_permissions(stats.path(), fs::Permissions::from_mode(0o1777))
         .context("opening the run's counters directory to the tree's users")?;
     command.arg("--stats-dir").arg(stats.path());
@@ -264,26 +269,74 @@ fn run_uswap(
 }
 
 /// The pages the tree swapped in and out, summed over the counters its programs left in
-/// `dir` at exit (`uswap run --stats-dir`); `None` when none left any.
+/// `dir` at exit (`uswap run --stats-dir`: `PID.json` or `PID.N.json`, regular files);
+/// `None` when none left any. Anything else there is left out with a warning: the run
+/// is reported all the same.
 fn left_counters(dir: &Path) -> Result<Option<ProgramSwap>> {
     let mut total: Option<ProgramSwap> = None;
     for entry in fs::read_dir(dir).context("reading the run's counters")? {
         let path = entry.context("reading the run's counters")?.path();
-        let text = fs::read_to_string(&path)
-            .with_context(|| format!("reading the counters in {}", path.display()))?;
-        let snapshot: serde_json::Value = serde_json::from_str(&text)
-            .with_context(|| format!("the counters in {} are not JSON", path.display()))?;
-        let count = |name: &str| snapshot["stats"]["vmstat"][name].as_u64();
-        let (Some(pswpin), Some(pswpout)) = (count("pswpin"), count("pswpout")) else {
-            bail!("{} holds no swap counters", path.display());
-        };
-        let sum = total.get_or_insert(ProgramSwap {
-            pswpin: 0,
-            pswpout: 0,
-            source: "uswap",
-        });
-        sum.pswpin += pswpin;
-        sum.pswpout += pswpout;
+        match program_counters(&path) {
+            Ok(Some((pswpin, pswpout))) => {
+                let sum = total.get_or_insert(ProgramSwap {
+                    pswpin: 0,
+                    pswpout: 0,
+                    source: "uswap",
+                });
+                sum.pswpin += pswpin;
+                sum.pswpout += pswpout;
+            }
+            Ok(None) => {}
+            Err(e) => eprintln!("uswap bench run: left out of the swap counts: {e:#}"),
+        }
     }
     Ok(total)
+}
+
+/// One program's (pswpin, pswpout) from the file it left; `None` for a file that is not
+/// one of those (the partial file of a program still writing, for one).
+fn program_counters(path: &Path) -> Result<Option<(u64, u64)>> {
+    let name = path.file_name().unwrap_or_default().to_string_lossy();
+    let stem = name.strip_suffix(".json").unwrap_or_default();
+    let named = !stem.is_empty() && stem.split('.').all(|part| part.parse::<u32>().is_ok());
+    if !named || stem.split('.').count() > 2 {
+        return Ok(None);
+    }
+    let kind = fs::symlink_metadata(path).with_context(|| format!("{}", path.display()))?;
+    ensure!(kind.is_file(), "{} is not a regular file", path.display());
+    let text = fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    let snapshot: serde_json::Value = serde_json::from_str(&text)
+        .with_context(|| format!("{} is not a snapshot (JSON)", path.display()))?;
+    let count = |name: &str| snapshot["stats"]["vmstat"][name].as_u64();
+    match (count("pswpin"), count("pswpout")) {
+        (Some(pswpin), Some(pswpout)) => Ok(Some((pswpin, pswpout))),
+        _ => bail!("{} holds no swap counters", path.display()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn snapshot(pswpin: u64, pswpout: u64) -> String {
+        serde_json::json!({"pid": 1, "stats": {"vmstat": {"pswpin": pswpin, "pswpout": pswpout}}})
+            .to_string()
+    }
+
+    #[test]
+    fn the_counters_programs_left_are_summed_and_anything_else_is_left_out() {
+        let dir = tempfile::tempdir().unwrap();
+        assert!(left_counters(dir.path()).unwrap().is_none(), "nothing left");
+        fs::write(dir.path().join("100.json"), snapshot(10, 20)).unwrap();
+        fs::write(dir.path().join("100.1.json"), snapshot(1, 2)).unwrap();
+        fs::write(dir.path().join("200.json"), snapshot(5, 0)).unwrap();
+        // A program still writing, a cut-off file, a stranger's file, a link, a directory.
+        fs::write(dir.path().join(".300.partial"), snapshot(1000, 1000)).unwrap();
+        fs::write(dir.path().join("400.json"), &snapshot(1000, 1000)[..20]).unwrap();
+        fs::write(dir.path().join("notes.json"), snapshot(1000, 1000)).unwrap();
+        std::os::unix::fs::symlink("200.json", dir.path().join("500.json")).unwrap();
+        fs::create_dir(dir.path().join("600.json")).unwrap();
+        let sum = left_counters(dir.path()).unwrap().unwrap();
+        assert_eq!((sum.pswpin, sum.pswpout, sum.source), (16, 22, "uswap"));
+    }
 }

@@ -17,8 +17,8 @@ any one process of the tree (ru_maxrss, every mode); cg peak, the kernel cgroup'
 (memory.peak, v1 memory.max_usage_in_bytes: the whole tree, page cache included; kernel only); \
 major faults (ru_majflt); swap in/out in pages: for the kernel the cgroup's pswpin/pswpout \
 (cgroup v2) or else /proc/vmstat over the run (machine-wide); for uswap the counters each \
-program of the tree left when it exited (`uswap run --stats-dir`; one that execs another or \
-dies of a signal leaves none). Runs that exit non-zero are marked failed and left out of the \
+program of the tree left when it exited (`uswap run --stats-dir`; one that execs another, \
+dies of a signal or ends with _exit leaves none). Runs that exit non-zero are marked failed and left out of the \
 medians.";
 
 /// What a run's program runs under.
