@@ -602,7 +602,10 @@ fn unmapped_ranges_mapped_again_read_as_zeros() {
 
 /// Programs a program starts draw from the one limit, as processes of one cgroup do: two
 /// children that each touch more than half of it hold, together, about the limit plus
-/// their own overhead (each would hold nearly all of it with a limit of its own).
+/// their own overhead (each would hold nearly all of it with a limit of its own). With
+/// `--stats-dir`, each leaves its counters when it exits, so a run's swapping can be
+/// totalled after it ends (`uswap bench run` does): files named by their pids, and between
+/// them they swapped out.
 #[test]
 fn programs_a_program_starts_share_its_limit() {
     let _heavy = heavy();
@@ -622,9 +625,11 @@ print(rss)
          ps = [subprocess.Popen([sys.executable, '-c', {child:?}], stdout=subprocess.PIPE) for _ in range(2)]\n\
          rss = [int(p.communicate()[0]) for p in ps]\n\
          assert all(p.returncode == 0 for p in ps)\n\
-         print('ok', sum(rss), rss)\n"
+         print('ok', sum(rss), *[p.pid for p in ps], 'rss', rss)\n"
     );
-    let mut cmd = uswap_run(tmp.path(), Some(MEMORY), &python);
+    let stats = tmp.path().join("stats");
+    let options = ["--stats-dir", stats.to_str().unwrap()];
+    let mut cmd = uswap_run_with("thread", &options, tmp.path(), Some(MEMORY), &python);
     cmd.args(["-c", &parent]);
     let line = expect_ok(
         &run(cmd, b"", "uswap run python (two children)"),
@@ -644,36 +649,8 @@ print(rss)
         leftovers.is_empty(),
         "the tree's memory cgroup file is gone: {leftovers:?}"
     );
-}
-
-/// `--stats-dir`: each program of the tree leaves its counters when it exits, so a run's
-/// swapping can be totalled after it ends (`uswap bench run` does): two children that
-/// together hold more than the limit leave files named by their pids, and between them
-/// they swapped out.
-#[test]
-fn each_program_of_a_tree_leaves_its_counters_at_exit() {
-    let _heavy = heavy();
-    let Some(python) = python3() else {
-        return;
-    };
-    let tmp = TempDir::new().unwrap();
-    let stats = tmp.path().join("stats");
-    let child = r#"
-a = [bytes([i % 251]) * 4096 for i in range(56 * 256)]
-assert all(x[0] == i % 251 for i, x in enumerate(a))
-"#;
-    let parent = format!(
-        "import subprocess, sys\n\
-         ps = [subprocess.Popen([sys.executable, '-c', {child:?}]) for _ in range(2)]\n\
-         assert all(p.wait() == 0 for p in ps)\n\
-         print('ok', *[p.pid for p in ps])\n"
-    );
-    let options = ["--stats-dir", stats.to_str().unwrap()];
-    let mut cmd = uswap_run_with("auto", &options, tmp.path(), Some(MEMORY), &python);
-    cmd.args(["-c", &parent]);
-    let line = expect_ok(&run(cmd, b"", "uswap run python --stats-dir"), "children");
     let mut swapped_out = 0;
-    for pid in line.split_whitespace().skip(1) {
+    for pid in line.split_whitespace().skip(2).take(2) {
         let path = stats.join(format!("{pid}.json"));
         let text = fs::read_to_string(&path)
             .unwrap_or_else(|e| panic!("child {pid} left no counters at {path:?}: {e}"));

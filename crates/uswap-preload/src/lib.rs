@@ -208,44 +208,46 @@ extern "C" fn at_exit() {
 /// Where the program leaves its counters at exit (`Settings::stats_dir`).
 static STATS_DIR: OnceLock<PathBuf> = OnceLock::new();
 
-/// Leaves the region's counters in `dir` as `PID.json` (`PID.N.json` when a program of an
-/// earlier pid left one) for `uswap run --stats-dir`; a failure is told and the exit goes
-/// on. The file is written under a name of its own, never through a link someone left
-/// there, and appears whole: a reader never sees half of it.
+/// Leaves the region's counters in `dir` for `uswap run --stats-dir`; a failure is told
+/// and the exit goes on.
 fn leave_stats(dir: &std::path::Path, region: &Region) {
-    use std::io::Write;
-    use std::os::unix::fs::OpenOptionsExt;
     let _inside = internal::Inside::enter();
-    let pid = std::process::id();
     let text = uswap_core::control::snapshot(region).to_string();
-    let partial = dir.join(format!(".{pid}.partial"));
-    let written = std::fs::OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .mode(0o644)
-        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
-        .open(&partial)
-        .and_then(|mut file| file.write_all(text.as_bytes()))
-        .and_then(|()| {
-            let names = std::iter::once(format!("{pid}.json"))
-                .chain((1..8).map(|n| format!("{pid}.{n}.json")));
-            let mut linked = Err(std::io::ErrorKind::AlreadyExists.into());
-            for name in names {
-                // A link fails on any name that exists: nothing is replaced or followed.
-                linked = std::fs::hard_link(&partial, dir.join(name));
-                if !matches!(&linked, Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists) {
-                    break;
-                }
-            }
-            linked
-        });
-    let _ = std::fs::remove_file(&partial);
-    if let Err(e) = written {
+    if let Err(e) = write_new(dir, std::process::id(), text.as_bytes()) {
         sys::warn(&format!(
             "uswap run: cannot leave this program's counters in {}: {e}\n",
             dir.display()
         ));
     }
+}
+
+/// Writes `bytes` as `PID.json` in `dir` (`PID.N.json` when a program of an earlier `pid`
+/// left one): under a name of its own first, never through a link someone left there,
+/// then linked in, so a reader never sees half of it.
+fn write_new(dir: &std::path::Path, pid: u32, bytes: &[u8]) -> std::io::Result<()> {
+    use std::io::{ErrorKind, Write};
+    use std::os::unix::fs::OpenOptionsExt;
+    let partial = dir.join(format!(".{pid}.partial"));
+    let mut file = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o644)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+        .open(&partial)?;
+    let linked = file.write_all(bytes).and_then(|()| {
+        let names =
+            std::iter::once(format!("{pid}.json")).chain((1..8).map(|n| format!("{pid}.{n}.json")));
+        for name in names {
+            // A link fails on any name that exists: nothing is replaced or followed.
+            match std::fs::hard_link(&partial, dir.join(name)) {
+                Err(e) if e.kind() == ErrorKind::AlreadyExists => continue,
+                done => return done,
+            }
+        }
+        Err(ErrorKind::AlreadyExists.into())
+    });
+    let _ = std::fs::remove_file(&partial);
+    linked
 }
 
 /// Whether the program's `malloc` is this library's: a program that brings its own (a
