@@ -9,8 +9,8 @@ use std::path::PathBuf;
 use uswap_core::swapfile::Backing;
 use uswap_core::{
     parse_size, Compressor, Config, FaultMode, IoMode, LruLockMode, LruPolicy, Readahead,
-    ReadaheadPolicy, SlotAlloc, SwapCacheMode, SwapEncryption, SwapLocation, Watermarks, Ztier,
-    ZtierSize,
+    ReadaheadPolicy, References, SlotAlloc, SwapCacheMode, SwapEncryption, SwapLocation,
+    Watermarks, Ztier, ZtierSize,
 };
 
 /// Which swap runs the workload.
@@ -164,6 +164,13 @@ pub struct CoreArgs {
     #[arg(long, value_name = "POLICY", value_parser = |s: &str| s.parse::<LruPolicy>())]
     pub lru_policy: Option<LruPolicy>,
 
+    /// How aging sees that a mapped page is in use: `faults` (it unmaps the page and a touch
+    /// brings it back with a minor fault) or `written` (written bits, Linux 6.7: pages
+    /// written since aging last looked stay mapped without a fault; reads are not seen,
+    /// and a swapped-in page is written again when evicted) [default: faults]
+    #[arg(long, value_name = "SOURCE", value_parser = |s: &str| s.parse::<References>())]
+    pub references: Option<References>,
+
     /// Share of the memory limit kept unmapped on the inactive list, 0 to 50: the window in
     /// which a touch shows that a page is in use (a minor fault) [default: 10]
     #[arg(long, value_name = "PERCENT", value_parser = clap::value_parser!(u8).range(0..=50))]
@@ -232,6 +239,7 @@ impl CoreArgs {
             ("--lru-lock", self.lru_lock.is_some()),
             ("--lru-batch", self.lru_batch.is_some()),
             ("--lru-policy", self.lru_policy.is_some()),
+            ("--references", self.references.is_some()),
             ("--inactive-percent", self.inactive_percent.is_some()),
             ("--pcp", self.pcp.is_some()),
             ("--watermarks", self.watermarks.is_some()),
@@ -323,6 +331,9 @@ impl CoreArgs {
         }
         if let Some(policy) = self.lru_policy {
             cfg.lru_policy = policy;
+        }
+        if let Some(references) = self.references {
+            cfg.references = references;
         }
         if let Some(percent) = self.inactive_percent {
             cfg.inactive_percent = percent;

@@ -41,6 +41,8 @@ struct Knobs {
     page_cluster: u8,
     #[serde(default)]
     lru_policy: String,
+    #[serde(default)]
+    references: String,
 }
 
 #[derive(Deserialize)]
@@ -175,7 +177,7 @@ fn print_block(pid: u32, s: &Snapshot) {
     );
     println!(
         "  lru        {}: active {} probation {} inactive {} MiB; refaults {}, in the \
-         working set {}; promoted {}, passed over {}",
+         working set {}; promoted {}, passed over {} ({} seen written; references: {})",
         k.lru_policy,
         mib(c.lru.active),
         mib(c.lru.probation),
@@ -183,7 +185,9 @@ fn print_block(pid: u32, s: &Snapshot) {
         n(v.workingset_refault),
         n(v.workingset_activate),
         n(v.pgactivate),
-        n(v.pgreferenced)
+        n(v.pgreferenced),
+        n(v.pgreferenced_written),
+        k.references
     );
     println!("fault service time (since the region was made):");
     report::service_times(&[

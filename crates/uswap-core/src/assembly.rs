@@ -3,7 +3,7 @@
 //! (`region.rs`) and below `fork.rs`, which copies an assembly for a child and builds it
 //! again there.
 
-use crate::config::{Config, FaultMode, Watermarks};
+use crate::config::{Config, FaultMode, References, Watermarks};
 use crate::error::{Error, Result};
 use crate::fault::FaultPath;
 use crate::fork_image::RegionImage;
@@ -85,6 +85,20 @@ const SIGBUS: (u64, &str) = (
     uffd::FEATURE_SIGBUS,
     "UFFD_FEATURE_SIGBUS (Linux 4.14 or later)",
 );
+/// What `References::Written` needs: write protection resolved by the kernel, whose
+/// written bits `PAGEMAP_SCAN` reads (both Linux 6.7).
+const WRITTEN_BITS: [(u64, &str); 2] = [
+    (
+        uffd::FEATURE_WP,
+        "UFFD_FEATURE_PAGEFAULT_FLAG_WP (Linux 5.7 or later), which --references written \
+         needs (leave it out: faults)",
+    ),
+    (
+        uffd::FEATURE_WP_ASYNC,
+        "UFFD_FEATURE_WP_ASYNC (Linux 6.7 or later), which --references written needs \
+         (leave it out: faults)",
+    ),
+];
 const EVENTS: [(u64, &str); 3] = [
     (
         uffd::FEATURE_EVENT_REMAP,
@@ -100,26 +114,26 @@ const EVENTS: [(u64, &str); 3] = [
     ),
 ];
 
-/// The userfaultfd features of a region in `mode` (resolved): the error names the first
-/// one the kernel lacks.
-fn region_features(probe: &uffd::Probe, mode: FaultMode) -> Result<u64> {
-    let optional = [
-        uffd::FEATURE_WP,
-        uffd::FEATURE_POISON,
-        uffd::FEATURE_THREAD_ID,
-    ];
+/// The userfaultfd features of a region in `mode` (resolved) with `references`: the error
+/// names the first one the kernel lacks.
+fn region_features(probe: &uffd::Probe, mode: FaultMode, references: References) -> Result<u64> {
+    let mut optional = vec![uffd::FEATURE_POISON, uffd::FEATURE_THREAD_ID];
     let mut required = vec![MOVE];
     required.extend(EVENTS);
     if mode == FaultMode::Sigbus {
         required.push(SIGBUS);
     }
+    match references {
+        References::Faults => optional.push(uffd::FEATURE_WP),
+        References::Written => required.extend(WRITTEN_BITS),
+    }
     features(probe, &required, &optional)
 }
 
-/// Whether this kernel gives a region in `mode` what it needs (userfaultfd and its
-/// features); the error says what is missing.
-pub(crate) fn check_kernel(mode: FaultMode) -> Result<()> {
-    region_features(&uffd::probe()?, mode.resolve()).map(|_| ())
+/// Whether this kernel gives a region in `mode` with `references` what it needs
+/// (userfaultfd and its features); the error says what is missing.
+pub(crate) fn check_kernel(mode: FaultMode, references: References) -> Result<()> {
+    region_features(&uffd::probe()?, mode.resolve(), references).map(|_| ())
 }
 
 fn register(uffd: &Uffd, addr: usize, len: usize, mode: u64) -> Result<()> {
@@ -157,7 +171,7 @@ impl Assembly {
         let probe = uffd::probe()?;
         let mmap_changing = Arc::new(MmapChanging::default());
         let uffd = Uffd::open(
-            region_features(&probe, cfg.fault_mode)?,
+            region_features(&probe, cfg.fault_mode, cfg.references)?,
             mmap_changing.clone(),
         )?;
         // Staging has a userfaultfd of its own, without events: freeing a staging frame must
@@ -168,8 +182,12 @@ impl Assembly {
             features(&probe, &[MOVE], &[uffd::FEATURE_WP, uffd::FEATURE_SIGBUS])?,
             mmap_changing.clone(),
         )?;
+        // With written bits, write protection says only that: no write-protect fault ever
+        // reaches uswap, so none can mark a clean page dirty or a shared one copied.
+        let written_bits = cfg.references == References::Written;
         let caps = Caps {
-            write_protect: probe.has(uffd::FEATURE_WP),
+            write_protect: probe.has(uffd::FEATURE_WP) && !written_bits,
+            written_bits,
             poison: probe.has(uffd::FEATURE_POISON),
         };
         // No more pages can be parked than the region has, whatever the limit.
@@ -178,7 +196,7 @@ impl Assembly {
         // Every range is registered with the same modes: UFFDIO_MOVE needs both sides with
         // the same page protection, and the destination registered with the ioctl's fd.
         let mode = uffd::REGISTER_MODE_MISSING
-            | if caps.write_protect {
+            | if caps.write_protect || caps.written_bits {
                 uffd::REGISTER_MODE_WP
             } else {
                 0
@@ -436,5 +454,44 @@ impl Drop for Assembly {
         }
         // The mappings are unregistered and unmapped when the last reference to the fault
         // path (held only here now) goes, just after this.
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+
+    fn probe(feature_bits: u64) -> uffd::Probe {
+        uffd::Probe {
+            kernel: "6.6".into(),
+            features: Vec::new(),
+            feature_bits,
+        }
+    }
+
+    #[test]
+    fn written_references_need_asynchronous_write_protection() {
+        let base = uffd::FEATURE_MOVE
+            | uffd::FEATURE_EVENT_REMAP
+            | uffd::FEATURE_EVENT_REMOVE
+            | uffd::FEATURE_EVENT_UNMAP
+            | uffd::FEATURE_WP;
+        let old = probe(base);
+        let err = region_features(&old, FaultMode::Thread, References::Written).unwrap_err();
+        assert!(
+            err.to_string().contains("UFFD_FEATURE_WP_ASYNC (Linux 6.7"),
+            "{err}"
+        );
+        let faults = region_features(&old, FaultMode::Thread, References::Faults).unwrap();
+        assert_eq!(faults, base, "faults: synchronous write protection");
+        let new = probe(base | uffd::FEATURE_WP_ASYNC);
+        let written = region_features(&new, FaultMode::Thread, References::Written).unwrap();
+        assert_eq!(written, base | uffd::FEATURE_WP_ASYNC);
+        let faults = region_features(&new, FaultMode::Thread, References::Faults).unwrap();
+        assert_eq!(
+            faults & uffd::FEATURE_WP_ASYNC,
+            0,
+            "asked for only when wanted"
+        );
     }
 }

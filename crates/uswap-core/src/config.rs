@@ -225,6 +225,24 @@ named_modes! {
 }
 
 named_modes! {
+    /// How aging learns that a mapped page is in use. Fixed when a region is made: the
+    /// userfaultfd's features are chosen then.
+    References, "reference source" {
+        /// Only by faults: aging unmaps a page and a touch brings it back (a minor fault).
+        /// A swapped-in page keeps its slot until its first write, which a write-protect
+        /// fault shows, so a clean page is dropped without a write.
+        Faults = "faults",
+        /// Also by written bits: pages are write-protected without faults
+        /// (`UFFD_FEATURE_WP_ASYNC`, Linux 6.7) and aging asks `PAGEMAP_SCAN` which were
+        /// written since it last looked; those stay mapped (a second chance) without a
+        /// fault. Reads are not seen. Write protection then serves only this, so a page
+        /// gives up its slot when it is swapped in and is written again when evicted, and
+        /// pages a fork shares are counted by both processes from the fork.
+        Written = "written",
+    }
+}
+
+named_modes! {
     /// How the swap cache is locked (seed 000).
     SwapCacheMode, "swap cache" {
         /// One lock for the whole device.
@@ -251,6 +269,14 @@ named_modes! {
 impl Default for LruPolicy {
     fn default() -> Self {
         LruPolicy::S3fifo
+    }
+}
+
+// `named_modes!` makes the enum, so its default cannot be derived there.
+#[allow(clippy::derivable_impls)]
+impl Default for References {
+    fn default() -> Self {
+        References::Faults
     }
 }
 
@@ -701,6 +727,9 @@ pub struct Config {
     /// Which pages aging unmaps first; changeable later with `Region::set_lru_policy`.
     #[serde(default)]
     pub lru_policy: LruPolicy,
+    /// How aging sees that a mapped page is in use.
+    #[serde(default)]
+    pub references: References,
     /// Single-page LRU adds gathered per CPU before they take the LRU lock (the kernel's
     /// folio batch of 31); 1 adds every page at once.
     pub lru_batch: usize,
@@ -741,6 +770,7 @@ impl Config {
             pcp: true,
             lru_lock: LruLockMode::Mutex,
             lru_policy: LruPolicy::default(),
+            references: References::default(),
             lru_batch: DEFAULT_LRU_BATCH,
             breakdown: false,
             memcg: None,

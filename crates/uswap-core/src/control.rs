@@ -56,6 +56,8 @@
 //! - `swap_ra_policy`: the readahead policy (seed 002's sysfs knob): `none`, `fixed`,
 //!   `scaling`, `vma`, or `auto` (read back as the policy it chose for the device).
 //! - `page-cluster`: log2 of the largest readahead window, 0 to 8 (`vm.page-cluster`).
+//! - `references`: how aging sees use, `faults` or `written`; read only (a region's
+//!   userfaultfd features are chosen when it is made).
 //!
 //! Everything else a region is configured with is fixed when it is made.
 
@@ -546,7 +548,7 @@ struct Knob {
     set: fn(&Region, &str) -> Result<()>,
 }
 
-const KNOBS: [Knob; 6] = [
+const KNOBS: [Knob; 7] = [
     Knob {
         name: "memory",
         get: |r| r.memory_limit().into(),
@@ -582,6 +584,20 @@ const KNOBS: [Knob; 6] = [
         set: |r, text| {
             r.set_lru_policy(text.parse::<LruPolicy>()?);
             Ok(())
+        },
+    },
+    Knob {
+        name: "references",
+        get: |r| r.references().name().into(),
+        set: |r, text| {
+            Err(Error::invalid(
+                "references",
+                format!(
+                    "{text:?}: fixed at {} when the program started (the userfaultfd's \
+                     features are chosen then); start it again with --references",
+                    r.references().name()
+                ),
+            ))
         },
     },
     Knob {

@@ -186,7 +186,7 @@ impl FaultPath {
             // Only what can be told and done without a report: a missing page needs the
             // full path's loud failure.
             Kind::Active => match mm.pagemap_entry(page) {
-                Some(e) if e.present && e.write_protected => self.write_fault(lock, false)?,
+                Some(e) if e.present && mm.write_stops_at(e) => self.write_fault(lock, false)?,
                 Some(e) if e.present => Outcome::Resolved,
                 _ => return None,
             },
@@ -213,7 +213,7 @@ impl FaultPath {
                 }
             }
             _ => match mm.pagemap_entry(page) {
-                Some(e) if e.present && e.write_protected => {
+                Some(e) if e.present && mm.write_stops_at(e) => {
                     return self.write_fault_reported(lock)
                 }
                 Some(e) if e.present => return Outcome::Resolved,
@@ -668,7 +668,7 @@ impl FaultPath {
             (false, true) => SlotAfter::Freed,
             (false, false) => SlotAfter::FreedBefore,
         };
-        mm.swapped_in(&mut lock, after, false);
+        mm.swapped_in(&mut lock, after, false, write);
         drop(lock);
         laps.lap(Phase::Finish);
         mm.record(FaultKind::Major, start);
@@ -775,7 +775,7 @@ impl FaultPath {
             (false, Some(_)) => SlotAfter::Freed,
             (false, None) => SlotAfter::FreedBefore,
         };
-        mm.swapped_in(lock, after, false);
+        mm.swapped_in(lock, after, false, writable);
         Some(Outcome::Resolved)
     }
 

@@ -47,8 +47,8 @@ pub use breakdown::{PhaseSummary, PhaseTimes};
 pub use budget::StockStats;
 pub use config::{
     parse_size, Compressor, Config, FaultMode, FaultPlan, IoMode, LruLockMode, LruPolicy,
-    Readahead, ReadaheadPolicy, SlotAlloc, SwapCacheMode, SwapConfig, SwapEncryption, SwapLocation,
-    Watermarks, Ztier, ZtierSize,
+    Readahead, ReadaheadPolicy, References, SlotAlloc, SwapCacheMode, SwapConfig, SwapEncryption,
+    SwapLocation, Watermarks, Ztier, ZtierSize,
 };
 pub use error::{Error, Result};
 pub use lockstat::{LockClass, LockStat};

@@ -2,15 +2,16 @@
 //! transitions between page states.
 //!
 //! ```text
-//!  63            32 31            6   5    4    3    2..0
-//! +----------------+---------------+----+----+----+------+
-//! | swap slot      | staging frame | sh | ref|lock| kind |
-//! +----------------+---------------+----+----+----+------+
+//!  63            32 31            7   6    5    4    3    2..0
+//! +----------------+---------------+----+----+----+----+------+
+//! | swap slot      | staging frame | arm| sh | ref|lock| kind |
+//! +----------------+---------------+----+----+----+----+------+
 //! ```
 //! `kind` says where the data is. A page with a swap slot has a valid copy on the swap
 //! device (it is clean); a write after swap-in frees the slot. The frame is the staging
 //! frame holding an inactive page's data. `ref` is the referenced bit (second-chance
-//! aging of hot pages); `sh` marks an active page shared copy-on-write with another
+//! aging of hot pages); `arm` says that aging has write-protected this active page since
+//! it was mapped, so its written bit shows use (`References::Written`); `sh` marks an active page shared copy-on-write with another
 //! process since a fork (see [`PageState::shared`]), or a page whose data a fork child
 //! borrows (see [`PageState::borrowed`]: swapped, or mapped and unchanged since it was
 //! read; the frame field then names what it is borrowed from, and the slot field the slot
@@ -69,13 +70,17 @@ const REFERENCED: u64 = 1 << 4;
 /// in the process that made it, which pays for it (see [`PageState::shared`]); on a
 /// swapped page, one the child borrows (see [`PageState::borrowed`]).
 const SHARED: u64 = 1 << 5;
-const FRAME_SHIFT: u32 = 6;
-const FRAME_BITS: u32 = 26;
+/// An active page aging has write-protected since it was mapped (`References::Written`):
+/// its written bit shows a write since, where a page just mapped reads as written after
+/// the very access that faulted it in.
+const ARMED: u64 = 1 << 6;
+const FRAME_SHIFT: u32 = 7;
+const FRAME_BITS: u32 = 25;
 const FRAME_NONE: u32 = (1 << FRAME_BITS) - 1;
 const SLOT_SHIFT: u32 = 32;
 const SLOT_NONE: u32 = u32::MAX;
 
-/// Largest number of staging frames (resident pages) a region can have: 256 GiB.
+/// Largest number of staging frames (resident pages) a region can have: 128 GiB.
 pub const MAX_FRAMES: u64 = FRAME_NONE as u64;
 
 /// A decoded state word (never includes the lock bit).
@@ -169,6 +174,11 @@ impl PageState {
         self.0 & REFERENCED != 0
     }
 
+    /// Whether aging has write-protected this active page since it was mapped.
+    pub fn armed(self) -> bool {
+        self.0 & ARMED != 0
+    }
+
     /// Whether the page's data is in memory (mapped, parked or lazily freed).
     pub fn is_resident(self) -> bool {
         matches!(self.kind(), Kind::Active | Kind::Inactive | Kind::Lazyfree)
@@ -204,7 +214,7 @@ impl PageState {
         if self.is_borrowed() {
             return self.slot_field() != SLOT_NONE;
         }
-        if self.referenced() && self.kind() != Kind::Active {
+        if (self.referenced() || self.armed()) && self.kind() != Kind::Active {
             return false;
         }
         if self.0 & SHARED != 0 && !self.shared() {
@@ -385,7 +395,7 @@ impl PageLock<'_> {
         let old = self.state;
         self.state = PageState::of(kind, frame, slot);
         if kind == Kind::Active && old.kind() == Kind::Active {
-            self.state.0 |= old.0 & REFERENCED;
+            self.state.0 |= old.0 & (REFERENCED | ARMED);
             if old.shared() {
                 self.state.0 |= SHARED;
             }
@@ -423,6 +433,21 @@ impl PageLock<'_> {
         let old = self.become_(Kind::Active, None, self.state.slot());
         self.state.0 |= REFERENCED;
         old.frame().expect("an inactive page has a frame")
+    }
+
+    /// This active page was mapped write-protected and not written by the access that
+    /// faulted it in: from now on its written bit shows use.
+    pub fn arm(&mut self) {
+        self.expect(&[Kind::Active], "arm");
+        self.state.0 |= ARMED;
+    }
+
+    /// Aging write-protected this active page: from now on its written bit shows use.
+    /// `written`: it had been written since aging last protected it, so it is referenced,
+    /// as a fault back from the inactive list would have made it.
+    pub fn armed_after(&mut self, written: bool) {
+        self.expect(&[Kind::Active], "armed_after");
+        self.state.0 |= ARMED | if written { REFERENCED } else { 0 };
     }
 
     /// Aging reached a referenced active page: it stays active this time, unreferenced.

@@ -529,7 +529,7 @@ unsafe fn map_ahead(
         } else {
             SlotAfter::Freed
         };
-        mm.swapped_in(lock, after, true);
+        mm.swapped_in(lock, after, true, false);
         if dest != Destination::Clean {
             // Its use will raise no fault to tell: counted now.
             state.cache_hit(page, true);

@@ -3,7 +3,7 @@
 //! them.
 
 use crate::assembly::{Assembly, Contents};
-use crate::config::{Config, LruPolicy, Readahead, MAX_SIZE};
+use crate::config::{Config, LruPolicy, Readahead, References, MAX_SIZE};
 use crate::error::{Error, Result};
 use crate::lru::LruList;
 use crate::mapping::Mapping;
@@ -106,7 +106,7 @@ impl Region {
     /// be told at its start.
     pub fn check(size: u64, cfg: &Config) -> Result<()> {
         check_size(size, cfg)?;
-        crate::assembly::check_kernel(cfg.fault_mode)
+        crate::assembly::check_kernel(cfg.fault_mode, cfg.references)
     }
 
     fn assembled(inner: Assembly) -> Result<Region> {
@@ -277,6 +277,14 @@ impl Region {
         Ok(())
     }
 
+    /// How aging sees that a mapped page is in use (fixed when the region was made).
+    pub fn references(&self) -> References {
+        match self.inner().fault.mm().caps().written_bits {
+            true => References::Written,
+            false => References::Faults,
+        }
+    }
+
     /// The LRU policy in force.
     pub fn lru_policy(&self) -> LruPolicy {
         self.inner().fault.mm().workingset().policy()
@@ -300,7 +308,7 @@ impl Region {
         if limit > MAX_FRAMES {
             return Err(Error::invalid(
                 "memory limit",
-                format!("{bytes} bytes: at most 256 GiB per region"),
+                format!("{bytes} bytes: at most 128 GiB per region"),
             ));
         }
         let pages = self.inner().fault.mm().pages().len() as u64;
@@ -467,7 +475,7 @@ fn check_size(size: u64, cfg: &Config) -> Result<u64> {
     if cfg.limit_pages() > MAX_FRAMES {
         return Err(Error::invalid(
             "memory limit",
-            format!("{} bytes: at most 256 GiB per region", cfg.memory_limit),
+            format!("{} bytes: at most 128 GiB per region", cfg.memory_limit),
         ));
     }
     Ok(size.div_ceil(PAGE_SIZE as u64))

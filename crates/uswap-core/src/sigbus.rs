@@ -761,7 +761,7 @@ fn bring_in(served: &Served, pages: std::ops::Range<usize>, write: bool) {
             let usable = !locked
                 && match state.kind() {
                     Kind::Active | Kind::Lazyfree if known => {
-                        entry.present && !(write && entry.write_protected)
+                        entry.present && !(write && mm.write_stops_at(*entry))
                     }
                     Kind::Active => !write || !state.write_faults(),
                     _ => false,
@@ -833,7 +833,7 @@ fn bring_in_one(served: &Served, page: usize, write: bool) {
             unsafe { libc::sched_yield() };
             continue;
         }
-        let usable = |e: crate::mm::PagemapEntry| e.present && !(write && e.write_protected);
+        let usable = |e: crate::mm::PagemapEntry| e.present && !(write && mm.write_stops_at(e));
         match state.kind() {
             Kind::Active | Kind::Lazyfree => match mm.pagemap_entry(page) {
                 Some(e) if usable(e) => return,

@@ -105,6 +105,9 @@ vmstat! {
     /// Active pages aging passed over once because they had faulted back from the inactive
     /// list since it last took them (second chance, the kernel's referenced check).
     pgreferenced,
+    /// Of those, pages seen in use by their written bits (`References::Written`), without
+    /// a fault: aging found them written since it last looked.
+    pgreferenced_written,
     /// Reclaimed clean pages that kept a valid swap copy: dropped without I/O.
     pgclean_dropped,
     /// Reclaimed pages found all zero: dropped, refilled with zeros on next touch.

@@ -16,6 +16,9 @@ pub const API: u64 = 0xAA;
 pub const FEATURE_SIGBUS: u64 = 1 << 7;
 pub const FEATURE_THREAD_ID: u64 = 1 << 8;
 pub const FEATURE_POISON: u64 = 1 << 14;
+/// Write-protect faults resolved by the kernel without a message: a write only clears the
+/// page's protection, which `PAGEMAP_SCAN` then reports as written (Linux 6.7).
+pub const FEATURE_WP_ASYNC: u64 = 1 << 15;
 pub const FEATURE_MOVE: u64 = 1 << 16;
 /// Write-protect faults on anonymous memory (`UFFD_FEATURE_PAGEFAULT_FLAG_WP`).
 pub const FEATURE_WP: u64 = 1 << 0;
@@ -357,6 +360,9 @@ pub struct Uffd {
     gate: Arc<MmapChanging>,
     /// Test hook: the next read of messages fails with EIO.
     fail_next_read: std::sync::atomic::AtomicBool,
+    /// With asynchronous write protection (`FEATURE_WP_ASYNC`) every page filled is
+    /// write-protected, so that it reads as written only once the program writes it.
+    protect_fills: bool,
 }
 
 /// Whether a move left the page at `src` and landed at `dst` without the kernel counting
@@ -406,6 +412,7 @@ impl Uffd {
             fd,
             gate,
             fail_next_read: Default::default(),
+            protect_fills: features & FEATURE_WP_ASYNC != 0,
         })
     }
 
@@ -438,7 +445,7 @@ impl Uffd {
     }
 
     /// Atomically fills `len` bytes at `dst` (unmapped) with a copy of `src`, optionally
-    /// write-protected, and wakes the threads waiting on that range. On failure, says how
+    /// write-protected (always, with asynchronous write protection), and wakes the threads waiting on that range. On failure, says how
     /// many bytes were filled.
     pub fn copy(
         &self,
@@ -447,7 +454,11 @@ impl Uffd {
         len: usize,
         write_protect: bool,
     ) -> std::result::Result<(), Partial> {
-        let mode = if write_protect { COPY_MODE_WP } else { 0 };
+        let mode = if write_protect || self.protect_fills {
+            COPY_MODE_WP
+        } else {
+            0
+        };
         self.fill(UFFDIO_COPY, dst, src as usize, len, mode)
     }
 

@@ -380,6 +380,9 @@ impl Reclaim {
     fn deactivate_from(&self, locks: &mut [PageLock<'_>], from: LruList, crossed: &[usize]) -> u64 {
         let mm = &self.mm;
         let mut laps = Laps::new(mm.breakdown(), Instant::now());
+        if mm.caps().written_bits {
+            self.see_writes(locks);
+        }
         // Pages a system call has pinned (SIGBUS mode) stay as they are; referenced pages
         // go round once more. Both sort last, stay active and go back to the head with the
         // pages that could not move.
@@ -431,6 +434,44 @@ impl Reclaim {
         mm.lru().add(other, crossed_back);
         laps.lap(Phase::Deactivate);
         freed
+    }
+
+    /// Reads the written bits of the isolated active pages that aging write-protected
+    /// before (armed): one written since stays mapped this time (referenced), as the
+    /// kernel's accessed bit keeps a page in use, without the minor fault that unmapping it
+    /// would cost at its next touch. Pages going round anyway (referenced by a fault) are
+    /// protected now, so that their next look counts; the others are unmapped unread,
+    /// since a page just mapped reads as written after the access that faulted it in.
+    /// One scan per run of neighbouring pages.
+    fn see_writes(&self, locks: &mut [PageLock<'_>]) {
+        let mm = &self.mm;
+        let looked_at = |l: &PageLock<'_>| {
+            l.kind() == Kind::Active && (l.state().armed() || l.state().referenced())
+        };
+        let mut pages: Vec<usize> = locks
+            .iter()
+            .filter(|l| looked_at(l))
+            .map(|l| l.page())
+            .collect();
+        if pages.is_empty() {
+            return;
+        }
+        pages.sort_unstable();
+        let mut written = Vec::new();
+        for run in pages.chunk_by(|a, b| a + 1 == *b) {
+            if !mm.take_written(run[0], run.len(), &mut written) {
+                // Nothing seen: these pages stay unarmed, and are aged as without bits.
+                return;
+            }
+        }
+        written.sort_unstable();
+        let mut seen = 0;
+        for l in locks.iter_mut().filter(|l| looked_at(l)) {
+            let was_written = l.state().armed() && written.binary_search(&l.page()).is_ok();
+            seen += u64::from(was_written && !l.state().referenced());
+            l.armed_after(was_written);
+        }
+        mm.count(VmEvent::pgreferenced_written, seen);
     }
 
     /// Moves active pages (sorted by page) into staging frames, runs of neighbours with
@@ -826,7 +867,7 @@ impl Reclaim {
 #[cfg(all(test, not(loom)))]
 mod tests {
     use super::*;
-    use crate::config::LruPolicy;
+    use crate::config::{LruPolicy, References};
     use crate::region::{testing, Advice, Region};
 
     fn count(mm: &Mm, event: VmEvent) -> u64 {
@@ -991,6 +1032,79 @@ mod tests {
         assert_eq!(mm.lru().list_of(0), Some(LruList::Inactive));
         // Every page in memory is on its list again.
         region.check_invariants().unwrap();
+    }
+
+    /// With written bits, aging reads whether a page it protected was written since: a page
+    /// written stays mapped, and its next touch is no fault; one only read, or untouched,
+    /// is unmapped. A page just mapped is not read (it shows the access that faulted it
+    /// in) unless it came back for a read, mapped protected.
+    #[test]
+    fn with_written_bits_aging_keeps_pages_written_since_it_looked() {
+        let region = testing::region(64, 64, |cfg| cfg.references = References::Written);
+        let (mm, reclaim) = (region.mm(), region.fault_path().reclaim());
+        assert_eq!(region.references(), References::Written);
+        let age = |pages: std::ops::Range<usize>| {
+            mm.lru().drain_all();
+            let mut locks = reclaim.lock_kind(pages, Kind::Active);
+            reclaim.deactivate(&mut locks, LruList::Active);
+            locks.sort_unstable_by_key(|l| l.page());
+            locks.iter().map(|l| l.kind()).collect::<Vec<_>>()
+        };
+        let write = |page: usize, value: u8| {
+            // SAFETY: inside the region.
+            unsafe { testing::byte_at(&region, page).write_volatile(value) }
+        };
+        // Written when first touched: unmapped unread, as without written bits.
+        assert_eq!(age(0..4), [Kind::Inactive; 4]);
+        assert_eq!(count(mm, VmEvent::pgreferenced_written), 0);
+        // A minor fault brings each back referenced: passed over once, and protected.
+        for page in 0..4 {
+            assert_eq!(testing::read(&region, page), page as u8 + 1);
+        }
+        assert_eq!(age(0..4), [Kind::Active; 4]);
+        assert!((0..4).all(|p| mm.pages().peek(p).0.armed()));
+        assert!(mm.pagemap_entry(0).unwrap().write_protected);
+        // Now 0 and 1 are written, 2 only read, 3 untouched.
+        write(0, 100);
+        write(1, 101);
+        assert_eq!(testing::read(&region, 2), 3);
+        assert!(
+            !mm.pagemap_entry(0).unwrap().write_protected,
+            "the kernel let it write"
+        );
+        let faults = count(mm, VmEvent::pgfault);
+        assert_eq!(
+            age(0..4),
+            [Kind::Active, Kind::Active, Kind::Inactive, Kind::Inactive]
+        );
+        assert_eq!(count(mm, VmEvent::pgreferenced_written), 2);
+        assert!(
+            mm.pagemap_entry(1).unwrap().write_protected,
+            "protected again"
+        );
+        write(1, 111);
+        assert_eq!(
+            count(mm, VmEvent::pgfault),
+            faults,
+            "no fault came to uswap"
+        );
+        // Swapped out, then back for a read: armed at once. For a write: not.
+        let mut locks = reclaim.lock_kind(2..4, Kind::Inactive);
+        assert_eq!(reclaim.evict(&mut locks), 2);
+        drop(locks);
+        assert_eq!(testing::read(&region, 2), 3);
+        write(3, 104);
+        assert_eq!(mm.pages().peek(2).0.kind(), Kind::Active);
+        assert!(mm.pages().peek(2).0.armed(), "swapped in for a read");
+        assert!(!mm.pages().peek(3).0.armed(), "swapped in for a write");
+        region.check_invariants().unwrap();
+        let want = [100, 111, 3, 104];
+        for (page, want) in want.into_iter().enumerate() {
+            assert_eq!(testing::read(&region, page), want);
+        }
+        for page in 4..64 {
+            assert_eq!(testing::read(&region, page), page as u8 + 1);
+        }
     }
 
     #[test]

@@ -135,7 +135,8 @@ fn readahead_knobs_switch_the_running_region() {
     assert_eq!(
         knobs["knobs"],
         json!({"memory": 2 * MIB, "swap_ra_policy": "fixed", "page-cluster": 5,
-               "lru_policy": "s3fifo", "ztier": "on", "ztier_size": "20%"})
+               "lru_policy": "s3fifo", "references": "faults", "ztier": "on",
+               "ztier_size": "20%"})
     );
     assert_eq!(stat()["stats"]["readahead"]["policy"], "fixed");
 }

@@ -8,7 +8,7 @@ use std::io::Write;
 use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use std::sync::Arc;
 use uswap_core::{
-    Advice, Config, FaultMode, LruPolicy, Readahead, ReadaheadPolicy, Region, PAGE_SIZE,
+    Advice, Config, FaultMode, LruPolicy, Readahead, ReadaheadPolicy, References, Region, PAGE_SIZE,
 };
 
 const MIB: usize = 1 << 20;
@@ -76,8 +76,13 @@ fn check_all(region: &Region, versions: &[u32]) -> Result<(), String> {
 /// A region with every kind of page: swapped (paged out), inactive (cold), resident,
 /// discarded, lazily freed and written again, and untouched.
 fn mixed_region(mode: FaultMode) -> (Region, Vec<u32>) {
+    mixed_region_with(|cfg| cfg.fault_mode = mode)
+}
+
+/// [`mixed_region`] in thread mode, with `change` made to its configuration.
+fn mixed_region_with(change: impl FnOnce(&mut Config)) -> (Region, Vec<u32>) {
     let mut cfg = Config::new(2 * MIB as u64);
-    cfg.fault_mode = mode;
+    change(&mut cfg);
     let region = Region::new(8 * MIB as u64, cfg).unwrap();
     let pages = region.len() / PAGE_SIZE;
     let mut versions = vec![0u32; pages];
@@ -203,6 +208,43 @@ fn child_gets_the_memory_as_it_was(mode: FaultMode) {
     let copied = region.stats().vmstat.fork_copied - before.vmstat.fork_copied;
     assert_eq!(copied, 0, "pages copied at the fork");
     // The parent's memory is as it was, whatever the child wrote.
+    check_all(&region, &versions).unwrap();
+    region.check_invariants().unwrap();
+}
+
+/// With written bits, write protection serves aging alone, so no page is shared: a child
+/// makes what was mapped at the fork its own (charged here), and still gets the memory
+/// as it was; each goes its own way, within its limit.
+#[test]
+fn a_child_of_a_region_with_written_bits_gets_the_memory_as_it_was() {
+    let _serial = serial();
+    let (region, versions) = mixed_region_with(|cfg| cfg.references = References::Written);
+    let versions = settled(versions, &region);
+    let status = in_child(|| {
+        if region.references() != References::Written {
+            return Err("the child's region lost its written bits".into());
+        }
+        let stats = region.stats();
+        if stats.shared_pages != 0 {
+            return Err(format!("{} pages shared", stats.shared_pages));
+        }
+        region.check_invariants()?;
+        check_all(&region, &versions)?;
+        let pages = region.len() / PAGE_SIZE;
+        for page in 0..pages {
+            unsafe { fill(region.as_ptr(), page, 7) };
+        }
+        for page in 0..pages {
+            unsafe { check(region.as_ptr(), page, 7) }?;
+        }
+        region.check_invariants()?;
+        let resident = region.stats().resident_pages * PAGE_SIZE as u64;
+        if resident > 2 * MIB as u64 + 64 * PAGE_SIZE as u64 {
+            return Err(format!("the child keeps {resident} bytes resident"));
+        }
+        Ok(())
+    });
+    assert!(exited_ok(status), "child status {status:#x}");
     check_all(&region, &versions).unwrap();
     region.check_invariants().unwrap();
 }

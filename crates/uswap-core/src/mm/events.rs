@@ -119,7 +119,17 @@ impl Mm {
     /// ahead of one when `readahead`: such a page waits at the tail of its list, first in
     /// line to be aged, and its cache entry says readahead brought it). Its shadow decides
     /// its list (`workingset.rs`). Its slot goes as `slot` says.
-    pub fn swapped_in(&self, lock: &mut PageLock<'_>, slot: SlotAfter, readahead: bool) {
+    ///
+    /// With written bits, a page read ahead, or swapped in for a read, is armed: uswap
+    /// mapped it write-protected and no write has been seen yet, so its written bit shows
+    /// use from now on (`written`: the fault was a write, which will write it at once).
+    pub fn swapped_in(
+        &self,
+        lock: &mut PageLock<'_>,
+        slot: SlotAfter,
+        readahead: bool,
+        written: bool,
+    ) {
         let page = lock.page();
         let before = lock.state();
         let held = before.slot();
@@ -160,6 +170,9 @@ impl Mm {
         }
         if slot != SlotAfter::Lent {
             self.returned(before);
+        }
+        if self.caps.written_bits && !written {
+            lock.arm();
         }
         self.debug_check(lock);
     }
@@ -655,12 +668,12 @@ mod tests {
         let resident = mm.budget().resident();
         let mut kept = mm.pages().lock(2);
         let kept_slot = kept.state().slot().unwrap();
-        mm.swapped_in(&mut kept, SlotAfter::Cached, true);
+        mm.swapped_in(&mut kept, SlotAfter::Cached, true, false);
         assert_eq!(kept.state().slot(), Some(kept_slot));
         let entry = mm.swap().cache().peek(kept_slot).unwrap();
         assert!(entry.readahead && entry.page == 2);
         let mut freed = mm.pages().lock(3);
-        mm.swapped_in(&mut freed, SlotAfter::Freed, false);
+        mm.swapped_in(&mut freed, SlotAfter::Freed, false, false);
         assert_eq!((freed.kind(), freed.state().slot()), (Kind::Active, None));
         assert_eq!(mm.slots_held(), slots - 1);
         // The charge is the fault path's, taken before the page is mapped.
@@ -683,7 +696,7 @@ mod tests {
         let mm = region.mm();
         region.advise(0, 8 * PAGE_SIZE, Advice::PageOut).unwrap();
         let mut lock = mm.pages().lock(4);
-        mm.swapped_in(&mut lock, SlotAfter::Cached, true);
+        mm.swapped_in(&mut lock, SlotAfter::Cached, true, false);
         let slots = mm.slots_held();
         assert!(mm.dirtied(&mut lock), "its first use");
         assert_eq!((lock.kind(), lock.state().slot()), (Kind::Active, None));

@@ -33,11 +33,48 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
 use std::time::Instant;
 
+/// `PAGEMAP_SCAN` of `include/uapi/linux/fs.h` (Linux 6.7): `_IOWR('f', 16, pm_scan_arg)`.
+const PAGEMAP_SCAN: u64 = 0xC060_6610;
+/// Write-protect the pages that match (the written ones).
+const PM_SCAN_WP_MATCHING: u64 = 1 << 0;
+/// Fail unless the range is registered for asynchronous write protection.
+const PM_SCAN_CHECK_WPASYNC: u64 = 1 << 1;
+/// A page written since its protection was last set (or never protected).
+const PAGE_IS_WRITTEN: u64 = 1 << 1;
+
+#[repr(C)]
+#[derive(Default)]
+struct PmScanArg {
+    size: u64,
+    flags: u64,
+    start: u64,
+    end: u64,
+    walk_end: u64,
+    vec: u64,
+    vec_len: u64,
+    max_pages: u64,
+    category_inverted: u64,
+    category_mask: u64,
+    category_anyof_mask: u64,
+    return_mask: u64,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct PageRegion {
+    start: u64,
+    end: u64,
+    categories: u64,
+}
+
 /// What the kernel lets this region use beyond the required MISSING, MOVE and event support.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Caps {
     /// Write-protect faults: a swapped-in page keeps its slot until written.
     pub write_protect: bool,
+    /// Written bits (`References::Written`): the region's write protection is resolved by
+    /// the kernel, and aging reads which pages were written ([`Mm::take_written`]).
+    pub written_bits: bool,
     /// UFFDIO_POISON: a page that cannot be served fails every access with SIGBUS.
     pub poison: bool,
 }
@@ -585,6 +622,13 @@ impl Mm {
         self.pagemap_entries(page, &mut entry).then_some(entry[0])
     }
 
+    /// Whether a write to a present page with this pagemap entry faults to uswap first:
+    /// it is write-protected, and the protection is uswap's to lift (with written bits
+    /// the kernel lifts it at the write, and only notes that it did).
+    pub fn write_stops_at(&self, entry: PagemapEntry) -> bool {
+        entry.write_protected && !self.caps.written_bits
+    }
+
     /// [`Mm::pagemap_entry`] for `into.len()` pages from `first`, in one pread; false when
     /// pagemap cannot be read.
     pub fn pagemap_entries(&self, first: usize, into: &mut [PagemapEntry]) -> bool {
@@ -607,6 +651,45 @@ impl Mm {
                 write_protected: bits & (1 << 57) != 0,
                 exclusive: bits & (1 << 56) != 0,
             };
+        }
+        true
+    }
+
+    /// Which of the `count` pages from `first` were written since this last looked at them
+    /// (or were mapped since), pushed onto `written`; those are write-protected again, so
+    /// their next write shows. One `PAGEMAP_SCAN` (Linux 6.7) with `PM_SCAN_WP_MATCHING`:
+    /// the look and the new protection are one step under the page table lock. Only with
+    /// written bits ([`Caps::written_bits`]); false when the scan failed (nothing seen).
+    pub fn take_written(&self, first: usize, count: usize, written: &mut Vec<usize>) -> bool {
+        let Some(file) = self.pagemap.as_ref().filter(|_| self.caps.written_bits) else {
+            return false;
+        };
+        let mut regions = [PageRegion::default(); 32];
+        let (mut start, end) = (self.page_addr(first), self.page_addr(first + count));
+        while start < end {
+            let mut arg = PmScanArg {
+                size: std::mem::size_of::<PmScanArg>() as u64,
+                flags: PM_SCAN_WP_MATCHING | PM_SCAN_CHECK_WPASYNC,
+                start: start as u64,
+                end: end as u64,
+                vec: regions.as_mut_ptr() as u64,
+                vec_len: regions.len() as u64,
+                category_mask: PAGE_IS_WRITTEN,
+                return_mask: PAGE_IS_WRITTEN,
+                ..PmScanArg::default()
+            };
+            // SAFETY: the argument and its output array outlive the call; the range is
+            // the region's own.
+            let fd = std::os::fd::AsRawFd::as_raw_fd(file);
+            let found = unsafe { libc::ioctl(fd, PAGEMAP_SCAN as _, &mut arg) };
+            if found < 0 {
+                return false;
+            }
+            for r in &regions[..found as usize] {
+                written.extend(self.pages_in(r.start as usize, r.end as usize));
+            }
+            // The walk stops early only when the output array is full.
+            start = arg.walk_end as usize;
         }
         true
     }
