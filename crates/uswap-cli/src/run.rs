@@ -31,7 +31,8 @@ const RESERVATIONS: u64 = 64 << 30;
 
 #[derive(Args, Debug)]
 pub struct RunArgs {
-    /// Resident memory the program may use [default: half of the machine's memory]
+    /// Resident memory the program may use [default: half of the machine's memory, at most
+    /// 128 GiB]
     #[arg(long, value_name = "SIZE", value_parser = nonzero_size)]
     pub memory: Option<u64>,
 
@@ -244,7 +245,7 @@ fn half_of_ram() -> Result<u64> {
     if pages <= 0 || size <= 0 {
         bail!("cannot tell the machine's memory size; give --memory");
     }
-    Ok(pages as u64 * size as u64 / 2)
+    Ok((pages as u64 * size as u64 / 2).min(uswap_core::MAX_MEMORY))
 }
 
 /// The preload library beside this binary.

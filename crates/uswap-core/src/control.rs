@@ -590,6 +590,9 @@ const KNOBS: [Knob; 7] = [
         name: "references",
         get: |r| r.references().name().into(),
         set: |r, text| {
+            if text == r.references().name() {
+                return Ok(());
+            }
             Err(Error::invalid(
                 "references",
                 format!(

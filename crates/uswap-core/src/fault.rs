@@ -168,6 +168,7 @@ impl FaultPath {
     pub fn resolve_in_signal(
         &self,
         page: usize,
+        write: bool,
         room_to_read_ahead: fn() -> bool,
     ) -> Option<Outcome> {
         if self.inject_panic.load(Relaxed) {
@@ -182,7 +183,7 @@ impl FaultPath {
         let outcome = match lock.kind() {
             Kind::None | Kind::Discarded => self.first_touch(lock, start, false)?,
             Kind::Inactive => self.activate(lock, start, Laps::new(None, start), false, false)?,
-            Kind::Swapped => self.swap_in_in_signal(lock, start, room_to_read_ahead)?,
+            Kind::Swapped => self.swap_in_in_signal(lock, start, room_to_read_ahead, write)?,
             // Only what can be told and done without a report: a missing page needs the
             // full path's loud failure.
             Kind::Active => match mm.pagemap_entry(page) {
@@ -687,6 +688,7 @@ impl FaultPath {
         mut lock: PageLock<'_>,
         start: Instant,
         room: fn() -> bool,
+        write: bool,
     ) -> Option<Outcome> {
         let mm = self.mm();
         if lock.state().borrowed().is_some() {
@@ -695,7 +697,7 @@ impl FaultPath {
             let read =
                 unsafe { mm.read_borrowed_in_signal(lock.state(), buf.as_mut_ptr(), room()) };
             let outcome =
-                read.then(|| self.map_in_signal(&mut lock, None, buf.as_ptr(), false))??;
+                read.then(|| self.map_in_signal(&mut lock, None, buf.as_ptr(), false, write))??;
             if outcome == Outcome::Resolved {
                 drop(lock);
                 mm.record(FaultKind::Major, start);
@@ -714,7 +716,7 @@ impl FaultPath {
             let mut buf = mm.take_bounce(false)?;
             // SAFETY: the buffer is one aligned page we own.
             let read = unsafe { mm.swap().read_page_in_place(slot, buf.as_mut_ptr(), room()) };
-            read.then(|| self.map_in_signal(&mut lock, Some(slot), buf.as_ptr(), false))?
+            read.then(|| self.map_in_signal(&mut lock, Some(slot), buf.as_ptr(), false, write))?
         } else {
             let dest = match writable {
                 true => Destination::Writable,
@@ -728,7 +730,7 @@ impl FaultPath {
                     (page, slot),
                     window,
                     dest,
-                    |data| self.map_in_signal(&mut lock, Some(slot), data, writable),
+                    |data| self.map_in_signal(&mut lock, Some(slot), data, writable, write),
                 )
             }
         }?;
@@ -742,14 +744,15 @@ impl FaultPath {
     /// Charges (without reclaim) and maps the swapped-in copy of `lock`'s page (which
     /// holds `slot`, or `None`: borrowed) at `data`, clean and cached while the slot is
     /// kept (clean against the lender's slot, for a borrowed page that may be), dirty when
-    /// `writable` (a window the walk writes). `None` when it cannot be charged or mapped
-    /// for a reason the full path reports.
+    /// `writable` (a window the walk writes); `write`: the fault was a write. `None` when
+    /// it cannot be charged or mapped for a reason the full path reports.
     fn map_in_signal(
         &self,
         lock: &mut PageLock<'_>,
         slot: Option<u32>,
         data: *const u8,
         writable: bool,
+        write: bool,
     ) -> Option<Outcome> {
         let mm = self.mm();
         self.reclaim.charge_without_reclaim(1)?;
@@ -775,7 +778,7 @@ impl FaultPath {
             (false, Some(_)) => SlotAfter::Freed,
             (false, None) => SlotAfter::FreedBefore,
         };
-        mm.swapped_in(lock, after, false, writable);
+        mm.swapped_in(lock, after, false, write || writable);
         Some(Outcome::Resolved)
     }
 

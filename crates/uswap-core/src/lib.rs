@@ -66,4 +66,8 @@ pub use uffd::{probe, Probe};
 /// refuse, with [`Error::UnsupportedPageSize`], to run on a kernel with other pages (arm64
 /// with 16 or 64 KiB pages, for example).
 pub const PAGE_SIZE: usize = 4096;
+
+/// The largest memory limit a region can have, in bytes (its resident pages are numbered
+/// in 25 bits of the page state word).
+pub const MAX_MEMORY: u64 = page::MAX_FRAMES * PAGE_SIZE as u64;
 pub mod swapfile;

@@ -10,9 +10,9 @@
 //! `kind` says where the data is. A page with a swap slot has a valid copy on the swap
 //! device (it is clean); a write after swap-in frees the slot. The frame is the staging
 //! frame holding an inactive page's data. `ref` is the referenced bit (second-chance
-//! aging of hot pages); `arm` says that aging has write-protected this active page since
-//! it was mapped, so its written bit shows use (`References::Written`); `sh` marks an active page shared copy-on-write with another
-//! process since a fork (see [`PageState::shared`]), or a page whose data a fork child
+//! aging of hot pages); `arm` says that this active page has been write-protected, with no
+//! write seen, since it was mapped, so its written bit shows use (`References::Written`);
+//! `sh` marks an active page shared copy-on-write with another process since a fork (see [`PageState::shared`]), or a page whose data a fork child
 //! borrows (see [`PageState::borrowed`]: swapped, or mapped and unchanged since it was
 //! read; the frame field then names what it is borrowed from, and the slot field the slot
 //! or staging frame there). The lock bit serialises every transition.
@@ -94,10 +94,16 @@ impl std::fmt::Debug for PageState {
         }
         write!(
             f,
-            "{:?}(frame {:?}, slot {:?})",
+            "{:?}(frame {:?}, slot {:?}{}{})",
             self.kind(),
             self.frame(),
-            self.slot()
+            self.slot(),
+            if self.referenced() {
+                ", referenced"
+            } else {
+                ""
+            },
+            if self.armed() { ", armed" } else { "" }
         )
     }
 }

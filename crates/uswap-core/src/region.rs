@@ -12,6 +12,7 @@ use crate::page::{Kind, MAX_FRAMES};
 use crate::signals::Quiet;
 use crate::stats::{FaultKind, Latency, LruStats, Stats};
 use crate::swapfile::SwapDevice;
+use crate::MAX_MEMORY;
 use crate::PAGE_SIZE;
 use std::cell::UnsafeCell;
 use std::mem::ManuallyDrop;
@@ -308,7 +309,9 @@ impl Region {
         if limit > MAX_FRAMES {
             return Err(Error::invalid(
                 "memory limit",
-                format!("{bytes} bytes: at most 128 GiB per region"),
+                format!(
+                    "{bytes} bytes: at most {MAX_MEMORY} bytes (128 GiB less a page) per region"
+                ),
             ));
         }
         let pages = self.inner().fault.mm().pages().len() as u64;
@@ -475,7 +478,10 @@ fn check_size(size: u64, cfg: &Config) -> Result<u64> {
     if cfg.limit_pages() > MAX_FRAMES {
         return Err(Error::invalid(
             "memory limit",
-            format!("{} bytes: at most 128 GiB per region", cfg.memory_limit),
+            format!(
+                "{} bytes: at most {MAX_MEMORY} bytes (128 GiB less a page) per region",
+                cfg.memory_limit
+            ),
         ));
     }
     Ok(size.div_ceil(PAGE_SIZE as u64))

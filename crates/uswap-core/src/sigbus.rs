@@ -496,7 +496,7 @@ fn dispatch(sig: libc::c_int, info: *mut libc::siginfo_t, ctx: *mut libc::c_void
         let served = unsafe { ptr.as_ref() };
         let page = served.and_then(|s| s.fault.mm().page_of(addr));
         let outcome = match (served, page) {
-            (Some(s), Some(page)) if uffd_fault => Some(resolve(s, page)),
+            (Some(s), Some(page)) if uffd_fault => Some(resolve(s, page, fault_was_write(ctx))),
             (Some(_), Some(_)) => Some(Outcome::Fatal),
             _ => None,
         };
@@ -514,6 +514,24 @@ fn dispatch(sig: libc::c_int, info: *mut libc::siginfo_t, ctx: *mut libc::c_void
         return;
     }
     forward(sig, info, ctx);
+}
+
+/// Whether the access that raised this SIGBUS was a write: bit 1 of the page-fault error
+/// code the kernel leaves in the signal frame (`REG_ERR` on x86-64, where `do_sigbus`
+/// records it); elsewhere not known, and taken for a write.
+fn fault_was_write(ctx: *mut libc::c_void) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        // SAFETY: an SA_SIGINFO handler's third argument is the interrupted ucontext.
+        let err =
+            unsafe { (*ctx.cast::<libc::ucontext_t>()).uc_mcontext.gregs[libc::REG_ERR as usize] };
+        err & 2 != 0
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = ctx;
+        true
+    }
 }
 
 thread_local! {
@@ -588,8 +606,8 @@ fn room_to_read_ahead() -> bool {
 
 /// Resolves a fault in the handler when it can, else hands it to the service thread and
 /// waits.
-fn resolve(s: &Served, page: usize) -> Outcome {
-    match s.fault.resolve_in_signal(page, room_to_read_ahead) {
+fn resolve(s: &Served, page: usize, write: bool) -> Outcome {
+    match s.fault.resolve_in_signal(page, write, room_to_read_ahead) {
         Some(Outcome::Retry) => {
             // SAFETY: sched_yield is async-signal-safe.
             unsafe { libc::sched_yield() };
@@ -844,7 +862,7 @@ fn bring_in_one(served: &Served, page: usize, write: bool) {
             Kind::Unmapped | Kind::Poisoned => return,
             _ => {}
         }
-        match resolve(served, page) {
+        match resolve(served, page, write) {
             Outcome::Fatal => return,
             Outcome::Resolved => served_in_vain += 1,
             Outcome::Retry => {}

@@ -108,6 +108,9 @@ vmstat! {
     /// Of those, pages seen in use by their written bits (`References::Written`), without
     /// a fault: aging found them written since it last looked.
     pgreferenced_written,
+    /// Runs of pages whose written bits could not be read (`PAGEMAP_SCAN` failed): aged as
+    /// if they had none.
+    written_scan_failed,
     /// Reclaimed clean pages that kept a valid swap copy: dropped without I/O.
     pgclean_dropped,
     /// Reclaimed pages found all zero: dropped, refilled with zeros on next touch.

@@ -445,8 +445,8 @@ impl Uffd {
     }
 
     /// Atomically fills `len` bytes at `dst` (unmapped) with a copy of `src`, optionally
-    /// write-protected (always, with asynchronous write protection), and wakes the threads waiting on that range. On failure, says how
-    /// many bytes were filled.
+    /// write-protected (always, with asynchronous write protection), and wakes the threads
+    /// waiting on that range. On failure, says how many bytes were filled.
     pub fn copy(
         &self,
         dst: usize,

@@ -287,6 +287,9 @@ impl Reclaim {
                     .isolate(mm.pages(), from, victims.min(short), &mut isolated);
             }
             let crossed = self.look_around(&mut isolated, from, batch);
+            if mm.caps().written_bits {
+                self.see_writes(&mut isolated);
+            }
             freed += self.deactivate_from(&mut isolated, from, &crossed);
             isolated.clear();
         }
@@ -380,9 +383,6 @@ impl Reclaim {
     fn deactivate_from(&self, locks: &mut [PageLock<'_>], from: LruList, crossed: &[usize]) -> u64 {
         let mm = &self.mm;
         let mut laps = Laps::new(mm.breakdown(), Instant::now());
-        if mm.caps().written_bits {
-            self.see_writes(locks);
-        }
         // Pages a system call has pinned (SIGBUS mode) stay as they are; referenced pages
         // go round once more. Both sort last, stay active and go back to the head with the
         // pages that could not move.
@@ -458,15 +458,18 @@ impl Reclaim {
         }
         pages.sort_unstable();
         let mut written = Vec::new();
+        let mut unread = Vec::new();
         for run in pages.chunk_by(|a, b| a + 1 == *b) {
             if !mm.take_written(run[0], run.len(), &mut written) {
                 // Nothing seen: these pages stay unarmed, and are aged as without bits.
-                return;
+                unread.extend_from_slice(run);
+                mm.count(VmEvent::written_scan_failed, 1);
             }
         }
         written.sort_unstable();
         let mut seen = 0;
-        for l in locks.iter_mut().filter(|l| looked_at(l)) {
+        let read = |l: &PageLock<'_>| looked_at(l) && unread.binary_search(&l.page()).is_err();
+        for l in locks.iter_mut().filter(|l| read(l)) {
             let was_written = l.state().armed() && written.binary_search(&l.page()).is_ok();
             seen += u64::from(was_written && !l.state().referenced());
             l.armed_after(was_written);
@@ -582,7 +585,7 @@ impl Reclaim {
         if !entry.present || lock.state().shared() || lock.kind() == Kind::Lazyfree {
             return false;
         }
-        if entry.write_protected {
+        if mm.write_stops_at(entry) {
             mm.forget_slot(lock);
             if mm.uffd().write_protect(addr, PAGE_SIZE, false).is_err() {
                 return false;
@@ -1046,6 +1049,7 @@ mod tests {
         let age = |pages: std::ops::Range<usize>| {
             mm.lru().drain_all();
             let mut locks = reclaim.lock_kind(pages, Kind::Active);
+            reclaim.see_writes(&mut locks);
             reclaim.deactivate(&mut locks, LruList::Active);
             locks.sort_unstable_by_key(|l| l.page());
             locks.iter().map(|l| l.kind()).collect::<Vec<_>>()
@@ -1057,10 +1061,13 @@ mod tests {
         // Written when first touched: unmapped unread, as without written bits.
         assert_eq!(age(0..4), [Kind::Inactive; 4]);
         assert_eq!(count(mm, VmEvent::pgreferenced_written), 0);
-        // A minor fault brings each back referenced: passed over once, and protected.
+        // A minor fault brings each back referenced: passed over once, and protected (page
+        // 0, written meanwhile, again).
         for page in 0..4 {
             assert_eq!(testing::read(&region, page), page as u8 + 1);
         }
+        write(0, 1);
+        assert!(!mm.pagemap_entry(0).unwrap().write_protected);
         assert_eq!(age(0..4), [Kind::Active; 4]);
         assert!((0..4).all(|p| mm.pages().peek(p).0.armed()));
         assert!(mm.pagemap_entry(0).unwrap().write_protected);
@@ -1097,8 +1104,14 @@ mod tests {
         assert_eq!(mm.pages().peek(2).0.kind(), Kind::Active);
         assert!(mm.pages().peek(2).0.armed(), "swapped in for a read");
         assert!(!mm.pages().peek(3).0.armed(), "swapped in for a write");
+        // What the program advises goes by what it says: a written page pages out.
+        write(1, 112);
+        region
+            .advise(PAGE_SIZE, PAGE_SIZE, Advice::PageOut)
+            .unwrap();
+        assert_eq!(mm.pages().peek(1).0.kind(), Kind::Swapped);
         region.check_invariants().unwrap();
-        let want = [100, 111, 3, 104];
+        let want = [100, 112, 3, 104];
         for (page, want) in want.into_iter().enumerate() {
             assert_eq!(testing::read(&region, page), want);
         }

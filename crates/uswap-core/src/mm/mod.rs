@@ -41,6 +41,9 @@ const PM_SCAN_WP_MATCHING: u64 = 1 << 0;
 const PM_SCAN_CHECK_WPASYNC: u64 = 1 << 1;
 /// A page written since its protection was last set (or never protected).
 const PAGE_IS_WRITTEN: u64 = 1 << 1;
+/// A page mapped. Asked for with `PAGE_IS_WRITTEN`: alone, that takes the kernel's fast
+/// path, which counts an empty entry as written and leaves a protection marker in it.
+const PAGE_IS_PRESENT: u64 = 1 << 3;
 
 #[repr(C)]
 #[derive(Default)]
@@ -263,6 +266,16 @@ impl Mm {
                 )
             })?,
         };
+        let pagemap = std::fs::File::open("/proc/self/pagemap");
+        if let (true, Err(e)) = (p.caps.written_bits, &pagemap) {
+            return Err(Error::invalid(
+                "references",
+                format!(
+                    "written bits are read from /proc/self/pagemap, which cannot be opened \
+                     ({e}); leave out --references written"
+                ),
+            ));
+        }
         Ok(Mm {
             zeros: Mapping::new(p.fault_around * PAGE_SIZE)?,
             pages: PageTable::new(pages),
@@ -272,7 +285,7 @@ impl Mm {
             budget,
             pool_charged: AtomicU64::new(0),
             bounce: BouncePool::new(p.bounce_buffers),
-            pagemap: std::fs::File::open("/proc/self/pagemap").ok(),
+            pagemap: pagemap.ok(),
             uffd: p.uffd,
             staging_uffd: p.staging_uffd,
             map: p.map,
@@ -674,13 +687,13 @@ impl Mm {
                 end: end as u64,
                 vec: regions.as_mut_ptr() as u64,
                 vec_len: regions.len() as u64,
-                category_mask: PAGE_IS_WRITTEN,
+                category_mask: PAGE_IS_WRITTEN | PAGE_IS_PRESENT,
                 return_mask: PAGE_IS_WRITTEN,
                 ..PmScanArg::default()
             };
+            let fd = std::os::fd::AsRawFd::as_raw_fd(file);
             // SAFETY: the argument and its output array outlive the call; the range is
             // the region's own.
-            let fd = std::os::fd::AsRawFd::as_raw_fd(file);
             let found = unsafe { libc::ioctl(fd, PAGEMAP_SCAN as _, &mut arg) };
             if found < 0 {
                 return false;
