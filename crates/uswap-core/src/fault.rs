@@ -182,7 +182,7 @@ impl FaultPath {
         }
         let outcome = match lock.kind() {
             Kind::None | Kind::Discarded => self.first_touch(lock, start, false)?,
-            Kind::Inactive => self.activate(lock, start, Laps::new(None, start), false, write)?,
+            Kind::Inactive => self.activate(lock, start, Laps::new(None, start), false, false)?,
             Kind::Swapped => self.swap_in_in_signal(lock, start, room_to_read_ahead, write)?,
             // Only what can be told and done without a report: a missing page needs the
             // full path's loud failure.
@@ -744,8 +744,9 @@ impl FaultPath {
     /// Charges (without reclaim) and maps the swapped-in copy of `lock`'s page (which
     /// holds `slot`, or `None`: borrowed) at `data`, clean and cached while the slot is
     /// kept (clean against the lender's slot, for a borrowed page that may be), dirty when
-    /// `writable` (a window the walk writes) or `write` (the fault was a write). `None`
-    /// when it cannot be charged or mapped for a reason the full path reports.
+    /// `writable` (a window the walk writes); `write`: the fault was a write (with written
+    /// bits, such a page is not armed). `None` when it cannot be charged or mapped for a
+    /// reason the full path reports.
     fn map_in_signal(
         &self,
         lock: &mut PageLock<'_>,
@@ -756,10 +757,7 @@ impl FaultPath {
     ) -> Option<Outcome> {
         let mm = self.mm();
         self.reclaim.charge_without_reclaim(1)?;
-        // A page the fault writes is mapped dirty: kept clean, it would fault again at
-        // once, for the write.
         let keep = !writable
-            && !write
             && match slot {
                 Some(s) => mm.caps().write_protect && mm.swap().keeps_slot(s),
                 None => mm.maps_borrowed_clean(lock.state()),

@@ -175,18 +175,7 @@ fn clean_pages_are_dropped_without_io_and_writes_dirty_them() {
 /// freed, writable): one fault per page, not a fault to map it and another to write it.
 #[test]
 fn a_write_to_a_swapped_or_inactive_page_maps_it_dirty_with_one_fault() {
-    a_write_maps_dirty_with_one_fault(FaultMode::Thread);
-}
-
-/// The same in SIGBUS mode, which learns that a fault is a write from the signal frame.
-#[test]
-fn a_write_in_sigbus_mode_maps_the_page_dirty_with_one_fault() {
-    a_write_maps_dirty_with_one_fault(FaultMode::Sigbus);
-}
-
-fn a_write_maps_dirty_with_one_fault(mode: FaultMode) {
     let mut cfg = Config::new(2 * MIB);
-    cfg.fault_mode = mode;
     cfg.readahead.policy = ReadaheadPolicy::None;
     let region = Region::new(MIB, cfg).unwrap();
     let pages = region.len() / PAGE_SIZE;
