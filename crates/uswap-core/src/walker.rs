@@ -131,6 +131,15 @@ fn check_locked(
                 errors.push(format!("shared page {} is not write-protected", l.page()));
             }
         }
+        // With written bits, protection serves aging alone: no active page keeps a slot or
+        // is shared; without them, no page is armed.
+        let written_bits = mm.caps().written_bits;
+        if st.armed() && !written_bits {
+            errors.push(format!("page {} is armed without written bits", l.page()));
+        }
+        if written_bits && st.kind() == Kind::Active && (st.slot().is_some() || st.shared()) {
+            errors.push(format!("page {} is {st:?} under written bits", l.page()));
+        }
         // Charged pages are on a list that holds their kind; a shared page is on none:
         // reclaim leaves it to the process that pays for it.
         let on_list = st.is_charged();

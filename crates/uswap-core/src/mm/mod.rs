@@ -6,6 +6,10 @@
 
 pub(crate) mod events;
 pub(crate) mod lender;
+mod pagemap;
+
+use pagemap::Pagemap;
+pub(crate) use pagemap::PagemapEntry;
 
 use lender::Lender;
 
@@ -28,47 +32,9 @@ use crate::swapfile::SwapDevice;
 use crate::uffd::Uffd;
 use crate::workingset::Workingset;
 use crate::PAGE_SIZE;
-use std::os::unix::fs::FileExt;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
 use std::time::Instant;
-
-/// `PAGEMAP_SCAN` of `include/uapi/linux/fs.h` (Linux 6.7): `_IOWR('f', 16, pm_scan_arg)`.
-const PAGEMAP_SCAN: u64 = 0xC060_6610;
-/// Write-protect the pages that match (the written ones).
-const PM_SCAN_WP_MATCHING: u64 = 1 << 0;
-/// Fail unless the range is registered for asynchronous write protection.
-const PM_SCAN_CHECK_WPASYNC: u64 = 1 << 1;
-/// A page written since its protection was last set (or never protected).
-const PAGE_IS_WRITTEN: u64 = 1 << 1;
-/// A page mapped. Asked for with `PAGE_IS_WRITTEN`: alone, that takes the kernel's fast
-/// path, which counts an empty entry as written and leaves a protection marker in it.
-const PAGE_IS_PRESENT: u64 = 1 << 3;
-
-#[repr(C)]
-#[derive(Default)]
-struct PmScanArg {
-    size: u64,
-    flags: u64,
-    start: u64,
-    end: u64,
-    walk_end: u64,
-    vec: u64,
-    vec_len: u64,
-    max_pages: u64,
-    category_inverted: u64,
-    category_mask: u64,
-    category_anyof_mask: u64,
-    return_mask: u64,
-}
-
-#[repr(C)]
-#[derive(Clone, Copy, Default)]
-struct PageRegion {
-    start: u64,
-    end: u64,
-    categories: u64,
-}
 
 /// What the kernel lets this region use beyond the required MISSING, MOVE and event support.
 #[derive(Clone, Copy, Debug)]
@@ -152,19 +118,6 @@ impl Drop for Bounce<'_> {
     }
 }
 
-/// What the kernel's page tables say about one page.
-#[derive(Clone, Copy, Debug, Default)]
-pub(crate) struct PagemapEntry {
-    pub present: bool,
-    /// The userfaultfd write-protect bit (`PM_UFFD_WP`).
-    pub write_protected: bool,
-    /// Mapped by this process alone (`PM_MMAP_EXCLUSIVE`): no fork relative maps it too.
-    pub exclusive: bool,
-    /// Out in the kernel's swap, or being migrated (`PM_SWAP`): not present, yet not
-    /// missing either (the kernel brings it back itself).
-    pub swapped: bool,
-}
-
 /// The pieces a region is made of, built by `Region::with_swap`.
 pub(crate) struct Parts {
     pub map: Mapping,
@@ -228,7 +181,7 @@ pub(crate) struct Mm {
     /// Page-sized buffers for swap-in, preallocated so the fault path allocates nothing.
     bounce: BouncePool,
     /// `/proc/self/pagemap`, to tell whether a page the table calls active is really mapped.
-    pagemap: Option<std::fs::File>,
+    pagemap: Option<Pagemap>,
     shutdown: AtomicBool,
     /// See [`Mm::reclaim_paused`].
     reclaim_paused: AtomicU32,
@@ -266,7 +219,7 @@ impl Mm {
                 )
             })?,
         };
-        let pagemap = std::fs::File::open("/proc/self/pagemap");
+        let pagemap = Pagemap::open();
         if let (true, Err(e)) = (p.caps.written_bits, &pagemap) {
             return Err(Error::invalid(
                 "references",
@@ -478,13 +431,12 @@ impl Mm {
     /// In a fork child, for the abandoned parent's region: closes its userfaultfds and its
     /// `/proc/self/pagemap` (which names the parent's memory). Never used again after.
     pub(crate) fn close_in_child(&self) {
-        use std::os::fd::AsRawFd;
         // SAFETY: descriptors of the abandoned region, never used by the child again.
         unsafe {
             libc::close(self.uffd.raw());
             libc::close(self.staging_uffd.raw());
             if let Some(pagemap) = &self.pagemap {
-                libc::close(pagemap.as_raw_fd());
+                libc::close(pagemap.raw());
             }
         }
     }
@@ -635,6 +587,13 @@ impl Mm {
         self.pagemap_entries(page, &mut entry).then_some(entry[0])
     }
 
+    /// [`Mm::pagemap_entry`] for `into.len()` pages (at most 64) from `first`, in one
+    /// pread; false when pagemap cannot be read.
+    pub fn pagemap_entries(&self, first: usize, into: &mut [PagemapEntry]) -> bool {
+        let addr = self.page_addr(first);
+        self.pagemap.as_ref().is_some_and(|p| p.entries(addr, into))
+    }
+
     /// Whether a write to a present page with this pagemap entry faults to uswap first:
     /// it is write-protected, and the protection is uswap's to lift (with written bits
     /// the kernel lifts it at the write, and only notes that it did).
@@ -642,69 +601,16 @@ impl Mm {
         entry.write_protected && !self.caps.written_bits
     }
 
-    /// [`Mm::pagemap_entry`] for `into.len()` pages from `first`, in one pread; false when
-    /// pagemap cannot be read.
-    pub fn pagemap_entries(&self, first: usize, into: &mut [PagemapEntry]) -> bool {
-        let Some(file) = self.pagemap.as_ref() else {
-            return false;
-        };
-        let mut raw = [0u64; 64];
-        let raw = &mut raw[..into.len()];
-        // SAFETY: the u64 array viewed as its bytes.
-        let bytes =
-            unsafe { std::slice::from_raw_parts_mut(raw.as_mut_ptr().cast(), raw.len() * 8) };
-        let offset = (self.page_addr(first) / PAGE_SIZE * 8) as u64;
-        if file.read_exact_at(bytes, offset).is_err() {
-            return false;
-        }
-        for (entry, bits) in into.iter_mut().zip(raw.iter()) {
-            *entry = PagemapEntry {
-                present: bits & (1 << 63) != 0,
-                swapped: bits & (1 << 62) != 0,
-                write_protected: bits & (1 << 57) != 0,
-                exclusive: bits & (1 << 56) != 0,
-            };
-        }
-        true
-    }
-
     /// Which of the `count` pages from `first` were written since this last looked at them
     /// (or were mapped since), pushed onto `written`; those are write-protected again, so
-    /// their next write shows. One `PAGEMAP_SCAN` (Linux 6.7) with `PM_SCAN_WP_MATCHING`:
-    /// the look and the new protection are one step under the page table lock. Only with
-    /// written bits ([`Caps::written_bits`]); false when the scan failed (nothing seen).
+    /// their next write shows ([`Pagemap::take_written`]). Only with written bits
+    /// ([`Caps::written_bits`]); false when the scan failed (nothing seen).
     pub fn take_written(&self, first: usize, count: usize, written: &mut Vec<usize>) -> bool {
-        let Some(file) = self.pagemap.as_ref().filter(|_| self.caps.written_bits) else {
+        let Some(pagemap) = self.pagemap.as_ref().filter(|_| self.caps.written_bits) else {
             return false;
         };
-        let mut regions = [PageRegion::default(); 32];
-        let (mut start, end) = (self.page_addr(first), self.page_addr(first + count));
-        while start < end {
-            let mut arg = PmScanArg {
-                size: std::mem::size_of::<PmScanArg>() as u64,
-                flags: PM_SCAN_WP_MATCHING | PM_SCAN_CHECK_WPASYNC,
-                start: start as u64,
-                end: end as u64,
-                vec: regions.as_mut_ptr() as u64,
-                vec_len: regions.len() as u64,
-                category_mask: PAGE_IS_WRITTEN | PAGE_IS_PRESENT,
-                return_mask: PAGE_IS_WRITTEN,
-                ..PmScanArg::default()
-            };
-            let fd = std::os::fd::AsRawFd::as_raw_fd(file);
-            // SAFETY: the argument and its output array outlive the call; the range is
-            // the region's own.
-            let found = unsafe { libc::ioctl(fd, PAGEMAP_SCAN as _, &mut arg) };
-            if found < 0 {
-                return false;
-            }
-            for r in &regions[..found as usize] {
-                written.extend(self.pages_in(r.start as usize, r.end as usize));
-            }
-            // The walk stops early only when the output array is full.
-            start = arg.walk_end as usize;
-        }
-        true
+        let (start, end) = (self.page_addr(first), self.page_addr(first + count));
+        pagemap.take_written(start, end, |a, b| written.extend(self.pages_in(a, b)))
     }
 
     /// Unmaps what is still the region's: runs of pages the program did not unmap or move
