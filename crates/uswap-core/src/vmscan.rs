@@ -461,7 +461,7 @@ impl Reclaim {
         let mut unread = Vec::new();
         for run in pages.chunk_by(|a, b| a + 1 == *b) {
             if !mm.take_written(run[0], run.len(), &mut written) {
-                // Nothing seen: these pages stay unarmed, and are aged as without bits.
+                // Nothing seen: these pages are aged this time as without written bits.
                 unread.extend_from_slice(run);
                 mm.count(VmEvent::written_scan_failed, 1);
             }

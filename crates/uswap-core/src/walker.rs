@@ -131,13 +131,14 @@ fn check_locked(
                 errors.push(format!("shared page {} is not write-protected", l.page()));
             }
         }
-        // With written bits, protection serves aging alone: no active page keeps a slot or
-        // is shared; without them, no page is armed.
+        // With written bits, protection serves aging alone: no active page keeps a slot, is
+        // shared or borrowed (a write the kernel let through would go unseen); without
+        // them, no page is armed.
         let written_bits = mm.caps().written_bits;
         if st.armed() && !written_bits {
             errors.push(format!("page {} is armed without written bits", l.page()));
         }
-        if written_bits && st.kind() == Kind::Active && (st.slot().is_some() || st.shared()) {
+        if written_bits && st.kind() == Kind::Active && st.write_faults() {
             errors.push(format!("page {} is {st:?} under written bits", l.page()));
         }
         // Charged pages are on a list that holds their kind; a shared page is on none:

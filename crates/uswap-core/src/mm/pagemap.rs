@@ -125,8 +125,13 @@ impl Pagemap {
             for r in &regions[..found as usize] {
                 written(r.start as usize, r.end as usize);
             }
-            // The walk stops early only when the output array is full.
-            start = arg.walk_end as usize;
+            // The walk stops early only when the output array is full; a walk that did not
+            // move on is taken for a failure rather than tried again for ever.
+            let walked = arg.walk_end as usize;
+            if walked <= start || walked > end {
+                return false;
+            }
+            start = walked;
         }
         true
     }
