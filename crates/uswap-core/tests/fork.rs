@@ -141,6 +141,27 @@ fn filled_region() -> (Region, usize) {
     (region, pages)
 }
 
+/// In a fork child of a [`mixed_region`]: writes `version` to every page (twice the limit),
+/// reads every page back, and checks the invariants and that no more than the limit (and
+/// a little) stayed resident.
+fn rewrite_within_limit(region: &Region, version: u32) -> Result<(), String> {
+    let pages = region.len() / PAGE_SIZE;
+    for page in 0..pages {
+        unsafe { fill(region.as_ptr(), page, version) };
+    }
+    for page in 0..pages {
+        unsafe { check(region.as_ptr(), page, version) }?;
+    }
+    region.check_invariants()?;
+    let resident = region.stats().resident_pages;
+    if resident * PAGE_SIZE as u64 > 2 * MIB as u64 + 64 * PAGE_SIZE as u64 {
+        return Err(format!(
+            "the child keeps {resident} pages resident, over its limit"
+        ));
+    }
+    Ok(())
+}
+
 #[test]
 fn a_child_gets_the_memory_as_it_was_and_each_goes_its_own_way() {
     let _serial = serial();
@@ -176,25 +197,12 @@ fn child_gets_the_memory_as_it_was(mode: FaultMode) {
         region.check_invariants()?;
         check_all(&region, &versions)?;
         // The child's writes go to its own memory and swap: twice its limit.
-        let pages = region.len() / PAGE_SIZE;
-        for page in 0..pages {
-            unsafe { fill(region.as_ptr(), page, 7) };
-        }
+        rewrite_within_limit(&region, 7)?;
         // A page read from a lent slot stays borrowed until it is written.
         if region.stats().borrowed_pages != 0 {
             return Err("pages still borrowed after every page was written".into());
         }
-        for page in 0..pages {
-            unsafe { check(region.as_ptr(), page, 7) }?;
-        }
-        region.check_invariants()?;
         let stats = region.stats();
-        if stats.resident_pages * PAGE_SIZE as u64 > 2 * MIB as u64 + 64 * PAGE_SIZE as u64 {
-            return Err(format!(
-                "the child keeps {} pages resident, over its limit",
-                stats.resident_pages
-            ));
-        }
         if stats.shared_pages != 0 || stats.vmstat.cow_break == 0 {
             return Err(format!(
                 "after writing every page the child still shares {} ({} copy-on-write \
@@ -230,19 +238,7 @@ fn a_child_of_a_region_with_written_bits_gets_the_memory_as_it_was() {
         }
         region.check_invariants()?;
         check_all(&region, &versions)?;
-        let pages = region.len() / PAGE_SIZE;
-        for page in 0..pages {
-            unsafe { fill(region.as_ptr(), page, 7) };
-        }
-        for page in 0..pages {
-            unsafe { check(region.as_ptr(), page, 7) }?;
-        }
-        region.check_invariants()?;
-        let resident = region.stats().resident_pages * PAGE_SIZE as u64;
-        if resident > 2 * MIB as u64 + 64 * PAGE_SIZE as u64 {
-            return Err(format!("the child keeps {resident} bytes resident"));
-        }
-        Ok(())
+        rewrite_within_limit(&region, 7)
     });
     assert!(exited_ok(status), "child status {status:#x}");
     check_all(&region, &versions).unwrap();
