@@ -126,9 +126,10 @@ pub struct CoreArgs {
     #[arg(long, value_name = "ON|OFF", value_parser = on_off)]
     pub ztier: Option<bool>,
 
-    /// The compressed pool's size: a share of the memory limit (`25%`) or a size (`256M`)
-    /// [default: 20%]
-    #[arg(long, value_name = "SIZE|N%", value_parser = |s: &str| s.parse::<ZtierSize>())]
+    /// The compressed pool's size: `auto` (moved while the program runs to where memory
+    /// saves the most fault time, between 5% and 90% of the memory limit, from 90%), a
+    /// share of the memory limit (`25%`) or a size (`256M`) [default: auto]
+    #[arg(long, value_name = "auto|SIZE|N%", value_parser = |s: &str| s.parse::<ZtierSize>())]
     pub ztier_size: Option<ZtierSize>,
 
     /// The compressed tier's compressor: `lz4`, `zstd` or `zstd:LEVEL` [default: lz4]
@@ -202,7 +203,8 @@ pub struct KernelArgs {
 
 impl KernelArgs {
     /// The kernel settings a run changes: the readahead `core` asks for, and with
-    /// `--kernel-swap zswap`, zswap's, its pool `--ztier-size` of `memory`.
+    /// `--kernel-swap zswap`, zswap's, its pool `--ztier-size` of `memory` (with `auto`, the
+    /// kernel's own limit).
     pub fn tunables(&self, core: &CoreArgs, memory: u64) -> Result<Vec<(Tunable, String)>> {
         let mut settings = tunables::for_readahead(core.readahead, core.page_cluster)?;
         settings.extend(self.zswap_tunables(core.ztier(), memory)?);
@@ -213,7 +215,10 @@ impl KernelArgs {
     /// compressor and its pool size under `memory`; none otherwise.
     pub fn zswap_tunables(&self, ztier: Ztier, memory: u64) -> Result<Vec<(Tunable, String)>> {
         match self.kernel_swap {
-            KernelSwap::Zswap => tunables::for_zswap(ztier.compressor, ztier.size.bytes(memory)),
+            KernelSwap::Zswap => {
+                let pool = (ztier.size != ZtierSize::Auto).then(|| ztier.size.bytes(memory));
+                tunables::for_zswap(ztier.compressor, pool)
+            }
             KernelSwap::File | KernelSwap::Zram => Ok(Vec::new()),
         }
     }

@@ -50,17 +50,21 @@ pub fn mb_per_s(pages: u64, seconds: f64) -> f64 {
 /// The compressed tier in one line: what it holds, and what it did.
 pub fn ztier(z: &uswap_core::ZtierStats) -> String {
     format!(
-        "holds {} pages ({} same-filled) in {} (limit {}, {:.2} page bytes per pool byte); \
-         stored {}, loaded {}, written back {}, rejected {} (+{} untried); \
-         compress {:.0} ms, decompress {:.0} ms",
+        "holds {} pages ({} same-filled) in {} (limit {}, raised {} lowered {} times; \
+         {:.2} page bytes per pool byte); stored {} ({} clean), loaded {}, written back {}, \
+         dropped clean {}, rejected {} (+{} untried); compress {:.0} ms, decompress {:.0} ms",
         count(z.stored_pages),
         count(z.same_filled_pages),
         size(z.pool_bytes),
         size(z.limit_bytes),
+        z.limit_raised,
+        z.limit_lowered,
         z.compression_ratio,
         count(z.stores),
+        count(z.stored_clean),
         count(z.loads),
         count(z.written_back),
+        count(z.dropped_clean),
         count(z.reject_compress_poor + z.reject_alloc_fail),
         count(z.skipped_poor),
         z.store_ms,

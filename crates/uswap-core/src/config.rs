@@ -300,43 +300,53 @@ pub struct Ztier {
 }
 
 impl Default for Ztier {
-    /// On, a fifth of the limit, LZ4: measured on (docs/benchmarks.md, "Issue 27"), it
-    /// serves 3:1 data 1.2-1.4x faster than off and random data within noise of off.
+    /// On, sized `auto`, LZ4: measured on (docs/benchmarks.md,
+    /// "Issue 27"), it serves 3:1 data faster than off and random data within noise of
+    /// off.
     fn default() -> Self {
         Ztier {
             enabled: true,
-            size: ZtierSize::Percent(DEFAULT_ZTIER_PERCENT),
+            size: ZtierSize::Auto,
             compressor: Compressor::Lz4,
         }
     }
 }
 
-/// The pool's share of the memory limit by default (the kernel's `zswap.max_pool_percent`
-/// is 20% of the machine's memory).
-pub const DEFAULT_ZTIER_PERCENT: u8 = 20;
+/// The share of the memory limit an `auto` pool starts from: the most it may take, as the
+/// kernel lets zswap's pool grow inside a cgroup as far as reclaim takes it (its
+/// `max_pool_percent`, 20%, is of the machine's memory); its refaults then bring it to
+/// where memory saves the most (docs/benchmarks.md, issue 27).
+pub const DEFAULT_ZTIER_PERCENT: u8 = 90;
 
-/// The compressed pool's size: bytes, or a share of the memory limit.
+/// The compressed pool's size: bytes, a share of the memory limit, or `auto`: moved while
+/// the program runs to where memory saves the most fault time (`swapfile/zswap_shrinker.rs`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum ZtierSize {
     Bytes(u64),
     Percent(u8),
+    Auto,
 }
 
 impl ZtierSize {
-    /// The pool's most bytes under a memory limit of `limit_bytes`.
+    /// The pool's most bytes under a memory limit of `limit_bytes` (for `auto`, where it
+    /// starts).
     pub fn bytes(self, limit_bytes: u64) -> u64 {
         match self {
             ZtierSize::Bytes(b) => b,
             ZtierSize::Percent(p) => limit_bytes / 100 * u64::from(p),
+            ZtierSize::Auto => limit_bytes / 100 * u64::from(DEFAULT_ZTIER_PERCENT),
         }
     }
 }
 
 impl FromStr for ZtierSize {
     type Err = Error;
-    /// `25%` (a share of the memory limit, 1 to 90) or a size (`256M`).
+    /// `auto`, `25%` (a share of the memory limit, 1 to 90) or a size (`256M`).
     fn from_str(s: &str) -> Result<Self> {
+        if s.trim().eq_ignore_ascii_case("auto") {
+            return Ok(ZtierSize::Auto);
+        }
         match s.trim().strip_suffix('%') {
             Some(p) => match p.trim().parse::<u8>() {
                 Ok(p @ 1..=90) => Ok(ZtierSize::Percent(p)),
@@ -355,6 +365,7 @@ impl std::fmt::Display for ZtierSize {
         match self {
             ZtierSize::Bytes(b) => write!(f, "{b}"),
             ZtierSize::Percent(p) => write!(f, "{p}%"),
+            ZtierSize::Auto => f.write_str("auto"),
         }
     }
 }

@@ -153,7 +153,7 @@ impl Reclaim {
             kswapd: Kswapd::default(),
         };
         // Sets the compressed pool's limit and owner before anything is stored.
-        reclaim.balance_ztier();
+        reclaim.balance_ztier(0);
         reclaim
     }
 
@@ -614,7 +614,12 @@ impl Reclaim {
             let frame = st.frame().expect("an inactive page has a staging frame");
             if is_zero_page(mm.staging().addr(frame)) {
                 freed_frames.push(mm.dropped_zero(lock));
-            } else if st.slot().is_some() {
+            } else if let Some(slot) = st.slot() {
+                // SAFETY: the page's populated staging frame, held by its page lock.
+                unsafe {
+                    mm.swap()
+                        .keep_clean(slot, mm.staging().addr(frame) as *const u8)
+                };
                 freed_frames.push(mm.dropped_clean(lock));
             } else if let Some(slot) = mm.swap().alloc_slot() {
                 writes.push((i, slot));
@@ -628,7 +633,7 @@ impl Reclaim {
             laps.lap(Phase::WriteOut);
         }
         let freed = mm.reclaimed(freed_frames);
-        self.balance_ztier();
+        self.balance_ztier(freed);
         laps.lap(Phase::FrameRelease);
         let still_inactive = locks
             .iter()
@@ -642,12 +647,13 @@ impl Reclaim {
     /// as a cgroup charges zswap's pool, so resident pages and pool together stay under
     /// the limit; the pool's size follows the limit. A pool over its size (the limit went
     /// down, or this batch had no dirty page to write its oldest pages out with) writes
-    /// some back first.
-    fn balance_ztier(&self) {
+    /// some back first. `evicted`: the pages this batch freed (an `auto` pool's size
+    /// weighs them).
+    fn balance_ztier(&self, evicted: u64) {
         let (mm, swap) = (&self.mm, self.mm.swap());
         swap.ztier_writeback(self.batch);
         let limit = mm.budget().limit() * PAGE_SIZE as u64;
-        match swap.ztier_balance(limit, mm.id()) {
+        match swap.ztier_balance(limit, mm.id(), evicted) {
             0 => {}
             pages => mm.charge_pool(pages),
         }

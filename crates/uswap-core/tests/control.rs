@@ -136,7 +136,7 @@ fn readahead_knobs_switch_the_running_region() {
         knobs["knobs"],
         json!({"memory": 2 * MIB, "swap_ra_policy": "fixed", "page-cluster": 5,
                "lru_policy": "s3fifo", "references": "faults", "ztier": "on",
-               "ztier_size": "20%"})
+               "ztier_size": "auto"})
     );
     assert_eq!(stat()["stats"]["readahead"]["policy"], "fixed");
 }

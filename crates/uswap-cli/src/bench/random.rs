@@ -206,7 +206,8 @@ fn run_uswap(a: &RandomArgs, params: &RandomParams) -> Result<Report> {
     };
     let vmstat = after.vmstat.since(&before.vmstat);
     let ztier = after.ztier.since(&before.ztier);
-    let disk_writes = (vmstat.pswpout + ztier.written_back).saturating_sub(ztier.stores);
+    let dirty_stores = ztier.stores.saturating_sub(ztier.stored_clean);
+    let disk_writes = (vmstat.pswpout + ztier.written_back).saturating_sub(dirty_stores);
     let swapped = (
         vmstat.pswpin,
         vmstat.pswpout,

@@ -44,7 +44,7 @@ pub struct BenchRunArgs {
 
     /// The compressed pool's size in every uswap run, and for `--kernel-swap zswap` the
     /// kernel's zswap pool limit [default: as `uswap run` picks it]
-    #[arg(long, value_name = "SIZE|N%", value_parser = |s: &str| s.parse::<ZtierSize>())]
+    #[arg(long, value_name = "auto|SIZE|N%", value_parser = |s: &str| s.parse::<ZtierSize>())]
     pub ztier_size: Option<ZtierSize>,
 
     #[command(flatten)]

@@ -119,8 +119,9 @@ pub fn for_readahead(
 /// pool and compressor first): the compressor `wanted` if this kernel has it, else
 /// `lzo-rle` (the kernel's default family; this machine's kernel has no lz4 or zstd), and
 /// a pool limit of `pool_bytes` as a whole share of the machine's memory (the kernel's
-/// limit is machine-wide), at least 1%.
-pub fn for_zswap(wanted: Compressor, pool_bytes: u64) -> Result<Vec<(Tunable, String)>> {
+/// limit is machine-wide), at least 1%; with `None` (uswap's `auto`) the kernel's own
+/// limit stays, its pool growing as its reclaim takes it.
+pub fn for_zswap(wanted: Compressor, pool_bytes: Option<u64>) -> Result<Vec<(Tunable, String)>> {
     if !Path::new(Tunable::ZswapEnabled.path()).exists() {
         bail!(
             "--kernel-swap zswap: this kernel has no zswap ({} is missing)",
@@ -136,16 +137,17 @@ pub fn for_zswap(wanted: Compressor, pool_bytes: u64) -> Result<Vec<(Tunable, St
         true => name,
         false => "lzo-rle",
     };
-    let total = fs::read_to_string("/proc/meminfo").context("reading /proc/meminfo")?;
-    let percent = pool_percent(
-        pool_bytes,
-        mem_total(&total).context("no MemTotal in /proc/meminfo")?,
-    );
-    Ok(vec![
-        (Tunable::ZswapCompressor, compressor.to_string()),
-        (Tunable::ZswapMaxPoolPercent, percent.to_string()),
-        (Tunable::ZswapEnabled, "Y".to_string()),
-    ])
+    let mut settings = vec![(Tunable::ZswapCompressor, compressor.to_string())];
+    if let Some(bytes) = pool_bytes {
+        let total = fs::read_to_string("/proc/meminfo").context("reading /proc/meminfo")?;
+        let percent = pool_percent(
+            bytes,
+            mem_total(&total).context("no MemTotal in /proc/meminfo")?,
+        );
+        settings.push((Tunable::ZswapMaxPoolPercent, percent.to_string()));
+    }
+    settings.push((Tunable::ZswapEnabled, "Y".to_string()));
+    Ok(settings)
 }
 
 fn has_algorithm(crypto: &str, name: &str) -> bool {

@@ -16,6 +16,7 @@ mod swap_map;
 pub mod swap_state;
 mod zpool;
 mod zswap;
+mod zswap_shrinker;
 
 pub use backing::Backing;
 pub use cluster::SlotId;
@@ -105,6 +106,10 @@ pub struct IoStats {
     pub write_errors: u64,
     /// Emptied clusters punched out of the swap file.
     pub discarded_clusters: u64,
+    /// Reads of the file a fault waited for (a readahead window counts once), and their
+    /// time in all, ns.
+    pub file_reads: u64,
+    pub file_read_ns: u64,
 }
 
 /// The device's own counters (the I/O engine keeps the rest).
@@ -116,6 +121,26 @@ struct Counters {
     checksum_errors: AtomicU64,
     write_errors: AtomicU64,
     discarded_clusters: AtomicU64,
+    /// Reads of the file a fault waited for (a readahead window counts once), and their
+    /// time: what a page the compressed pool wrote back costs when it is wanted again.
+    file_reads: AtomicU64,
+    file_read_ns: AtomicU64,
+}
+
+impl Counters {
+    fn file_read(&self, started: Instant) {
+        self.file_reads.fetch_add(1, Relaxed);
+        self.file_read_ns
+            .fetch_add(started.elapsed().as_nanos() as u64, Relaxed);
+    }
+
+    /// A file read's mean time so far, ns; a disk's guess (100 µs) before the first.
+    fn mean_file_read_ns(&self) -> u64 {
+        match self.file_reads.load(Relaxed) {
+            0 => 100_000,
+            n => self.file_read_ns.load(Relaxed) / n,
+        }
+    }
 }
 
 /// This process's pid, taken again in every fork child (a `pthread_atfork` handler, and
@@ -600,7 +625,9 @@ impl SwapDevice {
             .map(|&(slot, src)| self.zswap.store(slot, src).then_some(Ok(())))
             .collect();
         let started = Instant::now();
-        let victims = self.zswap.victims(2 * batch.len() + 8);
+        let victims = self
+            .zswap
+            .victims(2 * batch.len() + 8, |slot| self.guard.get(slot).is_some());
         let to_file: Vec<(SlotId, *const u8)> = batch
             .iter()
             .zip(&results)
@@ -619,6 +646,18 @@ impl SwapDevice {
             .collect()
     }
 
+    /// Reclaim drops a clean page whose data the file holds at `slot`: the compressed pool
+    /// keeps a copy when it has room (the page then comes back with no file read; writeback
+    /// drops the copy without a write). True when it did.
+    ///
+    /// # Safety
+    /// `src` must be valid for reading 4096 bytes, page-aligned; the caller holds the lock
+    /// of the page that owns `slot`.
+    pub unsafe fn keep_clean(&self, slot: SlotId, src: *const u8) -> bool {
+        self.check_slot(slot);
+        self.owned() && self.forking.load(Relaxed) == 0 && self.zswap.store_clean(slot, src)
+    }
+
     /// Writes the compressed pool's oldest pages (at most `max`) to their slots in the file
     /// when the pool is over its size, with no batch of reclaim's own to go along (its
     /// pages were all clean, or the limit went down). Returns how many went.
@@ -630,7 +669,9 @@ impl SwapDevice {
             // Writeback frees pool cells, which a fork child's copy may still name.
             return 0;
         }
-        let victims = self.zswap.victims(max);
+        let victims = self
+            .zswap
+            .victims(max, |slot| self.guard.get(slot).is_some());
         if victims.is_empty() {
             return 0;
         }
@@ -710,9 +751,13 @@ impl SwapDevice {
         let mut read = 0;
         loop {
             let reread_follows = read + 1 < READ_TRIES;
+            let started = Instant::now();
             if let Err(e) = self.io.read(file, slot_offset(slot), dst, reread_follows) {
                 self.counters.read_errors.fetch_add(1, Relaxed);
                 return Err(ReadError::Io(e));
+            }
+            if read == 0 {
+                self.counters.file_read(started);
             }
             match self.guard.check(slot, expected, dst) {
                 Ok(()) => {
@@ -770,7 +815,11 @@ impl SwapDevice {
                 dst,
             })
             .collect();
+        let started = Instant::now();
         let mut results = self.io.read_batch(file, &ops).into_iter();
+        if !ops.is_empty() {
+            self.counters.file_read(started);
+        }
         batch
             .iter()
             .zip(expected)
@@ -815,10 +864,15 @@ impl SwapDevice {
         let Some(expected) = self.guard.get(slot) else {
             return false;
         };
-        matches!(
+        let started = Instant::now();
+        let read = matches!(
             self.io.read_in_place(&self.file, slot_offset(slot), dst),
             Some(Ok(()))
-        ) && self.guard.passes(slot, expected, dst)
+        );
+        if read {
+            self.counters.file_read(started);
+        }
+        read && self.guard.passes(slot, expected, dst)
     }
 
     /// [`SwapDevice::read_pages`] for the SIGBUS handler's readahead: reads `slots` (at
@@ -844,11 +898,17 @@ impl SwapDevice {
             .iter()
             .map(|&slot| (!self.zswap.holds(slot)).then(|| slot_offset(slot)))
             .collect();
+        let from_file = offsets.iter().flatten().count();
+        let started = Instant::now();
         self.io.read_batch_in_place(&self.file, &offsets, |batch| {
+            if from_file > 0 {
+                self.counters.file_read(started);
+            }
             for (i, (&slot, expected)) in slots.iter().zip(expected).enumerate() {
                 let good = match offsets[i] {
                     None => self.zswap.load(slot, batch.page(i), true) == Load::Page,
                     Some(_) => {
+                        self.zswap.refault(slot);
                         batch.ok(i)
                             && expected.is_some_and(|e| self.guard.passes(slot, e, batch.page(i)))
                     }
@@ -885,15 +945,17 @@ impl SwapDevice {
         self.zswap.size()
     }
 
-    /// Sets the pool's limit for a memory limit of `limit_bytes`, gives emptied pool
-    /// chunks back, and returns the change in the pool's memory, in pages, since the last
-    /// call: the caller charges it to (or takes it off) the memory limit, as a cgroup
-    /// charges zswap's pool.
+    /// Sets the pool's limit for a memory limit of `limit_bytes` (an `auto` size told of
+    /// the `evictions` reclaim made since the last call), gives emptied pool chunks back,
+    /// and returns the change in the pool's memory, in pages, since the last call: the
+    /// caller charges it to (or takes it off) the memory limit, as a cgroup charges
+    /// zswap's pool.
     ///
     /// On a device regions share, the first region to call this owns the pool: its limit
     /// sets the pool's, and the pool is charged to it alone (others get 0).
-    pub fn ztier_balance(&self, limit_bytes: u64, region: u32) -> i64 {
-        self.zswap.balance(limit_bytes, region)
+    pub fn ztier_balance(&self, limit_bytes: u64, region: u32, evictions: u64) -> i64 {
+        let read_ns = self.counters.mean_file_read_ns();
+        self.zswap.balance(limit_bytes, region, evictions, read_ns)
     }
 
     /// The cipher sealing the device's slots; None with encryption off.
@@ -916,6 +978,8 @@ impl SwapDevice {
             checksum_errors: c.checksum_errors.load(Relaxed),
             write_errors: c.write_errors.load(Relaxed),
             discarded_clusters: c.discarded_clusters.load(Relaxed),
+            file_reads: c.file_reads.load(Relaxed),
+            file_read_ns: c.file_read_ns.load(Relaxed),
         }
     }
 
@@ -2107,7 +2171,7 @@ mod tests {
             )
         })
         .unwrap();
-        dev.ztier_balance(1 << 30, 0);
+        dev.ztier_balance(1 << 30, 0, 0);
         (dir, dev)
     }
 
@@ -2259,6 +2323,54 @@ mod tests {
     }
 
     #[test]
+    fn a_clean_page_kept_in_the_pool_comes_back_from_it_and_goes_without_a_write() {
+        let (_dir, dev) = ztier_device(crate::Compressor::Lz4, 64 << 20);
+        let slots: Vec<SlotId> = (0..32).map(|_| dev.alloc_slot().unwrap()).collect();
+        let pages: Vec<PageBuf> = (0..32u64).map(compressible).collect();
+        // Written to the file (the tier off), then swapped in and evicted clean.
+        dev.set_ztier(false);
+        write(&dev, &slots.iter().copied().zip(&pages).collect::<Vec<_>>());
+        dev.set_ztier(true);
+        for (&slot, page) in slots.iter().zip(&pages) {
+            assert!(unsafe { dev.keep_clean(slot, page.as_ptr()) });
+            assert!(
+                !unsafe { dev.keep_clean(slot, page.as_ptr()) },
+                "held already"
+            );
+        }
+        let z = dev.ztier_stats();
+        assert_eq!((z.stored_pages, z.stored_clean), (32, 32), "{z:?}");
+        let loads = z.loads;
+        read_every_way(&dev, &slots, &pages);
+        assert!(dev.ztier_stats().loads > loads, "read from the pool");
+        // Made to leave, the clean copies are dropped: nothing is written.
+        dev.set_ztier_size(crate::ZtierSize::Bytes(0));
+        dev.ztier_balance(1 << 30, 0, 0);
+        assert_eq!(dev.ztier_writeback(64), 0, "nothing to write");
+        let z = dev.ztier_stats();
+        assert_eq!(
+            (z.stored_pages, z.dropped_clean, z.written_back),
+            (0, 32, 0),
+            "{z:?}"
+        );
+        read_every_way(&dev, &slots, &pages);
+        // A pool with no room leaves no copy.
+        assert!(!unsafe { dev.keep_clean(slots[0], pages[0].as_ptr()) });
+        // A dirty page stored on a slot freed and taken again is written back, not dropped.
+        dev.free_slot(slots[1]);
+        let slot = dev.alloc_slot().unwrap();
+        dev.set_ztier_size(crate::ZtierSize::Bytes(64 << 20));
+        dev.ztier_balance(1 << 30, 0, 0);
+        write(&dev, &[(slot, &pages[2])]);
+        dev.set_ztier_size(crate::ZtierSize::Bytes(0));
+        dev.ztier_balance(1 << 30, 0, 0);
+        while dev.ztier_writeback(64) > 0 {}
+        let z = dev.ztier_stats();
+        assert_eq!((z.written_back, z.dropped_clean), (1, 32), "{z:?}");
+        assert_eq!(read(&dev, slot).unwrap().as_slice(), pages[2].as_slice());
+    }
+
+    #[test]
     fn a_tier_turned_off_drains_into_the_file_as_reclaim_writes() {
         let (_dir, dev) = ztier_device(crate::Compressor::Lz4, 64 << 20);
         let slots: Vec<SlotId> = (0..200).map(|_| dev.alloc_slot().unwrap()).collect();
@@ -2294,8 +2406,8 @@ mod tests {
         assert_eq!(dev.ztier_writeback(64), 0, "under its size: nothing to do");
         // Victims dropped unsettled (a panic mid-writeback) go back to the pool.
         dev.set_ztier_size(crate::ZtierSize::Bytes(0));
-        dev.ztier_balance(1 << 30, 0);
-        drop(dev.zswap.victims(8));
+        dev.ztier_balance(1 << 30, 0, 0);
+        drop(dev.zswap.victims(8, |_| false));
         assert_eq!(dev.ztier_stats().stored_pages, 64);
         dev.free_slot(slots[0]);
         assert!(matches!(

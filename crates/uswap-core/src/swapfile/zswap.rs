@@ -11,14 +11,19 @@
 //!
 //! ```text
 //!  EMPTY ──store──▶ STORED{handle, gen} ──invalidate──▶ EMPTY (cell freed)
-//!                     │    ▲
-//!     start_writeback │    │ writeback_failed
-//!                     ▼    │
-//!                   WRITEBACK{handle, gen} ──written_back──▶ EMPTY (cell freed, the page
-//!                                                                   in the file)
+//!                     │    ▲         │
+//!     start_writeback │    │ failed  │ clean copy dropped (the file holds the page too)
+//!                     ▼    │         ▼
+//!                   WRITEBACK ──written_back──▶ EMPTY+shadow (cell freed, page in the file)
+//!
+//!  EMPTY ──no room for a clean page──▶ EMPTY+shadow ──file read or invalidate──▶ EMPTY
 //! ```
 //!
-//! EMPTY means the file holds the slot's data, if any (the device's guard knows). Only the
+//! EMPTY means the file holds the slot's data, if any (the device's guard knows). A page
+//! that leaves the pool (written back, or a clean copy dropped), or a clean page a full
+//! pool had no room for, leaves a shadow in its EMPTY word: the count of such departures
+//! at the time. The file read of the slot takes it (`zswap_shrinker.rs` sizes an `auto`
+//! pool by such refaults); an invalidation clears it. Only the
 //! slot's user stores and invalidates (reclaim writing its page, a fault or an unmap
 //! freeing it); writeback takes any STORED slot. An invalidation that finds WRITEBACK waits
 //! for the write to end: the writer is reclaim, which holds none of the slot's page locks.
@@ -30,6 +35,7 @@ use super::cluster::SlotId;
 use super::slot_table::SlotTable;
 use super::swap_io::page_buf::PageBuf;
 use super::zpool::{Handle, ZPool, CHUNK_BYTES, MAX_OBJECT_WORDS};
+use super::zswap_shrinker::{Seen, Shrinker};
 use crate::lockdep::Rank;
 use crate::lockstat::{LockClass, StatMutex};
 use crate::sync::{AtomicBool, AtomicU32, AtomicU64};
@@ -62,6 +68,13 @@ const STATE_SHIFT: u32 = 62;
 const EMPTY: u64 = 0;
 const STORED: u64 = 1;
 const WRITEBACK: u64 = 2;
+
+/// In an EMPTY word: the slot's page left the pool when the departure count's low bits
+/// were the word's low [`SHADOW_BITS`].
+const SHADOW: u64 = 1 << 61;
+const SHADOW_BITS: u32 = 40;
+const SHADOW_MASK: u64 = (1 << SHADOW_BITS) - 1;
+const GEN_MASK: u64 = (1 << GEN_BITS) - 1;
 
 fn state(word: u64) -> u64 {
     word >> STATE_SHIFT
@@ -111,8 +124,9 @@ impl Victim<'_> {
         self.settled = true;
         let z = self.zswap;
         let location = z.locations.entry(self.slot).expect("a stored slot's word");
-        let swapped = location.compare_exchange(self.word, EMPTY, AcqRel, Relaxed);
+        let swapped = location.compare_exchange(self.word, z.next_shadow(), AcqRel, Relaxed);
         debug_assert!(swapped.is_ok(), "only writeback leaves WRITEBACK");
+        z.counters.left.fetch_add(1, Relaxed);
         z.release(self.word);
         z.counters.written_back.fetch_add(1, Relaxed);
         z.counters.writeback_ns.fetch_add(nanos(started), Relaxed);
@@ -142,6 +156,11 @@ struct Counters {
     stores: AtomicU64,
     loads: AtomicU64,
     written_back: AtomicU64,
+    stored_clean: AtomicU64,
+    dropped_clean: AtomicU64,
+    /// Pages that left the pool for the file (written back or dropped clean) and clean
+    /// pages a full pool had no room for: the clock shadows are read on.
+    left: AtomicU64,
     reject_compress_poor: AtomicU64,
     reject_alloc_fail: AtomicU64,
     skipped_poor: AtomicU64,
@@ -157,6 +176,11 @@ pub struct ZtierStats {
     pub compressor: String,
     /// The most bytes the pool's objects may take now.
     pub limit_bytes: u64,
+    /// Times an `auto` size raised and lowered that limit (`zswap_shrinker.rs`).
+    #[serde(default)]
+    pub limit_raised: u64,
+    #[serde(default)]
+    pub limit_lowered: u64,
     /// Pages held in the pool now, same-filled ones included.
     pub stored_pages: u64,
     /// Of those, pages that repeat one word, kept as the word.
@@ -175,7 +199,13 @@ pub struct ZtierStats {
     pub loads: u64,
     /// Pages written back to the file to make room.
     pub written_back: u64,
-    /// Pages that did not compress well enough, sent to the file.
+    /// Clean pages stored (their data in the file too), and such pages dropped to make
+    /// room, with no write.
+    #[serde(default)]
+    pub stored_clean: u64,
+    #[serde(default)]
+    pub dropped_clean: u64,
+    /// Pages that did not compress well enough, sent to (or, clean, left in) the file.
     pub reject_compress_poor: u64,
     /// Pages sent to the file because the pool could not get memory.
     pub reject_alloc_fail: u64,
@@ -192,7 +222,11 @@ impl ZtierStats {
         ZtierStats {
             stores: self.stores - earlier.stores,
             loads: self.loads - earlier.loads,
+            limit_raised: self.limit_raised - earlier.limit_raised,
+            limit_lowered: self.limit_lowered - earlier.limit_lowered,
             written_back: self.written_back - earlier.written_back,
+            stored_clean: self.stored_clean - earlier.stored_clean,
+            dropped_clean: self.dropped_clean - earlier.dropped_clean,
             reject_compress_poor: self.reject_compress_poor - earlier.reject_compress_poor,
             reject_alloc_fail: self.reject_alloc_fail - earlier.reject_alloc_fail,
             skipped_poor: self.skipped_poor - earlier.skipped_poor,
@@ -212,6 +246,11 @@ pub(super) struct Zswap {
     /// The most bytes the objects may take (from `size` and the memory limit; none, so no
     /// writeback, until [`Zswap::balance`] first sets it).
     limit: AtomicU64,
+    /// Where an `auto` size puts the limit.
+    shrinker: Shrinker,
+    /// The most the pool's chunks may take before writeback empties some: 90% of the
+    /// memory limit (from [`Zswap::balance`]).
+    ceiling: AtomicU64,
     pool: ZPool,
     locations: SlotTable,
     /// Stored slots, oldest first, with the word they were stored with (stale entries are
@@ -234,6 +273,8 @@ impl Zswap {
             enabled: AtomicBool::new(cfg.enabled),
             size: AtomicU64::new(encode_size(cfg.size)),
             limit: AtomicU64::new(u64::MAX),
+            shrinker: Shrinker::new(),
+            ceiling: AtomicU64::new(u64::MAX),
             pool: ZPool::new(),
             locations: SlotTable::new(slots),
             order: StatMutex::new(Rank::ZswapLru, VecDeque::new()),
@@ -258,10 +299,18 @@ impl Zswap {
         decode_size(self.size.load(Relaxed))
     }
 
-    /// Sets the pool's limit for a memory limit of `limit_bytes` (at most 90% of it), gives back the memory of
+    /// Sets the pool's limit for a memory limit of `limit_bytes` (at most 90% of it; an
+    /// `auto` size moved by the shrinker, which is told of the `evictions` reclaim made
+    /// since the last call and of the file's mean read time), gives back the memory of
     /// emptied chunks, and returns the change in pool pages since the last call, for the
     /// caller to charge (positive) or uncharge (negative) against the memory limit.
-    pub(super) fn balance(&self, limit_bytes: u64, region: u32) -> i64 {
+    pub(super) fn balance(
+        &self,
+        limit_bytes: u64,
+        region: u32,
+        evictions: u64,
+        file_read_ns: u64,
+    ) -> i64 {
         let owner = self
             .owner
             .compare_exchange(NO_OWNER, region, Relaxed, Relaxed);
@@ -269,8 +318,15 @@ impl Zswap {
             return 0;
         }
         let size = decode_size(self.size.load(Relaxed));
-        let most = limit_bytes / 10 * 9;
-        self.limit.store(size.bytes(limit_bytes).min(most), Relaxed);
+        let limit = match size {
+            ZtierSize::Auto => self.shrinker.decide(
+                &self.seen(limit_bytes, evictions, file_read_ns),
+                size.bytes(limit_bytes),
+            ),
+            fixed => fixed.bytes(limit_bytes).min(limit_bytes / 10 * 9),
+        };
+        self.limit.store(limit, Relaxed);
+        self.ceiling.store(limit_bytes / 10 * 9, Relaxed);
         // Emptied chunks are looked for (a walk of every chunk) only once the pool holds
         // clearly more than its objects take, and then every 16th call.
         let stored = self.counters.stored_bytes.load(Relaxed);
@@ -285,9 +341,80 @@ impl Zswap {
         now as i64 - before as i64
     }
 
+    fn seen(&self, limit_bytes: u64, evictions: u64, file_read_ns: u64) -> Seen {
+        let c = &self.counters;
+        Seen {
+            limit_bytes,
+            stored_bytes: c.stored_bytes.load(Relaxed),
+            stored_pages: c.stored_pages.load(Relaxed),
+            stores: c.stores.load(Relaxed),
+            evictions,
+            load_ns: c.load_ns.load(Relaxed) / c.loads.load(Relaxed).max(1),
+            file_read_ns,
+        }
+    }
+
     /// Whether the pool holds `slot`'s data.
     pub(super) fn holds(&self, slot: SlotId) -> bool {
-        self.locations.get(slot) != EMPTY
+        state(self.locations.get(slot)) != EMPTY
+    }
+
+    /// The file is read for `slot`: a shadow it left when it left the pool tells the
+    /// shrinker how many departures ago that was, once.
+    pub(super) fn refault(&self, slot: SlotId) {
+        let Some(location) = self.locations.entry(slot) else {
+            return;
+        };
+        let word = location.load(Relaxed);
+        if word & SHADOW == 0
+            || state(word) != EMPTY
+            || location
+                .compare_exchange(word, EMPTY, Relaxed, Relaxed)
+                .is_err()
+        {
+            return;
+        }
+        let now = self.counters.left.load(Relaxed);
+        self.shrinker
+            .refaulted(now.wrapping_sub(word) & SHADOW_MASK);
+    }
+
+    /// The shadow of the next page to leave the pool; its taker moves the clock on.
+    fn next_shadow(&self) -> u64 {
+        SHADOW | (self.counters.left.load(Relaxed) & SHADOW_MASK)
+    }
+
+    /// Stores a clean page, whose data the file holds at `slot` too, when the pool has
+    /// room below its limit: reading it back then takes no file read. Without room the
+    /// slot gets a shadow instead, so a read of it counts as a refault that a larger pool
+    /// would have saved. False when the page was not stored.
+    ///
+    /// # Safety
+    /// As [`Zswap::store`].
+    pub(super) unsafe fn store_clean(&self, slot: SlotId, page: *const u8) -> bool {
+        if !self.enabled.load(Relaxed) || self.holds(slot) {
+            return false;
+        }
+        let room =
+            self.counters.stored_bytes.load(Relaxed) + PAGE_SIZE as u64 <= self.limit.load(Relaxed);
+        if room {
+            let stored = self.store(slot, page);
+            if stored {
+                self.counters.stored_clean.fetch_add(1, Relaxed);
+            }
+            return stored;
+        }
+        if let Some(location) = self.locations.entry(slot) {
+            let word = location.load(Relaxed);
+            if state(word) == EMPTY
+                && location
+                    .compare_exchange(word, self.next_shadow(), Relaxed, Relaxed)
+                    .is_ok()
+            {
+                self.counters.left.fetch_add(1, Relaxed);
+            }
+        }
+        false
     }
 
     /// Stores the page at `page` for `slot` (whose location must be EMPTY: the device
@@ -329,7 +456,7 @@ impl Zswap {
             self.counters.reject_alloc_fail.fetch_add(1, Relaxed);
             return false;
         };
-        let gen = u64::from(self.next_gen() & ((1 << GEN_BITS) - 1));
+        let gen = u64::from(self.next_gen()) & GEN_MASK;
         let word = (STORED << STATE_SHIFT) | (u64::from(handle.0) << HANDLE_SHIFT) | gen;
         // Counted before it is published: a writeback may take it and release it at once.
         let c = &self.counters;
@@ -341,7 +468,7 @@ impl Zswap {
             .fetch_add(self.pool.cell_bytes(handle), Relaxed);
         let location = self.locations.word(slot);
         let before = location.swap(word, Release);
-        debug_assert_eq!(before, EMPTY, "slot {slot} stored over {before:#x}");
+        debug_assert_eq!(state(before), EMPTY, "slot {slot} stored over {before:#x}");
         let mut order = self.order.lock();
         order.push_back((slot, word));
         // Pages loaded or freed leave their entries behind: dropped once they are most.
@@ -374,7 +501,13 @@ impl Zswap {
         loop {
             let word = location.load(Acquire);
             match state(word) {
-                EMPTY => return,
+                EMPTY => {
+                    if word != EMPTY {
+                        // Its shadow goes with it: the slot may be used again.
+                        let _ = location.compare_exchange(word, EMPTY, Relaxed, Relaxed);
+                    }
+                    return;
+                }
                 STORED => {
                     if location
                         .compare_exchange(word, EMPTY, AcqRel, Relaxed)
@@ -408,6 +541,7 @@ impl Zswap {
         loop {
             let word = location.load(Acquire);
             if state(word) == EMPTY {
+                self.refault(slot);
                 return Load::NotHere;
             }
             let read = self.pool.read(handle(word), &mut object);
@@ -428,6 +562,14 @@ impl Zswap {
             }
             self.counters.loads.fetch_add(1, Relaxed);
             self.counters.load_ns.fetch_add(nanos(started), Relaxed);
+            // Pages stored after this one: the gens handed out since its own.
+            let stored_at = (word & GEN_MASK) as u32;
+            let after = self
+                .next_gen
+                .load(Relaxed)
+                .wrapping_sub(stored_at)
+                .wrapping_sub(1);
+            self.shrinker.loaded(u64::from(after) & GEN_MASK);
             return Load::Page;
         }
     }
@@ -438,7 +580,8 @@ impl Zswap {
     /// quarter and a few chunks (cells freed all over leave chunks that cannot be given
     /// back; writing the oldest pages back empties whole chunks, which were filled
     /// together). A page that fails its check stays, last in line (its fault reports it).
-    pub(super) fn victims(&self, max: usize) -> Vec<Victim<'_>> {
+    /// A page the file holds too (`in_file`: stored clean) is dropped here, unwritten.
+    pub(super) fn victims(&self, max: usize, in_file: impl Fn(SlotId) -> bool) -> Vec<Victim<'_>> {
         let limit = match self.enabled.load(Relaxed) {
             true => self.limit.load(Relaxed),
             false => 0,
@@ -448,12 +591,13 @@ impl Zswap {
             true => stored - limit / 10 * 9,
             false => 0,
         };
-        // A few chunks are partly full whatever is freed (a class's last one): not counted.
+        // A few chunks are partly full whatever is freed (a class's last one): not counted,
+        // short of 90% of the memory limit.
         let slack = limit / 4 + 8 * CHUNK_BYTES as u64;
-        let chunks_over = self
-            .pool
-            .bytes()
-            .saturating_sub(limit.saturating_add(slack));
+        let most = limit
+            .saturating_add(slack)
+            .min(self.ceiling.load(Relaxed).max(limit));
+        let chunks_over = self.pool.bytes().saturating_sub(most);
         let mut to_free = objects_over.max(chunks_over);
         let mut taken = Vec::new();
         if to_free == 0 || max == 0 {
@@ -469,6 +613,20 @@ impl Zswap {
             let Some(location) = self.locations.entry(slot) else {
                 continue;
             };
+            if in_file(slot) {
+                // The file's copy stays valid while the word is STORED: the slot's user
+                // invalidates before it writes the slot again.
+                if location
+                    .compare_exchange(word, self.next_shadow(), AcqRel, Relaxed)
+                    .is_ok()
+                {
+                    self.counters.left.fetch_add(1, Relaxed);
+                    to_free = to_free.saturating_sub(self.pool.cell_bytes(handle(word)));
+                    self.release(word);
+                    self.counters.dropped_clean.fetch_add(1, Relaxed);
+                }
+                continue;
+            }
             let writing = with_state(word, WRITEBACK);
             if location
                 .compare_exchange(word, writing, AcqRel, Relaxed)
@@ -518,7 +676,7 @@ impl Zswap {
     fn next_gen(&self) -> u32 {
         loop {
             let gen = self.next_gen.fetch_add(1, Relaxed);
-            if gen & ((1 << GEN_BITS) - 1) != 0 {
+            if u64::from(gen) & GEN_MASK != 0 {
                 return gen;
             }
         }
@@ -528,6 +686,7 @@ impl Zswap {
         let c = &self.counters;
         let stored_pages = c.stored_pages.load(Relaxed);
         let pool_bytes = self.pool.bytes();
+        let moves = self.shrinker.moves();
         ZtierStats {
             enabled: self.enabled.load(Relaxed),
             compressor: self.compressor.to_string(),
@@ -535,6 +694,8 @@ impl Zswap {
                 u64::MAX => 0,
                 limit => limit,
             },
+            limit_raised: moves.raised,
+            limit_lowered: moves.lowered,
             stored_pages,
             same_filled_pages: c.same_filled_pages.load(Relaxed),
             stored_bytes: c.stored_bytes.load(Relaxed),
@@ -547,6 +708,8 @@ impl Zswap {
             stores: c.stores.load(Relaxed),
             loads: c.loads.load(Relaxed),
             written_back: c.written_back.load(Relaxed),
+            stored_clean: c.stored_clean.load(Relaxed),
+            dropped_clean: c.dropped_clean.load(Relaxed),
             reject_compress_poor: c.reject_compress_poor.load(Relaxed),
             reject_alloc_fail: c.reject_alloc_fail.load(Relaxed),
             skipped_poor: c.skipped_poor.load(Relaxed),
@@ -571,20 +734,23 @@ impl Zswap {
 }
 
 const PERCENT: u64 = 1 << 63;
+const AUTO: u64 = 1 << 62;
 
 const NO_OWNER: u32 = u32::MAX;
 
 /// A pool size in one word: bytes, or a share with the top bit set.
 fn encode_size(size: ZtierSize) -> u64 {
     match size {
-        ZtierSize::Bytes(b) => b & !PERCENT,
+        ZtierSize::Bytes(b) => b & !(PERCENT | AUTO),
         ZtierSize::Percent(p) => PERCENT | u64::from(p),
+        ZtierSize::Auto => AUTO,
     }
 }
 
 fn decode_size(word: u64) -> ZtierSize {
-    match word & PERCENT {
-        0 => ZtierSize::Bytes(word),
+    match (word & PERCENT, word & AUTO) {
+        (0, 0) => ZtierSize::Bytes(word),
+        (0, _) => ZtierSize::Auto,
         _ => ZtierSize::Percent(word as u8),
     }
 }
@@ -677,6 +843,119 @@ impl Zswap {
     }
 }
 
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+
+    /// A page that compresses about 3:1: every third word differs.
+    fn compressible(seed: u64) -> PageBuf {
+        let mut page = PageBuf::new();
+        for (i, chunk) in page.as_mut_slice().chunks_exact_mut(8).enumerate() {
+            let word = match i % 3 {
+                0 => (seed << 32 | i as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15),
+                _ => 0x5555,
+            };
+            chunk.copy_from_slice(&word.to_ne_bytes());
+        }
+        page
+    }
+
+    fn auto_tier(slots: u64) -> Zswap {
+        Zswap::new(&Ztier::default(), slots)
+    }
+
+    const LIMIT: u64 = 4 << 20;
+
+    fn balance(z: &Zswap) {
+        z.balance(LIMIT, 1, 64, 100_000);
+    }
+
+    #[test]
+    fn pool_loads_soon_after_stores_lower_an_auto_pool_and_file_reads_of_pages_just_written_back_raise_it(
+    ) {
+        let z = auto_tier(4096);
+        balance(&z);
+        let start = z.stats().limit_bytes;
+        assert_eq!(
+            start,
+            LIMIT / 10 * 9,
+            "an auto pool starts at 90% of the limit"
+        );
+        // Pages loaded from the pool soon after they were stored: resident memory would
+        // have kept them, so the pool gives way, down to what it holds less a step.
+        let mut slot = 0;
+        while z.stats().limit_lowered == 0 {
+            assert!(slot < 1000, "no lowering: {:?}", z.stats());
+            assert!(unsafe { z.store(slot, compressible(slot.into()).as_ptr()) });
+            let mut page = PageBuf::new();
+            assert_eq!(
+                unsafe { z.load(slot, page.as_mut_ptr(), false) },
+                Load::Page
+            );
+            assert_eq!(page.as_slice(), compressible(slot.into()).as_slice());
+            z.invalidate(slot);
+            slot += 1;
+            balance(&z);
+        }
+        let lowered = z.stats().limit_bytes;
+        assert_eq!(
+            lowered,
+            LIMIT / 100 * 5,
+            "the pool held nothing: down to the floor"
+        );
+        // Batches stored over the limit; their oldest pages go to the file and are read
+        // again at once (each shadow is taken once): a larger pool would have kept them.
+        while z.stats().limit_raised == 0 {
+            assert!(slot < 4000, "no raise after {slot} pages: {:?}", z.stats());
+            for _ in 0..32 {
+                assert!(unsafe { z.store(slot, compressible(slot.into()).as_ptr()) });
+                slot += 1;
+            }
+            for victim in z.victims(64, |_| false) {
+                let at = victim.slot;
+                victim.written_back(Instant::now());
+                let mut page = PageBuf::new();
+                assert_eq!(
+                    unsafe { z.load(at, page.as_mut_ptr(), false) },
+                    Load::NotHere
+                );
+            }
+            balance(&z);
+        }
+        assert_eq!(
+            z.stats().limit_bytes,
+            lowered + LIMIT / 64,
+            "{:?}",
+            z.stats()
+        );
+    }
+
+    #[test]
+    fn a_shadow_is_read_once_and_goes_with_its_slot() {
+        let z = auto_tier(16);
+        z.balance(0, 1, 0, 100_000);
+        assert!(unsafe { z.store(3, compressible(3).as_ptr()) });
+        let victims = z.victims(4, |_| false);
+        assert_eq!(victims.len(), 1);
+        victims
+            .into_iter()
+            .for_each(|v| v.written_back(Instant::now()));
+        let word = z.locations.get(3);
+        assert!(word & SHADOW != 0 && state(word) == EMPTY && !z.holds(3));
+        z.refault(3);
+        assert_eq!(z.locations.get(3), EMPTY, "taken by the read");
+        // A clean page the pool has no room for leaves one; a free takes it away.
+        assert!(!unsafe { z.store_clean(5, compressible(5).as_ptr()) });
+        assert!(z.locations.get(5) & SHADOW != 0);
+        z.invalidate(5);
+        assert_eq!(z.locations.get(5), EMPTY);
+        // A store over a shadow replaces it.
+        assert!(!unsafe { z.store_clean(6, compressible(6).as_ptr()) });
+        assert!(unsafe { z.store(6, compressible(6).as_ptr()) });
+        assert!(z.holds(6));
+    }
+}
+
 /// The location word's transitions against each other, with pages that repeat one word
 /// (two-word objects keep the model small).
 #[cfg(all(test, loom))]
@@ -695,11 +974,12 @@ mod loom_tests {
     fn tier() -> Zswap {
         let cfg = Ztier {
             enabled: true,
+            size: ZtierSize::Bytes(0),
             ..Ztier::default()
         };
         // A limit of 0: writeback takes every stored page.
         let z = Zswap::new(&cfg, 4);
-        z.balance(0, 1);
+        z.balance(0, 1, 0, 0);
         z
     }
 
@@ -746,7 +1026,7 @@ mod loom_tests {
                 let z = z.clone();
                 loom::thread::spawn(move || {
                     let started = Instant::now();
-                    for victim in z.victims(4) {
+                    for victim in z.victims(4, |_| false) {
                         let page = victim.page.as_slice();
                         let word = u64::from_ne_bytes(page[..8].try_into().unwrap());
                         assert!(
@@ -771,6 +1051,41 @@ mod loom_tests {
                 }
                 None => assert_eq!(stats.stored_pages, 0),
             }
+        });
+    }
+
+    /// A clean copy (the file holds the page too) dropped by writeback against its owner
+    /// rewriting the slot with a dirty page: the owner forgets the file's copy before it
+    /// stores, so the dirty page is never dropped as clean; it is held, or written back.
+    #[test]
+    fn loom_a_clean_drop_never_takes_a_dirty_rewrite() {
+        loom::model(|| {
+            let z = Arc::new(tier());
+            let in_file = Arc::new(loom::sync::atomic::AtomicBool::new(true));
+            assert!(unsafe { z.store(0, filled(0xa).as_ptr()) });
+            let writeback = {
+                let (z, in_file) = (z.clone(), in_file.clone());
+                loom::thread::spawn(move || {
+                    let victims = z.victims(4, |_| in_file.load(Acquire));
+                    let mut wrote = None;
+                    for victim in victims {
+                        let page = victim.page.as_slice();
+                        wrote = Some(u64::from_ne_bytes(page[..8].try_into().unwrap()));
+                        victim.written_back(Instant::now());
+                    }
+                    wrote
+                })
+            };
+            z.invalidate(0);
+            in_file.store(false, Release);
+            assert!(unsafe { z.store(0, filled(0xb).as_ptr()) });
+            let wrote = writeback.join().unwrap();
+            let held = load(&z, 0);
+            assert!(
+                held == Some(0xb) || wrote == Some(0xb),
+                "the dirty page was lost: held {held:?}, wrote {wrote:?}"
+            );
+            assert_ne!(wrote, Some(0xa), "a clean copy is never written");
         });
     }
 }
