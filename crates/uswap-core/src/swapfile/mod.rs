@@ -627,7 +627,7 @@ impl SwapDevice {
         let started = Instant::now();
         let victims = self
             .zswap
-            .victims(2 * batch.len() + 8, |slot| self.guard.get(slot).is_some());
+            .victims(2 * batch.len() + 8, |slot| self.file_holds(slot));
         let to_file: Vec<(SlotId, *const u8)> = batch
             .iter()
             .zip(&results)
@@ -644,6 +644,12 @@ impl SwapDevice {
             .into_iter()
             .map(|r| r.expect("a result for every page"))
             .collect()
+    }
+
+    /// Whether the file holds `slot`'s page (its guard is recorded): a pool entry of the
+    /// slot is then a clean copy, dropped rather than written back.
+    fn file_holds(&self, slot: SlotId) -> bool {
+        self.guard.get(slot).is_some()
     }
 
     /// Reclaim drops a clean page whose data the file holds at `slot`: the compressed pool
@@ -669,9 +675,7 @@ impl SwapDevice {
             // Writeback frees pool cells, which a fork child's copy may still name.
             return 0;
         }
-        let victims = self
-            .zswap
-            .victims(max, |slot| self.guard.get(slot).is_some());
+        let victims = self.zswap.victims(max, |slot| self.file_holds(slot));
         if victims.is_empty() {
             return 0;
         }

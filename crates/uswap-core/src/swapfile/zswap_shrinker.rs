@@ -257,6 +257,20 @@ mod tests {
         }
     }
 
+    /// Enough young file refaults for a decision.
+    fn young_refaults(s: &Shrinker) {
+        for _ in 0..DECIDE_AFTER {
+            s.refaulted(0);
+        }
+    }
+
+    /// Enough young pool loads for a decision.
+    fn young_loads(s: &Shrinker) {
+        for _ in 0..DECIDE_AFTER {
+            s.loaded(0);
+        }
+    }
+
     /// Runs the first decision (which sets the windows) and returns the limit.
     fn started(s: &Shrinker, stored: u64) -> u64 {
         s.decide(&seen(stored), GIB / 5)
@@ -267,9 +281,7 @@ mod tests {
         let s = Shrinker::new();
         let start = started(&s, GIB / 5);
         assert_eq!(start, GIB / 5);
-        for _ in 0..DECIDE_AFTER {
-            s.refaulted(0);
-        }
+        young_refaults(&s);
         let raised = s.decide(&seen(GIB / 5), GIB / 5);
         assert_eq!(raised, GIB / 5 + GIB / STEPS);
         assert_eq!(s.moves().raised, 1);
@@ -293,9 +305,7 @@ mod tests {
     fn pool_loads_resident_memory_would_have_saved_lower_it_from_what_the_pool_holds() {
         let s = Shrinker::new();
         started(&s, GIB / 5);
-        for _ in 0..DECIDE_AFTER {
-            s.loaded(0);
-        }
+        young_loads(&s);
         // The pool holds less than its limit: the lowered limit starts from what it holds.
         let lowered = s.decide(&seen(GIB / 10), GIB / 5);
         assert_eq!(lowered, GIB / 10 - GIB / STEPS);
@@ -306,25 +316,19 @@ mod tests {
     fn a_pool_below_its_limit_is_not_raised_and_limits_stay_within_bounds() {
         let s = Shrinker::new();
         started(&s, 0);
-        for _ in 0..DECIDE_AFTER {
-            s.refaulted(0);
-        }
+        young_refaults(&s);
         assert_eq!(
             s.decide(&seen(0), GIB / 5),
             GIB / 5,
             "the pool does not fill its limit"
         );
         for _ in 0..200 {
-            for _ in 0..DECIDE_AFTER {
-                s.loaded(0);
-            }
+            young_loads(&s);
             s.decide(&seen(GIB), GIB / 5);
         }
         assert_eq!(s.decide(&seen(GIB), GIB / 5), GIB / 100 * FLOOR_PERCENT);
         for _ in 0..200 {
-            for _ in 0..DECIDE_AFTER {
-                s.refaulted(0);
-            }
+            young_refaults(&s);
             s.decide(&seen(GIB), GIB / 5);
         }
         assert_eq!(s.decide(&seen(GIB), GIB / 5), GIB / 10 * 9);
@@ -336,17 +340,13 @@ mod tests {
         let mut limit = started(&s, GIB / 5);
         let mut strides = Vec::new();
         for _ in 0..5 {
-            for _ in 0..DECIDE_AFTER {
-                s.refaulted(0);
-            }
+            young_refaults(&s);
             let next = s.decide(&seen(limit), GIB / 5);
             strides.push((next - limit) / (GIB / STEPS));
             limit = next;
         }
         assert_eq!(strides, [1, 2, 4, 8, 8]);
-        for _ in 0..DECIDE_AFTER {
-            s.loaded(0);
-        }
+        young_loads(&s);
         let lowered = s.decide(&seen(limit), GIB / 5);
         assert_eq!(limit - lowered, GIB / STEPS, "a turn moves one step");
     }
@@ -355,9 +355,7 @@ mod tests {
     fn on_a_file_as_fast_as_the_pool_resident_memory_wins() {
         let s = Shrinker::new();
         started(&s, GIB / 5);
-        for _ in 0..DECIDE_AFTER {
-            s.refaulted(0);
-        }
+        young_refaults(&s);
         s.loaded(0);
         let fast_file = Seen {
             file_read_ns: 3_000,
