@@ -602,7 +602,9 @@ fn unmapped_ranges_mapped_again_read_as_zeros() {
 
 /// Programs a program starts draw from the one limit, as processes of one cgroup do: two
 /// children that each touch more than half of it hold, together, about the limit plus
-/// their own overhead (each would hold nearly all of it with a limit of its own). With
+/// their own overhead (each would hold nearly all of it with a limit of its own). Both
+/// measure only once both have filled their memory: a child that ran alone (the other one
+/// not started yet on a busy machine) may hold the whole limit then, rightly. With
 /// `--stats-dir`, each leaves its counters when it exits, so a run's swapping can be
 /// totalled after it ends (`uswap bench run` does): files named by their pids, and between
 /// them they swapped out.
@@ -617,12 +619,16 @@ fn programs_a_program_starts_share_its_limit() {
 import sys
 a = [bytes([i % 251]) * 4096 for i in range(56 * 256)]
 assert all(x[0] == i % 251 for i, x in enumerate(a))
+print("filled", flush=True)
+sys.stdin.readline()
 rss = [l for l in open("/proc/self/status") if l.startswith("VmRSS:")][0].split()[1]
 print(rss)
 "#;
     let parent = format!(
         "import subprocess, sys\n\
-         ps = [subprocess.Popen([sys.executable, '-c', {child:?}], stdout=subprocess.PIPE) for _ in range(2)]\n\
+         ps = [subprocess.Popen([sys.executable, '-c', {child:?}], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) for _ in range(2)]\n\
+         assert all(p.stdout.readline() == 'filled\\n' for p in ps)\n\
+         for p in ps: p.stdin.write('measure\\n'); p.stdin.flush()\n\
          rss = [int(p.communicate()[0]) for p in ps]\n\
          assert all(p.returncode == 0 for p in ps)\n\
          print('ok', sum(rss), *[p.pid for p in ps], 'rss', rss)\n"

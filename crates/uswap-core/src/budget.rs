@@ -236,6 +236,11 @@ impl Budget {
         self.charged().load(Relaxed).saturating_sub(stocked)
     }
 
+    /// Pages the other processes of the tree have charged (0 in a group of one).
+    pub fn held_by_others(&self) -> u64 {
+        self.cg.others(self.member)
+    }
+
     /// Free pages under the limit (0 while overdrawn). Stocked pages count as used, as
     /// the kernel's memcg counts its stocks: at most a sixteenth of the limit.
     /// In a group shared by a process tree, what every member charged counts.

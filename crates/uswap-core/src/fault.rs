@@ -845,10 +845,16 @@ impl FaultPath {
         drop(lock);
         let detail = if oom {
             let unmovable = mm.vmstat().get(VmEvent::pgskip_unmovable);
+            let budget = mm.budget();
             format!(
-                " (memory limit {} pages, swap {} of {} pages used{}; raise the memory limit \
-                 or the swap size)",
-                mm.budget().limit(),
+                " (memory limit {} pages, {} resident here{}, swap {} of {} pages used{}; \
+                 raise the memory limit or the swap size)",
+                budget.limit(),
+                budget.resident(),
+                match budget.held_by_others() {
+                    0 => String::new(),
+                    n => format!(" and {n} held by the other processes under the limit"),
+                },
                 mm.swap().used_pages(),
                 mm.swap().capacity_pages(),
                 if unmovable > 0 {
