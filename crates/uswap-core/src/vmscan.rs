@@ -20,6 +20,10 @@ use std::time::{Duration, Instant};
 /// Direct reclaim gives up after this long without finding a free page.
 const OOM_AFTER: Duration = Duration::from_secs(2);
 
+/// Pool pages a reclaim pass that found nothing else writes back: a 64 KiB chunk holds
+/// about this many pages at lz4's ratio on sparse data (15:1), so a pass empties one.
+const POOL_SHRINK_PAGES: usize = 256;
+
 /// Most batches moved from the active to the inactive list in one reclaim pass.
 const REFILL_BATCHES: usize = 4;
 
@@ -295,7 +299,10 @@ impl Reclaim {
         }
         mm.lru()
             .isolate(mm.pages(), LruList::Inactive, batch, &mut isolated);
-        freed + self.evict(&mut isolated)
+        match freed + self.evict(&mut isolated) {
+            0 => self.shrink_pool(),
+            freed => freed,
+        }
     }
 
     /// Adds to pages isolated from a mapped list their neighbours in the same aligned
@@ -652,11 +659,28 @@ impl Reclaim {
     fn balance_ztier(&self, evicted: u64) {
         let (mm, swap) = (&self.mm, self.mm.swap());
         swap.ztier_writeback(self.batch);
-        let limit = mm.budget().limit() * PAGE_SIZE as u64;
-        match swap.ztier_balance(limit, mm.id(), evicted) {
+        let page = PAGE_SIZE as u64;
+        let (limit, others) = (mm.budget().limit(), mm.budget().held_by_others());
+        match swap.ztier_balance(limit * page, others * page, mm.id(), evicted) {
             0 => {}
             pages => mm.charge_pool(pages),
         }
+    }
+
+    /// Reclaim freed nothing from the LRU lists: the compressed pool's oldest pages go to
+    /// the file whatever its size, and the chunks they empty are given back. Returns the
+    /// pages the pool gave back. Without it a process whose share of a limit its tree
+    /// shares is all pool (the others hold the rest) could free nothing, and would wait
+    /// for the others' kswapd, or be out of memory.
+    fn shrink_pool(&self) -> u64 {
+        let mm = &self.mm;
+        let before = mm.pool_charged();
+        if before == 0 {
+            return 0;
+        }
+        mm.swap().ztier_shrink(POOL_SHRINK_PAGES);
+        self.balance_ztier(0);
+        before.saturating_sub(mm.pool_charged())
     }
 
     /// Writes dirty inactive pages straight from their staging frames, as one batch; the
@@ -1187,6 +1211,46 @@ mod tests {
             }
         }
         assert!(cg.is_free(slot), "the dead member's charges were reaped");
+        region.check_invariants().unwrap();
+    }
+
+    /// A process of a tree whose share of the shared limit is all compressed pool (the
+    /// others hold the rest, and its LRU lists are empty) frees memory by writing the
+    /// pool back: reclaim had nothing to take, and a fork child of raw_clone waited on
+    /// its parent until it was declared out of memory.
+    #[test]
+    fn a_region_whose_share_is_all_pool_writes_the_pool_back_to_charge() {
+        let dir = tempfile::tempdir().unwrap();
+        let (cg, _) = crate::memcg::MemCgroup::create_shared(256, dir.path()).unwrap();
+        let cg = std::sync::Arc::new(cg);
+        let region = testing::region(1024, 0, |cfg| {
+            cfg.memcg = Some(cg.clone());
+            cfg.pcp = false;
+            cfg.swap.ztier.enabled = true;
+        });
+        // One byte and a word per page: a pool chunk holds many.
+        let word = |page: usize| (page as u64 + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        let at = |page: usize| testing::byte_at(&region, page).cast::<u64>();
+        for page in 0..1024 {
+            // SAFETY: inside the region, aligned.
+            unsafe { at(page).add(100).write_volatile(word(page)) };
+        }
+        region
+            .advise(0, region.len(), crate::Advice::PageOut)
+            .unwrap();
+        let mm = region.mm();
+        assert_eq!(
+            mm.lru().len(LruList::Active) + mm.lru().len(LruList::Inactive),
+            0
+        );
+        assert!(mm.pool_charged() > 0, "{:?}", region.stats().ztier);
+        // Another process of the tree (alive: this one's pid) holds the rest.
+        cg.join_as(std::process::id(), 256 - cg.usage());
+        for page in 0..1024 {
+            // SAFETY: as above.
+            assert_eq!(unsafe { at(page).add(100).read_volatile() }, word(page));
+        }
+        assert!(region.stats().ztier.written_back > 0);
         region.check_invariants().unwrap();
     }
 }

@@ -668,6 +668,26 @@ impl SwapDevice {
     /// when the pool is over its size, with no batch of reclaim's own to go along (its
     /// pages were all clean, or the limit went down). Returns how many went.
     pub fn ztier_writeback(&self, max: usize) -> usize {
+        self.ztier_write_oldest(|z| z.victims(max, |slot| self.file_holds(slot)))
+    }
+
+    /// Writes up to `max` of the compressed pool's oldest pages to the file whatever its
+    /// size, and gives the pool's emptied chunks back: reclaim found nothing else to free
+    /// (see [`Zswap::victims_under_pressure`]). Returns how many went.
+    pub fn ztier_shrink(&self, max: usize) -> usize {
+        let written = self
+            .ztier_write_oldest(|z| z.victims_under_pressure(max, |slot| self.file_holds(slot)));
+        if self.forking.load(Relaxed) == 0 {
+            self.zswap.release_empty_chunks();
+        }
+        written
+    }
+
+    /// Writes the pool's pages `take` takes to the file, as one batch.
+    fn ztier_write_oldest<'z>(
+        &'z self,
+        take: impl FnOnce(&'z Zswap) -> Vec<zswap::Victim<'z>>,
+    ) -> usize {
         let Ok(file) = self.file() else {
             return 0;
         };
@@ -675,7 +695,7 @@ impl SwapDevice {
             // Writeback frees pool cells, which a fork child's copy may still name.
             return 0;
         }
-        let victims = self.zswap.victims(max, |slot| self.file_holds(slot));
+        let victims = take(&self.zswap);
         if victims.is_empty() {
             return 0;
         }
@@ -949,17 +969,25 @@ impl SwapDevice {
         self.zswap.size()
     }
 
-    /// Sets the pool's limit for a memory limit of `limit_bytes` (an `auto` size told of
-    /// the `evictions` reclaim made since the last call), gives emptied pool chunks back,
+    /// Sets the pool's limit for a memory limit of `limit_bytes` of which the other
+    /// processes under it hold `others_bytes` (an `auto` size told of the `evictions`
+    /// reclaim made since the last call), gives emptied pool chunks back,
     /// and returns the change in the pool's memory, in pages, since the last call: the
     /// caller charges it to (or takes it off) the memory limit, as a cgroup charges
     /// zswap's pool.
     ///
     /// On a device regions share, the first region to call this owns the pool: its limit
     /// sets the pool's, and the pool is charged to it alone (others get 0).
-    pub fn ztier_balance(&self, limit_bytes: u64, region: u32, evictions: u64) -> i64 {
+    pub fn ztier_balance(
+        &self,
+        limit_bytes: u64,
+        others_bytes: u64,
+        region: u32,
+        evictions: u64,
+    ) -> i64 {
         let read_ns = self.counters.mean_file_read_ns();
-        self.zswap.balance(limit_bytes, region, evictions, read_ns)
+        self.zswap
+            .balance(limit_bytes, others_bytes, region, evictions, read_ns)
     }
 
     /// The cipher sealing the device's slots; None with encryption off.
@@ -2175,7 +2203,7 @@ mod tests {
             )
         })
         .unwrap();
-        dev.ztier_balance(1 << 30, 0, 0);
+        dev.ztier_balance(1 << 30, 0, 0, 0);
         (dir, dev)
     }
 
@@ -2349,7 +2377,7 @@ mod tests {
         assert!(dev.ztier_stats().loads > loads, "read from the pool");
         // Made to leave, the clean copies are dropped: nothing is written.
         dev.set_ztier_size(crate::ZtierSize::Bytes(0));
-        dev.ztier_balance(1 << 30, 0, 0);
+        dev.ztier_balance(1 << 30, 0, 0, 0);
         assert_eq!(dev.ztier_writeback(64), 0, "nothing to write");
         let z = dev.ztier_stats();
         assert_eq!(
@@ -2364,10 +2392,10 @@ mod tests {
         dev.free_slot(slots[1]);
         let slot = dev.alloc_slot().unwrap();
         dev.set_ztier_size(crate::ZtierSize::Bytes(64 << 20));
-        dev.ztier_balance(1 << 30, 0, 0);
+        dev.ztier_balance(1 << 30, 0, 0, 0);
         write(&dev, &[(slot, &pages[2])]);
         dev.set_ztier_size(crate::ZtierSize::Bytes(0));
-        dev.ztier_balance(1 << 30, 0, 0);
+        dev.ztier_balance(1 << 30, 0, 0, 0);
         while dev.ztier_writeback(64) > 0 {}
         let z = dev.ztier_stats();
         assert_eq!((z.written_back, z.dropped_clean), (1, 32), "{z:?}");
@@ -2410,7 +2438,7 @@ mod tests {
         assert_eq!(dev.ztier_writeback(64), 0, "under its size: nothing to do");
         // Victims dropped unsettled (a panic mid-writeback) go back to the pool.
         dev.set_ztier_size(crate::ZtierSize::Bytes(0));
-        dev.ztier_balance(1 << 30, 0, 0);
+        dev.ztier_balance(1 << 30, 0, 0, 0);
         drop(dev.zswap.victims(8, |_| false));
         assert_eq!(dev.ztier_stats().stored_pages, 64);
         dev.free_slot(slots[0]);
@@ -2427,6 +2455,43 @@ mod tests {
         }
         assert_eq!(drained, 63);
         read_every_way(&dev, &slots[1..], &pages[1..]);
+    }
+
+    /// Under pressure (reclaim found nothing else to free) a pool under its size writes
+    /// its oldest pages back all the same and gives the chunks they emptied back; a pool
+    /// whose process's tree holds most of the limit is sized to the rest.
+    #[test]
+    fn a_pool_under_pressure_shrinks_under_its_size_and_sizes_itself_to_its_share() {
+        let (_dir, dev) = ztier_device(crate::Compressor::Lz4, 64 << 20);
+        let slots: Vec<SlotId> = (0..600).map(|_| dev.alloc_slot().unwrap()).collect();
+        let pages: Vec<PageBuf> = (0..600u64).map(compressible).collect();
+        for (s, p) in slots.chunks(32).zip(pages.chunks(32)) {
+            write(&dev, &s.iter().copied().zip(p).collect::<Vec<_>>());
+        }
+        let limit = 1u64 << 30;
+        dev.ztier_balance(limit, 0, 0, 0);
+        let before = dev.ztier_stats();
+        assert_eq!(before.stored_pages, 600, "{before:?}");
+        assert_eq!(dev.ztier_writeback(64), 0, "under its size: nothing to do");
+        let mut written = 0;
+        while dev.ztier_stats().pool_bytes == before.pool_bytes {
+            let n = dev.ztier_shrink(256);
+            assert!(
+                n > 0,
+                "nothing written under pressure: {:?}",
+                dev.ztier_stats()
+            );
+            written += n;
+        }
+        let after = dev.ztier_stats();
+        assert!(after.pool_bytes < before.pool_bytes, "{after:?}");
+        assert_eq!(after.written_back as usize, written, "{after:?}");
+        read_every_way(&dev, &slots, &pages);
+        // The others under the limit hold all but 1 MiB: the pool may take 90% of that.
+        dev.ztier_balance(limit, limit - (1 << 20), 0, 0);
+        assert_eq!(dev.ztier_stats().limit_bytes, (1 << 20) / 10 * 9);
+        dev.ztier_balance(limit, 0, 0, 0);
+        assert!(dev.ztier_stats().limit_bytes > 1 << 20);
     }
 
     /// A single read in the SIGBUS handler without stack to spare leaves pooled pages to

@@ -304,9 +304,13 @@ impl Zswap {
     /// since the last call and of the file's mean read time), gives back the memory of
     /// emptied chunks, and returns the change in pool pages since the last call, for the
     /// caller to charge (positive) or uncharge (negative) against the memory limit.
+    /// `others_bytes`: what the other processes under a limit shared by a process tree
+    /// hold; the pool takes at most 90% of the rest, so that it leaves this process room
+    /// for its own resident pages.
     pub(super) fn balance(
         &self,
         limit_bytes: u64,
+        others_bytes: u64,
         region: u32,
         evictions: u64,
         file_read_ns: u64,
@@ -325,8 +329,9 @@ impl Zswap {
             ),
             fixed => fixed.bytes(limit_bytes).min(limit_bytes / 10 * 9),
         };
-        self.limit.store(limit, Relaxed);
-        self.ceiling.store(limit_bytes / 10 * 9, Relaxed);
+        let most = limit_bytes.saturating_sub(others_bytes) / 10 * 9;
+        self.limit.store(limit.min(most), Relaxed);
+        self.ceiling.store(most, Relaxed);
         // Emptied chunks are looked for (a walk of every chunk) only once the pool holds
         // clearly more than its objects take, and then every 16th call.
         let stored = self.counters.stored_bytes.load(Relaxed);
@@ -582,6 +587,29 @@ impl Zswap {
     /// together). A page that fails its check stays, last in line (its fault reports it).
     /// A page the file holds too (`in_file`: stored clean) is dropped here, unwritten.
     pub(super) fn victims(&self, max: usize, in_file: impl Fn(SlotId) -> bool) -> Vec<Victim<'_>> {
+        self.take_oldest(max, self.bytes_over(), in_file)
+    }
+
+    /// Takes up to `max` of the oldest stored pages for writeback whatever the pool's
+    /// size: reclaim found nothing else to free (the pool holds all this process has of
+    /// a limit the others under it hold the rest of), as the kernel's zswap shrinker
+    /// writes back under a memory cgroup's pressure. [`Zswap::release_empty_chunks`]
+    /// then gives the chunks they emptied back.
+    pub(super) fn victims_under_pressure(
+        &self,
+        max: usize,
+        in_file: impl Fn(SlotId) -> bool,
+    ) -> Vec<Victim<'_>> {
+        self.take_oldest(max, u64::MAX, in_file)
+    }
+
+    /// Gives the memory of the chunks with no object left back; returns how many.
+    pub(super) fn release_empty_chunks(&self) -> u64 {
+        self.pool.shrink()
+    }
+
+    /// Bytes the pool holds over its size: objects or chunks (see [`Zswap::victims`]).
+    fn bytes_over(&self) -> u64 {
         let limit = match self.enabled.load(Relaxed) {
             true => self.limit.load(Relaxed),
             false => 0,
@@ -598,7 +626,17 @@ impl Zswap {
             .saturating_add(slack)
             .min(self.ceiling.load(Relaxed).max(limit));
         let chunks_over = self.pool.bytes().saturating_sub(most);
-        let mut to_free = objects_over.max(chunks_over);
+        objects_over.max(chunks_over)
+    }
+
+    /// Takes up to `max` of the oldest stored pages, until their cells free `to_free`
+    /// bytes; pages the file holds too are dropped, not taken.
+    fn take_oldest(
+        &self,
+        max: usize,
+        mut to_free: u64,
+        in_file: impl Fn(SlotId) -> bool,
+    ) -> Vec<Victim<'_>> {
         let mut taken = Vec::new();
         if to_free == 0 || max == 0 {
             return taken;
@@ -867,7 +905,7 @@ mod tests {
     const LIMIT: u64 = 4 << 20;
 
     fn balance(z: &Zswap) {
-        z.balance(LIMIT, 1, 64, 100_000);
+        z.balance(LIMIT, 0, 1, 64, 100_000);
     }
 
     #[test]
@@ -933,7 +971,7 @@ mod tests {
     #[test]
     fn a_shadow_is_read_once_and_goes_with_its_slot() {
         let z = auto_tier(16);
-        z.balance(0, 1, 0, 100_000);
+        z.balance(0, 0, 1, 0, 100_000);
         assert!(unsafe { z.store(3, compressible(3).as_ptr()) });
         let victims = z.victims(4, |_| false);
         assert_eq!(victims.len(), 1);
@@ -979,7 +1017,7 @@ mod loom_tests {
         };
         // A limit of 0: writeback takes every stored page.
         let z = Zswap::new(&cfg, 4);
-        z.balance(0, 1, 0, 0);
+        z.balance(0, 0, 1, 0, 0);
         z
     }
 
