@@ -847,10 +847,11 @@ impl FaultPath {
             let unmovable = mm.vmstat().get(VmEvent::pgskip_unmovable);
             let budget = mm.budget();
             format!(
-                " (memory limit {} pages, {} resident here{}, swap {} of {} pages used{}; \
-                 raise the memory limit or the swap size)",
+                " (memory limit {} pages: {} resident here, {} in the compressed pool{}; \
+                 swap {} of {} pages used{}; raise the memory limit or the swap size)",
                 budget.limit(),
-                budget.resident(),
+                mm.resident(),
+                mm.pool_charged(),
                 match budget.held_by_others() {
                     0 => String::new(),
                     n => format!(" and {n} held by the other processes under the limit"),

@@ -20,8 +20,8 @@ use std::time::{Duration, Instant};
 /// Direct reclaim gives up after this long without finding a free page.
 const OOM_AFTER: Duration = Duration::from_secs(2);
 
-/// Pool pages a reclaim pass that found nothing else writes back: a 64 KiB chunk holds
-/// about this many pages at lz4's ratio on sparse data (15:1), so a pass empties one.
+/// Pool pages a reclaim pass that found nothing else writes back at a time: a 64 KiB
+/// chunk holds about this many pages at lz4's ratio on sparse data (15:1).
 const POOL_SHRINK_PAGES: usize = 256;
 
 /// Most batches moved from the active to the inactive list in one reclaim pass.
@@ -267,6 +267,7 @@ impl Reclaim {
         let mut isolated = Isolated::new(mm, batch);
         // Aging frees pages itself too: a fork child's borrowed pages it drops.
         let mut freed = 0;
+        let mut scanned = 0;
         for _ in 0..REFILL_BATCHES {
             let short = (target + batch).saturating_sub(mm.lru().len(LruList::Inactive));
             if short == 0 {
@@ -290,6 +291,7 @@ impl Reclaim {
                 mm.lru()
                     .isolate(mm.pages(), from, victims.min(short), &mut isolated);
             }
+            scanned += isolated.len();
             let crossed = self.look_around(&mut isolated, from, batch);
             if mm.caps().written_bits {
                 self.see_writes(&mut isolated);
@@ -299,8 +301,12 @@ impl Reclaim {
         }
         mm.lru()
             .isolate(mm.pages(), LruList::Inactive, batch, &mut isolated);
+        scanned += isolated.len();
         match freed + self.evict(&mut isolated) {
-            0 => self.shrink_pool(),
+            // The lists held nothing to take (empty, or every page locked): the pool is
+            // what is left. A pass that freed nothing because its pages had their second
+            // chance leaves the pool alone: the next one frees them.
+            0 if scanned == 0 => self.shrink_pool(),
             freed => freed,
         }
     }
@@ -667,20 +673,25 @@ impl Reclaim {
         }
     }
 
-    /// Reclaim freed nothing from the LRU lists: the compressed pool's oldest pages go to
-    /// the file whatever its size, and the chunks they empty are given back. Returns the
-    /// pages the pool gave back. Without it a process whose share of a limit its tree
-    /// shares is all pool (the others hold the rest) could free nothing, and would wait
-    /// for the others' kswapd, or be out of memory.
+    /// Reclaim found nothing on the LRU lists: the compressed pool's oldest pages go to
+    /// the file whatever its size, until the chunks they empty give some memory back (a
+    /// chunk of same-filled pages holds thousands). Returns the pages the pool gave
+    /// back. Without it a process whose share of a limit its tree shares is all pool (the
+    /// others hold the rest) could free nothing, and would wait for the others' kswapd,
+    /// or be out of memory.
     fn shrink_pool(&self) -> u64 {
         let mm = &self.mm;
         let before = mm.pool_charged();
         if before == 0 {
             return 0;
         }
-        mm.swap().ztier_shrink(POOL_SHRINK_PAGES);
-        self.balance_ztier(0);
-        before.saturating_sub(mm.pool_charged())
+        loop {
+            let left = mm.swap().ztier_shrink(POOL_SHRINK_PAGES);
+            self.balance_ztier(0);
+            if left == 0 || mm.pool_charged() < before {
+                return before.saturating_sub(mm.pool_charged());
+            }
+        }
     }
 
     /// Writes dirty inactive pages straight from their staging frames, as one batch; the
@@ -1228,7 +1239,7 @@ mod tests {
             cfg.pcp = false;
             cfg.swap.ztier.enabled = true;
         });
-        // One byte and a word per page: a pool chunk holds many.
+        // A word per page: a pool chunk holds many.
         let word = |page: usize| (page as u64 + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15);
         let at = |page: usize| testing::byte_at(&region, page).cast::<u64>();
         for page in 0..1024 {

@@ -672,15 +672,16 @@ impl SwapDevice {
     }
 
     /// Writes up to `max` of the compressed pool's oldest pages to the file whatever its
-    /// size, and gives the pool's emptied chunks back: reclaim found nothing else to free
-    /// (see [`Zswap::victims_under_pressure`]). Returns how many went.
-    pub fn ztier_shrink(&self, max: usize) -> usize {
-        let written = self
-            .ztier_write_oldest(|z| z.victims_under_pressure(max, |slot| self.file_holds(slot)));
+    /// size (clean copies are dropped), and gives the pool's emptied chunks back: reclaim
+    /// found nothing else to free (see [`Zswap::victims_under_pressure`]). Returns how
+    /// many pages left the pool.
+    pub fn ztier_shrink(&self, max: usize) -> u64 {
+        let before = self.zswap.stats().stored_pages;
+        self.ztier_write_oldest(|z| z.victims_under_pressure(max, |slot| self.file_holds(slot)));
         if self.forking.load(Relaxed) == 0 {
             self.zswap.release_empty_chunks();
         }
-        written
+        before.saturating_sub(self.zswap.stats().stored_pages)
     }
 
     /// Writes the pool's pages `take` takes to the file, as one batch.
@@ -2485,7 +2486,7 @@ mod tests {
         }
         let after = dev.ztier_stats();
         assert!(after.pool_bytes < before.pool_bytes, "{after:?}");
-        assert_eq!(after.written_back as usize, written, "{after:?}");
+        assert_eq!(after.written_back, written, "{after:?}");
         read_every_way(&dev, &slots, &pages);
         // The others under the limit hold all but 1 MiB: the pool may take 90% of that.
         dev.ztier_balance(limit, limit - (1 << 20), 0, 0);

@@ -643,7 +643,10 @@ impl Zswap {
         }
         let mut order = self.order.lock();
         let mut looked = order.len();
-        while taken.len() < max && to_free > 0 && looked > 0 {
+        // Clean copies dropped count towards `max` too: a pass under pressure, with no
+        // bytes to stop at, would drop every one in the pool.
+        let mut dropped = 0;
+        while taken.len() + dropped < max && to_free > 0 && looked > 0 {
             looked -= 1;
             let Some((slot, word)) = order.pop_front() else {
                 break;
@@ -662,6 +665,7 @@ impl Zswap {
                     to_free = to_free.saturating_sub(self.pool.cell_bytes(handle(word)));
                     self.release(word);
                     self.counters.dropped_clean.fetch_add(1, Relaxed);
+                    dropped += 1;
                 }
                 continue;
             }
