@@ -1184,6 +1184,28 @@ mod tests {
         region.check_invariants().unwrap();
     }
 
+    /// A region of 1,024 pages under a limit of 256 pages shared with other processes of
+    /// a tree (a group file in the returned directory), with `change` made to its
+    /// configuration. No per-CPU stock: its refills ask for more than is free, and reap
+    /// dead members when short.
+    fn region_in_a_tree(
+        change: impl FnOnce(&mut crate::Config),
+    ) -> (
+        tempfile::TempDir,
+        std::sync::Arc<crate::memcg::MemCgroup>,
+        Region,
+    ) {
+        let dir = tempfile::tempdir().unwrap();
+        let (cg, _) = crate::memcg::MemCgroup::create_shared(256, dir.path()).unwrap();
+        let cg = std::sync::Arc::new(cg);
+        let region = testing::region(1024, 0, |cfg| {
+            cfg.memcg = Some(cg.clone());
+            cfg.pcp = false;
+            change(cfg);
+        });
+        (dir, cg, region)
+    }
+
     /// A process of the tree that died (or ended with `_exit`, past every exit hook) leaves
     /// its charges in its member slot. A region that lives on what its own reclaim frees
     /// never comes up short, so the dead member must be reaped when reclaim is needed
@@ -1191,14 +1213,7 @@ mod tests {
     /// charged to the tree).
     #[test]
     fn a_dead_members_charges_come_back_to_a_region_that_reclaims() {
-        let dir = tempfile::tempdir().unwrap();
-        let (cg, _) = crate::memcg::MemCgroup::create_shared(256, dir.path()).unwrap();
-        let cg = std::sync::Arc::new(cg);
-        let region = testing::region(1024, 0, |cfg| {
-            cfg.memcg = Some(cg.clone());
-            // No per-CPU stock: its refills ask for more than is free, and reap when short.
-            cfg.pcp = false;
-        });
+        let (_dir, cg, region) = region_in_a_tree(|_| {});
         let value = |page: usize| (page as u8).wrapping_add(1);
         for page in 0..1024 {
             // SAFETY: inside the region.
@@ -1231,14 +1246,7 @@ mod tests {
     /// its parent until it was declared out of memory.
     #[test]
     fn a_region_whose_share_is_all_pool_writes_the_pool_back_to_charge() {
-        let dir = tempfile::tempdir().unwrap();
-        let (cg, _) = crate::memcg::MemCgroup::create_shared(256, dir.path()).unwrap();
-        let cg = std::sync::Arc::new(cg);
-        let region = testing::region(1024, 0, |cfg| {
-            cfg.memcg = Some(cg.clone());
-            cfg.pcp = false;
-            cfg.swap.ztier.enabled = true;
-        });
+        let (_dir, cg, region) = region_in_a_tree(|cfg| cfg.swap.ztier.enabled = true);
         // A word per page: a pool chunk holds many.
         let word = |page: usize| (page as u64 + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15);
         let at = |page: usize| testing::byte_at(&region, page).cast::<u64>();
