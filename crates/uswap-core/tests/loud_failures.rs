@@ -10,11 +10,12 @@ use std::os::unix::process::ExitStatusExt;
 use std::process::Command;
 use uswap_core::{Advice, Config, FaultMode, Region, SwapLocation, PAGE_SIZE};
 
-/// Writes a region out to a named swap file, scribbles over the file, then reads a page
-/// from user space: the access must die with SIGBUS, never see wrong data.
-fn corrupt_then_touch(mode: FaultMode) {
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("swap");
+/// Writes a region out to a named swap file in `dir` (the parent's temporary directory:
+/// this process dies, and would leave one of its own behind), scribbles over the file,
+/// then reads a page from user space: the access must die with SIGBUS, never see wrong
+/// data.
+fn corrupt_then_touch(mode: FaultMode, dir: &str) {
+    let path = std::path::Path::new(dir).join("swap");
     let mut cfg = Config::new(1 << 20);
     cfg.fault_mode = mode;
     cfg.swap.location = SwapLocation::File(path.clone());
@@ -210,8 +211,8 @@ fn child(name: &str, arg: Option<&String>) {
     // first SIGBUS a thread is sent and lets the access retry.)
     unsafe { libc::signal(libc::SIGBUS, libc::SIG_DFL) };
     match name {
-        "corrupt-thread" => corrupt_then_touch(FaultMode::Thread),
-        "corrupt-sigbus" => corrupt_then_touch(FaultMode::Sigbus),
+        "corrupt-thread" => corrupt_then_touch(FaultMode::Thread, arg.expect("a directory")),
+        "corrupt-sigbus" => corrupt_then_touch(FaultMode::Sigbus, arg.expect("a directory")),
         "disk-fills-up" => disk_fills_up(arg.expect("a directory")),
         "unprivileged" => unprivileged(),
         "panic-thread" => handler_panics(FaultMode::Thread),
