@@ -327,8 +327,9 @@ impl Zswap {
                 &self.seen(limit_bytes, evictions, file_read_ns),
                 size.bytes(limit_bytes),
             ),
-            fixed => fixed.bytes(limit_bytes).min(limit_bytes / 10 * 9),
+            fixed => fixed.bytes(limit_bytes),
         };
+        // At most 90% of the limit, less what the others under it hold.
         let most = limit_bytes.saturating_sub(others_bytes) / 10 * 9;
         self.limit.store(limit.min(most), Relaxed);
         self.ceiling.store(most, Relaxed);
