@@ -4,7 +4,7 @@
 //!
 //! uswap's core registers no fork handlers here (`handle_fork_manually`): these handlers
 //! call it in the order the locks need.
-//! - Before the fork: every heap arena's lock and the space's book, so that no
+//! - Before the fork: every heap arena's and slab's lock and the space's book, so that no
 //!   allocation changes region memory or the allocators' own state from the moment the
 //!   region is copied until the fork; then the core's copy, which allocates from the
 //!   internal heap; then the internal heap's lock.
@@ -20,17 +20,18 @@
 //! `clone` instruction gets them in the SIGSYS handler, `uswap_core::syscall_dispatch`).
 
 use crate::threads::next;
-use crate::{heap, internal, space, sys};
+use crate::{heap, internal, slab, space, sys};
 use libc::{c_long, c_void};
 use std::sync::atomic::AtomicPtr;
 use uswap_core::syscall_dispatch::OwnCalls;
 
 /// Locks held across `fork`, by the forking thread only. Fields drop in order, which lets
-/// go of the internal heap before the vector of arena guards is freed into it.
+/// go of the internal heap before the vectors of slab and arena guards are freed into it.
 struct Held {
     _internal: std::sync::MutexGuard<'static, dlmalloc::Dlmalloc<internal::KernelPages>>,
     _book: Option<space::BookGuard>,
     _unbuilt: Option<space::UnbuiltGuard>,
+    _slabs: Vec<std::sync::MutexGuard<'static, slab::Slab>>,
     _arenas: Vec<std::sync::MutexGuard<'static, dlmalloc::Dlmalloc<heap::SpaceGranules>>>,
 }
 
@@ -39,8 +40,9 @@ static mut HELD: Option<Held> = None;
 extern "C" fn prepare() {
     let _inside = internal::Inside::enter();
     let _own = OwnCalls::new();
-    // The order every allocation nests in: arena, build lock, book, internal heap.
+    // The order every allocation nests in: arena or slab, build lock, book, internal heap.
     let arenas = heap::lock_all();
+    let slabs = slab::lock_all();
     let unbuilt = space::get().map(|s| s.lock_unbuilt());
     let book = space::get().map(|s| s.lock_book());
     uswap_core::fork::prepare();
@@ -51,6 +53,7 @@ extern "C" fn prepare() {
             _internal: internal,
             _book: book,
             _unbuilt: unbuilt,
+            _slabs: slabs,
             _arenas: arenas,
         })
     };

@@ -5,13 +5,15 @@
 //! set, each size class has an arena of its own, so small blocks (a hash table's entries
 //! and keys, say) are packed together apart from large ones (its values), as jemalloc's
 //! and mimalloc's size-segregated slabs keep them: a program's hot small objects then
-//! share few pages, which stay in memory while the rest swaps. `free` goes to the arena
-//! owning the block's granule, whichever thread calls it. A call made while the
-//! thread runs uswap code, or before the space exists, is served by the internal heap
-//! (kernel memory), and `free` sends such blocks back there by address.
+//! share few pages, which stay in memory while the rest swaps. Blocks above 1 KiB and up
+//! to 16 KiB come from the set's slabs instead (`slab`), laid out to cross few pages.
+//! `free` goes to the arena or slab owning the block's granule, whichever thread calls it.
+//! A call made while the thread runs uswap code, or before the space exists, is served by
+//! the internal heap (kernel memory), and `free` sends such blocks back there by address.
 
 use crate::internal::{self, Inside};
 use crate::large;
+use crate::slab;
 use crate::space::{self, Space, GRANULE, NO_ARENA};
 use crate::sys;
 use dlmalloc::{Allocator, Dlmalloc};
@@ -20,13 +22,15 @@ use std::cell::Cell;
 use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
 use std::sync::{Mutex, MutexGuard};
 
-/// Sets of arenas, one taken by each thread.
-const ARENA_SETS: usize = 8;
+/// Sets of arenas, one taken by each thread (with the slabs of the same index).
+const ARENA_SETS: usize = slab::SETS;
 /// The largest request of each size class but the last, which takes everything up to a
 /// large block's threshold.
 const CLASS_LIMITS: [usize; 2] = [128, 1024];
 const CLASSES: usize = CLASS_LIMITS.len() + 1;
 const ARENAS: usize = ARENA_SETS * CLASSES;
+// Granule owner bytes: arenas are 1 ..= ARENAS, below the slabs'.
+const _: () = assert!(ARENAS < slab::OWNER_BASE as usize);
 /// dlmalloc's alignment (two words); memalign is needed only above it.
 const MIN_ALIGN: usize = 16;
 
@@ -124,15 +128,25 @@ fn class_of(size: usize) -> usize {
         .unwrap_or(CLASS_LIMITS.len())
 }
 
-/// This thread's arena for requests of `size` bytes.
-fn my_arena(size: usize) -> usize {
-    let set = MY_ARENA.with(|a| {
+/// This thread's arena set.
+fn my_set() -> usize {
+    MY_ARENA.with(|a| {
         if a.get() == usize::MAX {
             a.set(NEXT_ARENA.fetch_add(1, Relaxed) % ARENA_SETS);
         }
         a.get()
-    });
-    set * CLASSES + class_of(size)
+    })
+}
+
+/// This thread's arena for requests of `size` bytes.
+fn my_arena(size: usize) -> usize {
+    my_set() * CLASSES + class_of(size)
+}
+
+/// The slab class of a request, if a slab serves it (alignment beyond malloc's own goes
+/// to an arena).
+fn slab_class(size: usize, align: usize) -> Option<usize> {
+    slab::class_of(size).filter(|_| align <= MIN_ALIGN)
 }
 
 /// The space, if this call should be served from it.
@@ -143,6 +157,8 @@ fn serving() -> Option<&'static Space> {
 /// Where a block lives.
 enum Owner {
     Arena(usize),
+    /// A slab, by its owner byte.
+    Slab(u8),
     Large,
     Internal,
     /// Neither: a block of the dynamic loader's early allocator, say. Left alone.
@@ -154,6 +170,7 @@ fn owner(ptr: usize) -> Owner {
         return match space.owner(ptr) {
             NO_ARENA => invalid_free(ptr),
             large::OWNER => Owner::Large,
+            s if slab::owns(s) => Owner::Slab(s),
             a => Owner::Arena(a as usize - 1),
         };
     }
@@ -178,15 +195,18 @@ unsafe fn alloc(size: usize, align: usize) -> *mut u8 {
     let align = align.max(MIN_ALIGN);
     let ptr = match serving() {
         Some(space) if is_large(size, align) => large::alloc(space, size, align),
-        // An aligned block may take up to its alignment more: it is classed by both.
-        Some(_) => {
-            let footprint = if align > MIN_ALIGN {
-                size + align
-            } else {
-                size
-            };
-            lock(my_arena(footprint)).malloc(size, align)
-        }
+        Some(space) => match slab_class(size, align) {
+            Some(class) => slab::alloc(space, my_set(), class),
+            // An aligned block may take up to its alignment more: it is classed by both.
+            None => {
+                let footprint = if align > MIN_ALIGN {
+                    size + align
+                } else {
+                    size
+                };
+                lock(my_arena(footprint)).malloc(size, align)
+            }
+        },
         None => internal::heap().malloc(size, align),
     };
     if ptr.is_null() {
@@ -216,16 +236,28 @@ pub unsafe extern "C" fn calloc(n: size_t, size: size_t) -> *mut c_void {
         sys::set_errno(libc::ENOMEM);
         return std::ptr::null_mut();
     };
-    // Large blocks and fresh segments are zero; dlmalloc clears what it reuses.
+    // Large blocks and fresh segments are zero; dlmalloc clears what it reuses, and a slab
+    // block is cleared here (it may be one freed before).
     let ptr = match serving() {
         Some(space) if is_large(bytes, MIN_ALIGN) => large::alloc(space, bytes, MIN_ALIGN),
-        Some(_) => lock(my_arena(bytes)).calloc(bytes, MIN_ALIGN),
+        Some(space) => match slab::class_of(bytes) {
+            Some(class) => zeroed(slab::alloc(space, my_set(), class), class),
+            None => lock(my_arena(bytes)).calloc(bytes, MIN_ALIGN),
+        },
         None => internal::heap().calloc(bytes, MIN_ALIGN),
     };
     if ptr.is_null() {
         sys::set_errno(libc::ENOMEM);
     }
     ptr.cast()
+}
+
+/// A slab block of `class` cleared, all its usable bytes, or null.
+unsafe fn zeroed(ptr: *mut u8, class: usize) -> *mut u8 {
+    if !ptr.is_null() {
+        std::ptr::write_bytes(ptr, 0, slab::SIZES[class]);
+    }
+    ptr
 }
 
 #[no_mangle]
@@ -235,10 +267,16 @@ pub unsafe extern "C" fn free(ptr: *mut c_void) {
     }
     match owner(ptr as usize) {
         Owner::Arena(a) => lock(a).c_free(ptr.cast()),
+        Owner::Slab(s) => free_slab(s, ptr.cast()),
         Owner::Large => free_large(ptr.cast()),
         Owner::Internal => internal::heap().c_free(ptr.cast()),
         Owner::Foreign => {}
     }
+}
+
+fn free_slab(owner: u8, ptr: *mut u8) {
+    let space = space::get().expect("a slab lives in the space");
+    slab::free(space, owner, ptr);
 }
 
 unsafe fn free_large(ptr: *mut u8) {
@@ -269,9 +307,9 @@ pub unsafe extern "C" fn realloc(ptr: *mut c_void, size: size_t) -> *mut c_void 
     let ptr = ptr.cast::<u8>();
     let new = match owner(ptr as usize) {
         Owner::Arena(_) if is_large(size, MIN_ALIGN) => move_block(ptr, usable_size(ptr), size),
-        // A block that grows or shrinks into another size class moves to its arena; a
-        // shrink that cannot move stays where it is, as a shrink never fails.
-        Owner::Arena(a) if a % CLASSES != class_of(size) => {
+        // A block that grows or shrinks into another size class moves to its arena or
+        // slab; a shrink that cannot move stays where it is, as a shrink never fails.
+        Owner::Arena(a) if a % CLASSES != class_of(size) || slab::class_of(size).is_some() => {
             match move_block(ptr, usable_size(ptr), size) {
                 moved if moved.is_null() && size <= usable_size(ptr) => {
                     lock(a).c_realloc(ptr, size)
@@ -280,6 +318,14 @@ pub unsafe extern "C" fn realloc(ptr: *mut c_void, size: size_t) -> *mut c_void 
             }
         }
         Owner::Arena(a) => lock(a).c_realloc(ptr, size),
+        Owner::Slab(s) if slab::class_of(size) == Some(slab::class_of_owner(s)) => {
+            slab::check_in_use(s, ptr);
+            ptr
+        }
+        Owner::Slab(s) => match move_block(ptr, slab::block_size(s), size) {
+            moved if moved.is_null() && size <= slab::block_size(s) => ptr,
+            moved => moved,
+        },
         Owner::Large if size >= large::THRESHOLD => {
             let space = space::get().expect("a large block lives in the space");
             // The guard ends before a move: a block allocated while uswap code runs would
@@ -293,7 +339,10 @@ pub unsafe extern "C" fn realloc(ptr: *mut c_void, size: size_t) -> *mut c_void 
                 false => move_block(ptr, large::usable_size(ptr), size),
             }
         }
-        Owner::Large => move_block(ptr, large::usable_size(ptr), size),
+        Owner::Large => match move_block(ptr, large::usable_size(ptr), size) {
+            moved if moved.is_null() => ptr,
+            moved => moved,
+        },
         Owner::Internal => internal::heap().c_realloc(ptr, size),
         Owner::Foreign => return std::ptr::null_mut(),
     };
@@ -374,6 +423,7 @@ pub unsafe extern "C" fn malloc_usable_size(ptr: *mut c_void) -> size_t {
     }
     match owner(ptr as usize) {
         Owner::Large => large::usable_size(ptr.cast()),
+        Owner::Slab(s) => slab::block_size(s),
         Owner::Foreign => 0,
         _ => usable_size(ptr.cast()),
     }
@@ -407,13 +457,17 @@ pub unsafe extern "C" fn __libc_memalign(align: size_t, size: size_t) -> *mut c_
     memalign(align, size)
 }
 
-/// Gives free memory at the top of every arena back (glibc's `malloc_trim`); 1 if any went.
+/// Gives free memory at the top of every arena, and every slab's empty span, back (glibc's
+/// `malloc_trim`); 1 if any went.
 #[no_mangle]
 pub unsafe extern "C" fn malloc_trim(pad: size_t) -> c_int {
     let mut trimmed = false;
     for i in 0..ARENAS {
         let _inside = Inside::enter();
         trimmed |= lock(i).trim(pad);
+    }
+    if let Some(space) = space::get() {
+        trimmed |= slab::trim(space);
     }
     c_int::from(trimmed)
 }

@@ -29,6 +29,7 @@ mod mmap;
 mod outside;
 mod program;
 mod runs;
+mod slab;
 mod space;
 mod stdio;
 mod sys;

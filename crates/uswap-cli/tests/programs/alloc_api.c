@@ -2,10 +2,10 @@
  *
  * Usage: alloc_api SIZE_MIB
  * Fills SIZE_MIB of memory through each path (aligned allocations, malloc_usable_size,
- * reallocarray, private anonymous mmap with munmap of a middle part, mremap growing in place
- * and moving, MAP_FIXED over its own mapping), with a pattern per page, and verifies it all
- * after the rest has pushed it out to swap. Prints "ok ..." and exits 0, or names the first
- * failure and exits 1. */
+ * reallocarray, mid-size blocks laid out by size class, private anonymous mmap with munmap
+ * of a middle part, mremap growing in place and moving, MAP_FIXED over its own mapping),
+ * with a pattern per page, and verifies it all after the rest has pushed it out to swap.
+ * Prints "ok ..." and exits 0, or names the first failure and exits 1. */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <malloc.h>
@@ -99,6 +99,50 @@ int main(int argc, char **argv) {
     check("realloc large to small", big, 1000, 7);
     free(big);
 
+    /* Mid-size blocks (above 1 KiB, up to 16 KiB) lie as jemalloc's size classes do: a
+     * 2000-byte block never crosses a page, a 4000-byte one starts on one, and a quarter of
+     * 1500-byte blocks cross one (dlmalloc's back-to-back chunks cross 37% and
+     * nearly 100% of the time). A freed block calloc'd again reads zero, realloc carries
+     * data between classes, and every block keeps its data through the push below. */
+    enum { MIDS = 3000 };
+    static unsigned char *mid[MIDS];
+    static const size_t mid_sizes[3] = {1500, 2000, 4000};
+    size_t crossing = 0;
+    for (int i = 0; i < MIDS; i++) {
+        size_t n = mid_sizes[i % 3];
+        uintptr_t at = (uintptr_t)(mid[i] = malloc(n));
+        if (!mid[i] || malloc_usable_size(mid[i]) < n) { fail("mid-size malloc", n); break; }
+        if (n == 2000 && at / PAGE != (at + n - 1) / PAGE) fail("a 2000-byte block crosses a page", i);
+        if (n == 4000 && at % PAGE) fail("a 4000-byte block does not start a page", i);
+        crossing += n == 1500 && at / PAGE != (at + n - 1) / PAGE;
+        fill(mid[i], n, 11 + i);
+    }
+    /* A quarter, exactly, in whole spans: 30% leaves room for a block of the class taken
+     * before, and is still far from 37%. */
+    if (crossing * 10 > (MIDS / 3) * 3) fail("1500-byte blocks crossing a page, over 30%", crossing);
+    for (int i = 0; i < MIDS; i += 2) {
+        size_t n = mid_sizes[i % 3];
+        check("mid-size block before free", mid[i], n, 11 + i);
+        free(mid[i]);
+        mid[i] = calloc(1, n);
+        if (!mid[i]) { fail("mid-size calloc", n); break; }
+        for (size_t j = 0; j < n; j++) {
+            if (mid[i][j]) { fail("mid-size calloc not zero", j); break; }
+        }
+        fill(mid[i], n, 11 + i);
+    }
+    unsigned char *grown = malloc(1100);
+    fill(grown, 1100, 9);
+    size_t steps[] = {1200, 3000, 9000, 20000, 5000, 1025, 800, 1300};
+    size_t kept = 1100;
+    for (size_t k = 0; k < sizeof steps / sizeof *steps; k++) {
+        grown = realloc(grown, steps[k]);
+        if (!grown) { fail("mid-size realloc", steps[k]); break; }
+        kept = kept < steps[k] ? kept : steps[k];
+        check("mid-size realloc kept data", grown, kept, 9);
+    }
+    free(grown);
+
     /* Private anonymous mappings: zero at first, unmapped in the middle, grown, moved. */
     int prot = PROT_READ | PROT_WRITE, flags = MAP_PRIVATE | MAP_ANONYMOUS;
     unsigned char *m = mmap(NULL, piece, prot, flags, -1, 0);
@@ -130,6 +174,10 @@ int main(int argc, char **argv) {
     check("reallocarray data", r, piece, 4);
     check("mapping head", m, PAGE, 5);
     check("mremap data", g, 2 * piece, 6);
+    for (int i = 0; i < MIDS; i++) {
+        check("mid-size data", mid[i], mid_sizes[i % 3], 11 + i);
+        free(mid[i]);
+    }
     for (size_t i = 0; push && i < total; i += PAGE) {
         if (push[i] != 0x5A) { fail("push data", i); break; }
     }
