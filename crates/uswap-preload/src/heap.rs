@@ -143,10 +143,11 @@ fn my_arena(size: usize) -> usize {
     my_set() * CLASSES + class_of(size)
 }
 
-/// The slab class of a request, if a slab serves it (alignment beyond malloc's own goes
-/// to an arena).
-fn slab_class(size: usize, align: usize) -> Option<usize> {
-    slab::class_of(size).filter(|_| align <= MIN_ALIGN)
+/// The slab class of a request, if a slab serves it: once the region is built (before,
+/// nothing swaps, and the arena packs blocks into fewer granules, which a process charges
+/// to the tree's limit until then), for alignment up to malloc's own.
+fn slab_class(space: &Space, size: usize, align: usize) -> Option<usize> {
+    slab::class_of(size).filter(|_| align <= MIN_ALIGN && space.region().is_some())
 }
 
 /// The space, if this call should be served from it.
@@ -195,7 +196,7 @@ unsafe fn alloc(size: usize, align: usize) -> *mut u8 {
     let align = align.max(MIN_ALIGN);
     let ptr = match serving() {
         Some(space) if is_large(size, align) => large::alloc(space, size, align),
-        Some(space) => match slab_class(size, align) {
+        Some(space) => match slab_class(space, size, align) {
             Some(class) => slab::alloc(space, my_set(), class),
             // An aligned block may take up to its alignment more: it is classed by both.
             None => {
@@ -240,7 +241,7 @@ pub unsafe extern "C" fn calloc(n: size_t, size: size_t) -> *mut c_void {
     // block is cleared here (it may be one freed before).
     let ptr = match serving() {
         Some(space) if is_large(bytes, MIN_ALIGN) => large::alloc(space, bytes, MIN_ALIGN),
-        Some(space) => match slab::class_of(bytes) {
+        Some(space) => match slab_class(space, bytes, MIN_ALIGN) {
             Some(class) => zeroed(slab::alloc(space, my_set(), class), class),
             None => lock(my_arena(bytes)).calloc(bytes, MIN_ALIGN),
         },
