@@ -5,8 +5,9 @@
 //! set, each size class has an arena of its own, so small blocks (a hash table's entries
 //! and keys, say) are packed together apart from large ones (its values), as jemalloc's
 //! and mimalloc's size-segregated slabs keep them: a program's hot small objects then
-//! share few pages, which stay in memory while the rest swaps. Blocks above 1 KiB and up
-//! to 16 KiB come from the set's slabs instead (`slab`), laid out to cross few pages.
+//! share few pages, which stay in memory while the rest swaps. Once the region is built,
+//! blocks above 1 KiB and up to 16 KiB come from the set's slabs instead (`slab`), laid
+//! out to cross few pages.
 //! `free` goes to the arena or slab owning the block's granule, whichever thread calls it.
 //! A call made while the thread runs uswap code, or before the space exists, is served by
 //! the internal heap (kernel memory), and `free` sends such blocks back there by address.
@@ -148,6 +149,11 @@ fn my_arena(size: usize) -> usize {
 /// to the tree's limit until then), for alignment up to malloc's own.
 fn slab_class(space: &Space, size: usize, align: usize) -> Option<usize> {
     slab::class_of(size).filter(|_| align <= MIN_ALIGN && space.region().is_some())
+}
+
+/// Whether a block resized to `size` bytes would now come from a slab.
+fn to_a_slab(size: usize) -> bool {
+    space::get().is_some_and(|space| slab_class(space, size, MIN_ALIGN).is_some())
 }
 
 /// The space, if this call should be served from it.
@@ -310,7 +316,7 @@ pub unsafe extern "C" fn realloc(ptr: *mut c_void, size: size_t) -> *mut c_void 
         Owner::Arena(_) if is_large(size, MIN_ALIGN) => move_block(ptr, usable_size(ptr), size),
         // A block that grows or shrinks into another size class moves to its arena or
         // slab; a shrink that cannot move stays where it is, as a shrink never fails.
-        Owner::Arena(a) if a % CLASSES != class_of(size) || slab::class_of(size).is_some() => {
+        Owner::Arena(a) if a % CLASSES != class_of(size) || to_a_slab(size) => {
             match move_block(ptr, usable_size(ptr), size) {
                 moved if moved.is_null() && size <= usable_size(ptr) => {
                     lock(a).c_realloc(ptr, size)
@@ -323,10 +329,13 @@ pub unsafe extern "C" fn realloc(ptr: *mut c_void, size: size_t) -> *mut c_void 
             slab::check_in_use(s, ptr);
             ptr
         }
-        Owner::Slab(s) => match move_block(ptr, slab::block_size(s), size) {
-            moved if moved.is_null() && size <= slab::block_size(s) => ptr,
-            moved => moved,
-        },
+        Owner::Slab(s) => {
+            slab::check_in_use(s, ptr);
+            match move_block(ptr, slab::block_size(s), size) {
+                moved if moved.is_null() && size <= slab::block_size(s) => ptr,
+                moved => moved,
+            }
+        }
         Owner::Large if size >= large::THRESHOLD => {
             let space = space::get().expect("a large block lives in the space");
             // The guard ends before a move: a block allocated while uswap code runs would

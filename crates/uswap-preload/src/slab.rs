@@ -13,21 +13,21 @@
 //! A span is one granule (64 KiB, aligned), cut into as many blocks as fit from its start:
 //! the pattern of page crossings is the same as in jemalloc's slabs, and the tail left
 //! over, less than a block, is never touched (at most an eighth of the span, for
-//! 14,336-byte blocks; a fiftieth for blocks up to 4 KiB). A span commits no more of the
-//! space than a dlmalloc arena grows by, and a process serves these requests from a
-//! dlmalloc arena until its region is built: until then nothing of it swaps, and what it
-//! commits is charged to its tree's limit (PostgreSQL's helper processes each committed
-//! about 1.5 MB more with spans of up to 448 KiB, and the sorting backend was left 3k
-//! pages fewer of a 57k-page limit).
-//! Which blocks are free is a bitmap kept in uswap's own heap, not in the span, so the
-//! program's pages hold only its data. The spans
-//! of one class in one arena set (a thread's, see `heap`) are a slab, under a lock of its
-//! own. The granules of a span carry its slab's owner byte in the space's granule table,
-//! so `free` from any thread finds the slab. Blocks come from the current span, then from
-//! the lowest span with free blocks (as jemalloc reuses its lowest slab, which keeps the
-//! others emptying). A span whose blocks are all free goes back to the space at once,
-//! unless it is the current one (a block allocated and freed in a loop would otherwise
-//! map and discard a span each time).
+//! 14,336-byte blocks; a fiftieth for blocks up to 4 KiB). Which blocks are free is a
+//! bitmap kept in uswap's own heap, not in the span, so the program's pages hold only its
+//! data. The spans of one class in one arena set (a thread's, see `heap`) are a slab, under
+//! a lock of its own. The granules of a span carry its slab's owner byte in the space's
+//! granule table, so `free` from any thread finds the slab. Blocks come from the current
+//! span, then from the lowest span with free blocks (as jemalloc reuses its lowest slab,
+//! which keeps the others emptying). A span whose blocks are all free goes back to the
+//! space at once, unless it is the current one (a block allocated and freed in a loop
+//! would otherwise map and discard a span each time).
+//!
+//! A span commits no more of the space than a dlmalloc arena grows by, and a process
+//! serves these requests from a dlmalloc arena until its region is built: until then
+//! nothing of it swaps, and what it commits is charged to its tree's limit (PostgreSQL's
+//! helper processes each committed about 1.5 MB more with spans of up to 448 KiB, and the
+//! sorting backend was left 3k pages fewer of a 57k-page limit).
 
 use crate::internal::Inside;
 use crate::space::{Space, GRANULE};

@@ -7,8 +7,8 @@
 //! `mprotect`, as language runtimes do with their heaps). A range given back is discarded
 //! first (`MADV_DONTNEED`: the kernel tells uswap, which frees its frames and swap slots),
 //! so a range handed out again reads as zeros, as a fresh mapping does. Heap segments are
-//! whole granules of 64 KiB, and the granule table says which heap arena owns each one, so
-//! `free` finds a block's arena without a lock.
+//! whole granules of 64 KiB, and the granule table says which heap arena, slab or large
+//! block owns each one, so `free` finds a block's owner without a lock.
 //!
 //! The region on the space is built when the program first needs it (`build`): before
 //! it commits more than its start-up allowance, or starts a second thread. Until then
@@ -17,8 +17,8 @@
 //! threads, userfaultfds or swap file; what it commits is charged to the tree's limit
 //! (`allowance`).
 //!
-//! Lock order: an arena's lock (`heap`), then the space's build lock (`unbuilt`), then
-//! the book's lock.
+//! Lock order: an arena's or a slab's lock (`heap`, `slab`), then the space's build lock
+//! (`unbuilt`), then the book's lock.
 
 use crate::book::{Book, Refusal, Use};
 use crate::sys;
@@ -57,7 +57,8 @@ pub struct Space {
     start: usize,
     end: usize,
     book: Mutex<Book>,
-    /// For each granule, the heap arena owning it plus one, or `NO_ARENA`.
+    /// For each granule, its owner's byte (an arena's index plus one, a slab's
+    /// `slab::OWNER_BASE` plus its index, `large::OWNER`), or `NO_ARENA`.
     owner: Box<[AtomicU8]>,
 }
 
@@ -204,7 +205,7 @@ impl Space {
         addr >= self.start && addr.saturating_add(len) <= self.end
     }
 
-    /// The heap arena owning the granule of `addr` (plus one), or `NO_ARENA`.
+    /// The owner byte of the granule of `addr` (see `owner`), or `NO_ARENA`.
     pub fn owner(&self, addr: usize) -> u8 {
         self.owner[self.granule(addr)].load(Relaxed)
     }
@@ -365,7 +366,7 @@ impl Space {
                 .is_none_or(|r| r.forget(addr - self.start, len).is_ok())
     }
 
-    /// Records the heap arena owning the whole granules of `[addr, addr + len)`.
+    /// Records the owner byte of the whole granules of `[addr, addr + len)`.
     pub fn set_owner(&self, addr: usize, len: usize, owner: u8) {
         let base = self.start / GRANULE;
         let (first, end) = (addr.div_ceil(GRANULE) - base, (addr + len) / GRANULE - base);

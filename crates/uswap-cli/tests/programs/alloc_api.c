@@ -45,6 +45,16 @@ int main(int argc, char **argv) {
     size_t total = (argc > 1 ? strtoul(argv[1], NULL, 10) : 256) << 20;
     size_t piece = total / 8;
 
+    /* Mid-size blocks made first, before the region is built (they come from an arena),
+     * resized and freed once it is (when blocks of their sizes come from slabs). */
+    enum { EARLY = 64 };
+    unsigned char *early[EARLY];
+    for (int i = 0; i < EARLY; i++) {
+        early[i] = malloc(1500 + 40 * i);
+        if (!early[i]) { fail("early mid-size malloc", i); return 1; }
+        fill(early[i], 1500 + 40 * i, 200 + i);
+    }
+
     /* Aligned allocations keep their alignment and their data. */
     void *a = NULL;
     if (posix_memalign(&a, 1 << 16, piece) != 0 || (uintptr_t)a % (1 << 16)) fail("posix_memalign", 0);
@@ -130,6 +140,14 @@ int main(int argc, char **argv) {
             if (mid[i][j]) { fail("mid-size calloc not zero", j); break; }
         }
         fill(mid[i], n, 11 + i);
+    }
+    for (int i = 0; i < EARLY; i++) {
+        size_t n = 1500 + 40 * i;
+        check("early mid-size block", early[i], n, 200 + i);
+        early[i] = realloc(early[i], n + 1000 * (i % 3));
+        if (!early[i]) { fail("early mid-size realloc", i); break; }
+        check("early mid-size block after realloc", early[i], n, 200 + i);
+        free(early[i]);
     }
     unsigned char *grown = malloc(1100);
     fill(grown, 1100, 9);
