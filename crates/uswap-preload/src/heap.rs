@@ -325,15 +325,15 @@ pub unsafe extern "C" fn realloc(ptr: *mut c_void, size: size_t) -> *mut c_void 
             }
         }
         Owner::Arena(a) => lock(a).c_realloc(ptr, size),
-        Owner::Slab(s) if slab::class_of(size) == Some(slab::class_of_owner(s)) => {
-            slab::check_in_use(s, ptr);
-            ptr
-        }
         Owner::Slab(s) => {
             slab::check_in_use(s, ptr);
-            match move_block(ptr, slab::block_size(s), size) {
-                moved if moved.is_null() && size <= slab::block_size(s) => ptr,
-                moved => moved,
+            if slab::class_of(size) == Some(slab::class_of_owner(s)) {
+                ptr
+            } else {
+                match move_block(ptr, slab::block_size(s), size) {
+                    moved if moved.is_null() && size <= slab::block_size(s) => ptr,
+                    moved => moved,
+                }
             }
         }
         Owner::Large if size >= large::THRESHOLD => {

@@ -80,10 +80,15 @@ pub fn owns(owner: u8) -> bool {
     (OWNER_BASE..OWNER_BASE + SLABS as u8).contains(&owner)
 }
 
+/// The index of the slab with owner byte `owner`.
+fn index_of(owner: u8) -> usize {
+    debug_assert!(owns(owner));
+    usize::from(owner - OWNER_BASE)
+}
+
 /// The class of the slab with owner byte `owner`.
 pub fn class_of_owner(owner: u8) -> usize {
-    debug_assert!(owns(owner));
-    usize::from(owner - OWNER_BASE) % CLASSES
+    index_of(owner) % CLASSES
 }
 
 /// The usable bytes of a block of the slab with owner byte `owner`.
@@ -192,9 +197,8 @@ pub fn alloc(space: &Space, set: usize, class: usize) -> *mut u8 {
 /// Frees the block at `ptr`, in a granule marked with slab owner byte `owner`; aborts
 /// with a message if `ptr` is not a block in use.
 pub fn free(space: &Space, owner: u8, ptr: *mut u8) {
-    let index = usize::from(owner - OWNER_BASE);
-    let class = index % CLASSES;
-    let mut slab = lock(index);
+    let class = class_of_owner(owner);
+    let mut slab = lock(index_of(owner));
     let (start, span) = block_in_use(&mut slab, class, ptr);
     let was_full = span.full();
     span.give((ptr as usize - start) / SIZES[class]);
@@ -217,8 +221,7 @@ pub fn free(space: &Space, owner: u8, ptr: *mut u8) {
 /// Aborts with a message unless `ptr`, in a granule marked with slab owner byte `owner`,
 /// is a block in use (`realloc` checks what `free` would).
 pub fn check_in_use(owner: u8, ptr: *mut u8) {
-    let index = usize::from(owner - OWNER_BASE);
-    block_in_use(&mut lock(index), index % CLASSES, ptr);
+    block_in_use(&mut lock(index_of(owner)), class_of_owner(owner), ptr);
 }
 
 /// The span holding the block in use at `ptr` (its start and bitmap); aborts otherwise.
@@ -247,6 +250,7 @@ pub fn trim(space: &Space) -> bool {
         if slab.spans.get(&current).is_some_and(|span| span.used == 0) {
             slab.spans.remove(&current);
             slab.current = 0;
+            drop(slab);
             release(space, current);
             trimmed = true;
         }
