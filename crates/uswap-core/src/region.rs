@@ -417,6 +417,12 @@ impl Region {
                 )
             })?;
         let _quiet = Quiet::new();
+        // On a program thread that runs with syscall dispatch (the preload's `free`), the
+        // discard's own calls (a page lock's backoff among them) must go straight to the
+        // kernel: a dispatched one pins its buffers, and a pinned page that is out waits
+        // for the vma events to be handled, while the SIGBUS service thread, handling the
+        // very discard that made this call, waits for the page locks held here.
+        let _allowed = crate::sud::Allowed::new();
         let start = self.as_ptr() as usize;
         self.inner().fault.vma().forget(start + offset, start + end);
         Ok(())

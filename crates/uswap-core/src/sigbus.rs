@@ -509,8 +509,7 @@ fn dispatch(sig: libc::c_int, info: *mut libc::siginfo_t, ctx: *mut libc::c_void
     }
     if uffd_fault && (moving_out(addr) || first_sight(addr)) {
         // A page mremap moved out of a region, not in place yet: retry until it is.
-        // SAFETY: async-signal-safe.
-        unsafe { libc::sched_yield() };
+        crate::sync::give_way();
         return;
     }
     forward(sig, info, ctx);
@@ -609,8 +608,7 @@ fn room_to_read_ahead() -> bool {
 fn resolve(s: &Served, page: usize, write: bool) -> Outcome {
     match s.fault.resolve_in_signal(page, write, room_to_read_ahead) {
         Some(Outcome::Retry) => {
-            // SAFETY: sched_yield is async-signal-safe.
-            unsafe { libc::sched_yield() };
+            crate::sync::give_way();
             Outcome::Retry
         }
         Some(outcome) => outcome,
@@ -847,8 +845,7 @@ fn bring_in_one(served: &Served, page: usize, write: bool) {
             // A fault or aging is at work on it, or a discard or unmap the program made is
             // being handled (the table may not say yet that the page is gone): look again
             // when it is done.
-            // SAFETY: async-signal-safe.
-            unsafe { libc::sched_yield() };
+            crate::sync::give_way();
             continue;
         }
         let usable = |e: crate::mm::PagemapEntry| e.present && !(write && mm.write_stops_at(e));
@@ -877,8 +874,7 @@ fn hand_over(s: &Served, page: usize) -> Outcome {
             .is_ok()
     }) else {
         // Every request is taken: let the access retry.
-        // SAFETY: async-signal-safe.
-        unsafe { libc::sched_yield() };
+        crate::sync::give_way();
         return Outcome::Retry;
     };
     r.page.store(page, Relaxed);

@@ -33,11 +33,63 @@ pub(crate) fn backoff(round: u32) {
         if round < 64 {
             std::hint::spin_loop();
         } else if round < 128 {
-            std::thread::yield_now();
+            give_way();
         } else {
-            std::thread::sleep(std::time::Duration::from_micros(20));
+            nap();
         }
     }
+}
+
+#[cfg(not(loom))]
+thread_local! {
+    /// Until when this thread takes its CPU for a busy one (see [`give_way`]).
+    static CPU_BUSY_UNTIL: std::cell::Cell<Option<std::time::Instant>> =
+        const { std::cell::Cell::new(None) };
+}
+
+/// A yield that took longer than this found the CPU busy with other programs.
+#[cfg(not(loom))]
+const YIELD_GAVE_A_SLICE: std::time::Duration = std::time::Duration::from_micros(200);
+
+/// How long a thread that found its CPU busy naps instead of yielding.
+#[cfg(not(loom))]
+const BUSY_FOR: std::time::Duration = std::time::Duration::from_millis(50);
+
+/// Lets another thread run while this one waits for it: `sched_yield`, unless a recent
+/// yield found the CPU busy with other programs. There a yield gives the rest of the time
+/// slice away (most of a millisecond) to a program that wants the CPU anyway, where the
+/// kernel's own waiters sleep and are woken at once; a short nap is woken as soon. Safe in
+/// a signal handler (a thread-local cell and the vDSO's clock).
+#[cfg(not(loom))]
+pub(crate) fn give_way() {
+    let now = std::time::Instant::now();
+    if CPU_BUSY_UNTIL.get().is_some_and(|until| now < until) {
+        return nap();
+    }
+    // SAFETY: no arguments; async-signal-safe.
+    unsafe { libc::sched_yield() };
+    let after = std::time::Instant::now();
+    if after - now > YIELD_GAVE_A_SLICE {
+        CPU_BUSY_UNTIL.set(Some(after + BUSY_FOR));
+    }
+}
+
+/// Sleeps about 20 µs. Not `std::thread::sleep`, which panics on an error: a waiter whose
+/// stack page aging took out sees EFAULT, and only waits less. Async-signal-safe.
+#[cfg(not(loom))]
+pub(crate) fn nap() {
+    let pause = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 20_000,
+    };
+    // SAFETY: a timespec on our stack; no remainder is asked for.
+    unsafe { libc::nanosleep(&pause, std::ptr::null_mut()) };
+}
+
+/// Under loom, every wait is a yield to the model's scheduler.
+#[cfg(loom)]
+pub(crate) fn give_way() {
+    loom::thread::yield_now();
 }
 
 /// An atomic word that holds `value ^ INIT`, so that all-zero memory reads as `INIT`.

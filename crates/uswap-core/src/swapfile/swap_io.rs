@@ -17,8 +17,9 @@
 //! (`SwapConfig::read_poll_us`) before the thread sleeps on them. A swap-in read is what a
 //! faulting thread waits for; a handler that slept on it is woken by the completion,
 //! and on a VM whose idle vCPUs halt that wake-up costs tens of µs on top of the device's
-//! time, in every major fault. The poller yields its CPU at each look, so a thread that
-//! wants the CPU gets it. While it waits, a thread's read-wait hook (`set_read_wait_hook`)
+//! time, in every major fault. The poller enters the kernel at each look without yielding
+//! (`signal_ring::look_for_completions`): the scheduler still preempts it for a thread
+//! that wants the CPU, and on a busy CPU a yield would give its slice away. While it waits, a thread's read-wait hook (`set_read_wait_hook`)
 //! runs at each look and once before it sleeps: a fault handler uses it to hand the
 //! reading of new faults on to another handler while its own read is in flight. The
 //! SIGBUS handler's reads, which may not lock or allocate, go to rings of their own
@@ -649,9 +650,7 @@ unsafe fn run_on_ring(
                 submitted += n;
                 let start = Instant::now();
                 while done < submitted && start.elapsed() < ctx.engine.read_poll {
-                    // The yield also enters the kernel, which posts completions there.
-                    // SAFETY: no arguments.
-                    unsafe { libc::sched_yield() };
+                    signal_ring::look_for_completions(ring);
                     reap(ring, &mut done, &mut pause);
                     if done < submitted {
                         read_wait();

@@ -316,8 +316,7 @@ unsafe fn submit_and_reap(
         if left == 0 || start.elapsed() >= poll {
             break;
         }
-        // SAFETY: no arguments. The yield also enters the kernel, which posts completions.
-        unsafe { libc::sched_yield() };
+        look_for_completions(ring);
     }
     while left > 0 {
         if let Err(e) = ring.submit_and_wait(left) {
@@ -333,6 +332,21 @@ unsafe fn submit_and_reap(
         reap(ring, &mut left);
     }
     true
+}
+
+/// One look of a poll for completions: enters the kernel, which runs the ring's completion
+/// work, and returns at once. Not `sched_yield`: on a CPU that other programs keep busy, a
+/// yield gives the rest of the time slice away (most of a millisecond a look), where the
+/// kernel's own swap-in sleeps and is woken as soon as its read is done. A thread that
+/// wants this CPU still gets it: the scheduler preempts a poller as any busy thread.
+pub(super) fn look_for_completions(ring: &IoUring) {
+    /// `io_uring_enter`'s flag to reap completions (linux/io_uring.h).
+    const IORING_ENTER_GETEVENTS: u32 = 1;
+    // SAFETY: no submissions and no argument; waits for nothing.
+    let _ = unsafe {
+        ring.submitter()
+            .enter::<libc::sigset_t>(0, 0, IORING_ENTER_GETEVENTS, None)
+    };
 }
 
 #[cfg(all(test, not(loom)))]
