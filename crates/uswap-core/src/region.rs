@@ -423,6 +423,13 @@ impl Region {
         // for the vma events to be handled, while the SIGBUS service thread, handling the
         // very discard that made this call, waits for the page locks held here.
         let _allowed = crate::sud::Allowed::new();
+        // And it begins once the service thread is done with the events it has read (the
+        // REMOVE of the program's `madvise` among them): a fault on this thread's own
+        // stack while the locks below are held is retried until no events are pending,
+        // which would never be while that thread waits for these locks.
+        while self.inner().fault.events_pending() {
+            crate::sync::give_way();
+        }
         let start = self.as_ptr() as usize;
         self.inner().fault.vma().forget(start + offset, start + end);
         Ok(())

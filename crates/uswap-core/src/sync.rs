@@ -58,24 +58,76 @@ const BUSY_FOR: std::time::Duration = std::time::Duration::from_millis(50);
 /// Lets another thread run while this one waits for it: `sched_yield`, unless a recent
 /// yield found the CPU busy with other programs. There a yield gives the rest of the time
 /// slice away (most of a millisecond) to a program that wants the CPU anyway, where the
-/// kernel's own waiters sleep and are woken at once; a short nap is woken as soon. Safe in
-/// a signal handler (a thread-local cell and the vDSO's clock).
+/// kernel's own waiters sleep and are woken when their event comes; a nap ([`nap`]) is
+/// woken within a tenth of that. Safe in a signal handler (a thread-local cell and the
+/// vDSO's clock).
 #[cfg(not(loom))]
 pub(crate) fn give_way() {
-    let now = std::time::Instant::now();
-    if CPU_BUSY_UNTIL.get().is_some_and(|until| now < until) {
+    let before = std::time::Instant::now();
+    if cpu_busy(before) {
         return nap();
     }
-    // SAFETY: no arguments; async-signal-safe.
-    unsafe { libc::sched_yield() };
-    let after = std::time::Instant::now();
-    if after - now > YIELD_GAVE_A_SLICE {
+    sched_yield();
+    note_yield(before, std::time::Instant::now());
+}
+
+#[cfg(not(loom))]
+fn cpu_busy(now: std::time::Instant) -> bool {
+    CPU_BUSY_UNTIL.get().is_some_and(|until| now < until)
+}
+
+/// A yield from `before` to `after` that took long found the CPU busy.
+#[cfg(not(loom))]
+fn note_yield(before: std::time::Instant, after: std::time::Instant) {
+    if after - before > YIELD_GAVE_A_SLICE {
         CPU_BUSY_UNTIL.set(Some(after + BUSY_FOR));
     }
 }
 
-/// Sleeps about 20 µs. Not `std::thread::sleep`, which panics on an error: a waiter whose
-/// stack page aging took out sees EFAULT, and only waits less. Async-signal-safe.
+#[cfg(not(loom))]
+fn sched_yield() {
+    // SAFETY: no arguments; async-signal-safe.
+    unsafe { libc::syscall(libc::SYS_sched_yield) };
+}
+
+/// The looks of a poller that yields between them, told the time by the poller's own
+/// clock (a poll reads it anyway): a yield that took longer than [`YIELD_GAVE_A_SLICE`]
+/// marks the thread's CPU busy, and for [`BUSY_FOR`] after, a look does the poller's
+/// `busy` step instead of yielding (see [`give_way`]).
+#[cfg(not(loom))]
+pub(crate) struct Looks {
+    last: std::time::Instant,
+}
+
+#[cfg(not(loom))]
+impl Looks {
+    /// Looks that start at `now`.
+    pub fn new(now: std::time::Instant) -> Looks {
+        Looks { last: now }
+    }
+
+    /// The poller read the clock: `now`. Told before the poller decides whether its time
+    /// is up, since one yield that gave a slice away takes longer than a whole poll.
+    pub fn at(&mut self, now: std::time::Instant) {
+        note_yield(self.last, now);
+        self.last = now;
+    }
+
+    /// One look: a yield, or `busy` on a CPU found busy.
+    pub fn look(&self, busy: impl FnOnce()) {
+        if cpu_busy(self.last) {
+            busy();
+        } else {
+            sched_yield();
+        }
+    }
+}
+
+/// Sleeps 20 µs (about 70 with the default timer slack). Through `syscall(2)`: neither a
+/// cancellation point (the C library's `nanosleep` is one, and a cancellation acting inside
+/// uswap's signal handlers would abort the process) nor a panic on an error as
+/// `std::thread::sleep` (a waiter whose stack page aging took out sees EFAULT, and only
+/// waits less). Async-signal-safe.
 #[cfg(not(loom))]
 pub(crate) fn nap() {
     let pause = libc::timespec {
@@ -83,13 +135,35 @@ pub(crate) fn nap() {
         tv_nsec: 20_000,
     };
     // SAFETY: a timespec on our stack; no remainder is asked for.
-    unsafe { libc::nanosleep(&pause, std::ptr::null_mut()) };
+    unsafe {
+        libc::syscall(
+            libc::SYS_nanosleep,
+            &pause,
+            std::ptr::null_mut::<libc::timespec>(),
+        )
+    };
 }
 
 /// Under loom, every wait is a yield to the model's scheduler.
 #[cfg(loom)]
 pub(crate) fn give_way() {
     loom::thread::yield_now();
+}
+
+#[cfg(loom)]
+pub(crate) struct Looks;
+
+#[cfg(loom)]
+impl Looks {
+    pub fn new(_now: std::time::Instant) -> Looks {
+        Looks
+    }
+
+    pub fn at(&mut self, _now: std::time::Instant) {}
+
+    pub fn look(&self, _busy: impl FnOnce()) {
+        loom::thread::yield_now();
+    }
 }
 
 /// An atomic word that holds `value ^ INIT`, so that all-zero memory reads as `INIT`.

@@ -17,11 +17,12 @@
 //! (`SwapConfig::read_poll_us`) before the thread sleeps on them. A swap-in read is what a
 //! faulting thread waits for; a handler that slept on it is woken by the completion,
 //! and on a VM whose idle vCPUs halt that wake-up costs tens of µs on top of the device's
-//! time, in every major fault. The poller enters the kernel at each look without yielding
-//! (`signal_ring::look_for_completions`): the scheduler still preempts it for a thread
-//! that wants the CPU, and on a busy CPU a yield would give its slice away. While it waits, a thread's read-wait hook (`set_read_wait_hook`)
-//! runs at each look and once before it sleeps: a fault handler uses it to hand the
-//! reading of new faults on to another handler while its own read is in flight. The
+//! time, in every major fault. The poller yields its CPU at each look, so a thread that
+//! wants the CPU gets it, unless a yield found the CPU busy with other programs: there a
+//! yield gives the rest of the time slice away, and a look only enters the kernel
+//! (`sync::Looks`). While it waits, a thread's read-wait hook (`set_read_wait_hook`) runs at each look and once
+//! before it sleeps: a fault handler uses it to hand the reading of new faults on to
+//! another handler while its own read is in flight. The
 //! SIGBUS handler's reads, which may not lock or allocate, go to rings of their own
 //! (`signal_ring`).
 
@@ -649,8 +650,14 @@ unsafe fn run_on_ring(
             if let Ok(n) = ring.submit() {
                 submitted += n;
                 let start = Instant::now();
-                while done < submitted && start.elapsed() < ctx.engine.read_poll {
-                    signal_ring::look_for_completions(ring);
+                let mut looks = crate::sync::Looks::new(start);
+                loop {
+                    let now = Instant::now();
+                    looks.at(now);
+                    if done >= submitted || now - start >= ctx.engine.read_poll {
+                        break;
+                    }
+                    looks.look(|| signal_ring::enter_for_completions(ring));
                     reap(ring, &mut done, &mut pause);
                     if done < submitted {
                         read_wait();

@@ -269,8 +269,9 @@ impl Drop for Pages {
 }
 
 /// Submits one read per `(index, offset, dst)` on the empty `ring` and reaps every
-/// completion, telling `done` each read's index and whether it transferred the whole page: polls the
-/// completion queue for `poll`, yielding the CPU at each look, then sleeps in
+/// completion, telling `done` each read's index and whether it transferred the whole
+/// page: polls the completion queue for `poll` (yielding at each look, see
+/// [`crate::sync::Looks`]), then sleeps in
 /// `io_uring_enter`. Never returns before the last completion: the kernel writes to the
 /// buffers until then. False when the submission failed (entries may be left queued).
 ///
@@ -311,12 +312,15 @@ unsafe fn submit_and_reap(
         }
     };
     let start = Instant::now();
+    let mut looks = crate::sync::Looks::new(start);
     loop {
         reap(ring, &mut left);
-        if left == 0 || start.elapsed() >= poll {
+        let now = Instant::now();
+        looks.at(now);
+        if left == 0 || now - start >= poll {
             break;
         }
-        look_for_completions(ring);
+        looks.look(|| enter_for_completions(ring));
     }
     while left > 0 {
         if let Err(e) = ring.submit_and_wait(left) {
@@ -334,12 +338,10 @@ unsafe fn submit_and_reap(
     true
 }
 
-/// One look of a poll for completions: enters the kernel, which runs the ring's completion
-/// work, and returns at once. Not `sched_yield`: on a CPU that other programs keep busy, a
-/// yield gives the rest of the time slice away (most of a millisecond a look), where the
-/// kernel's own swap-in sleeps and is woken as soon as its read is done. A thread that
-/// wants this CPU still gets it: the scheduler preempts a poller as any busy thread.
-pub(super) fn look_for_completions(ring: &IoUring) {
+/// Enters the kernel, which runs the ring's completion work, and returns at once: a poll's
+/// look on a CPU found busy ([`crate::sync::Looks`]), where a yield would give the rest of
+/// the time slice away.
+pub(super) fn enter_for_completions(ring: &IoUring) {
     /// `io_uring_enter`'s flag to reap completions (linux/io_uring.h).
     const IORING_ENTER_GETEVENTS: u32 = 1;
     // SAFETY: no submissions and no argument; waits for nothing.
