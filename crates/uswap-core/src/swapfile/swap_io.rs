@@ -20,9 +20,9 @@
 //! time, in every major fault. The poller yields its CPU at each look, so a thread that
 //! wants the CPU gets it, unless a yield found the CPU busy with other programs: there a
 //! yield gives the rest of the time slice away, and a look only enters the kernel
-//! (`sync::Looks`). While it waits, a thread's read-wait hook (`set_read_wait_hook`) runs at each look and once
-//! before it sleeps: a fault handler uses it to hand the reading of new faults on to
-//! another handler while its own read is in flight. The
+//! (`sync::Looks`). While it waits, a thread's read-wait hook (`set_read_wait_hook`)
+//! runs at each look and once before it sleeps: a fault handler uses it to hand the
+//! reading of new faults on to another handler while its own read is in flight. The
 //! SIGBUS handler's reads, which may not lock or allocate, go to rings of their own
 //! (`signal_ring`).
 
